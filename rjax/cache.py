@@ -1,0 +1,65 @@
+"""The KV cache: an immutable pytree with one row ("slot") per sequence and a length per slot.
+
+Layout: k, v [n_layers, n_slots, n_kv_heads, max_len, head_dim], so that each (slot, head)
+is one contiguous run of positions, which is what the attention kernels stream. `lengths[s]`
+counts the valid positions of slot s. Writes go through `write`, which scatters new entries
+at their absolute positions and drops padding (position -1), so no write can land in another
+slot or past the end. Jitted callers donate the cache and XLA updates it in place.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from rjax.attention import attention
+from rjax.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array  # [n_slots] int32
+
+    @property
+    def n_slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def write(self, layer: int, k_new, v_new, pos, slots):
+        """k_new, v_new [B, T, Hkv, D] at positions pos [B, T] (-1: skip) of cache rows `slots`."""
+        B, T = pos.shape
+        rows = jnp.arange(B) if slots is None else slots
+        rows = jnp.broadcast_to(rows[:, None], (B, T))
+        # Out-of-range positions are dropped by the scatter: padding maps to max_len.
+        where = jnp.where(pos >= 0, pos, self.max_len)
+        k = self.k.at[layer, rows, :, where].set(k_new.astype(self.k.dtype), mode="drop")
+        v = self.v.at[layer, rows, :, where].set(v_new.astype(self.v.dtype), mode="drop")
+        return dataclasses.replace(self, k=k, v=v)
+
+    def attend(self, layer: int, q, pos, slots, *, scale: float, window: int | None):
+        k, v = self.k[layer], self.v[layer]
+        if slots is not None:
+            k, v = k[slots], v[slots]
+        # Visible length: everything up to the newest query position of each sequence.
+        kv_len = jnp.max(pos, axis=1) + 1
+        return attention(q, k, v, pos, kv_len, scale=scale, window=window)
+
+    def advance(self, slots, n_new):
+        """lengths[slots] += n_new (n_new [B] int32)."""
+        if slots is None:
+            return dataclasses.replace(self, lengths=self.lengths + n_new)
+        return dataclasses.replace(self, lengths=self.lengths.at[slots].add(n_new))
+
+
+def init_cache(cfg: ModelConfig, n_slots: int, max_len: int, dtype=jnp.float32) -> KVCache:
+    if max_len > cfg.context_length:
+        raise ValueError(f"cache length {max_len} exceeds the model's context length {cfg.context_length}")
+    shape = (cfg.n_layers, n_slots, cfg.n_kv_heads, max_len, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((n_slots,), jnp.int32))

@@ -1,0 +1,71 @@
+"""ModelConfig: everything about a model's shape and architecture that is fixed at compile time.
+
+It is frozen and hashable, so it is passed to jitted functions as a static argument: a new
+config is a new compilation, never a silently reused one. Every architecture switch the forward
+pass needs lives here as a plain field; loaders translate file metadata into it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3-style frequency scaling (rope_type "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_context_length: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    n_layers: int
+    d_model: int
+    d_ff: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    context_length: int
+    rms_eps: float
+    rope_theta: float
+    # "pairs": rotate adjacent (2i, 2i+1) pairs, as llama GGUF files need (their Q/K rows are
+    # permuted for it); "halves": rotate (i, i + d/2), as Hugging Face and NEOX-style models do.
+    rope_pairing: Literal["pairs", "halves"] = "halves"
+    rope_scaling: RopeScaling | None = None
+    # Per-layer attention window (None = full attention) and rope base, derived in __post_init__
+    # callers may pass them explicitly for mixed local/global models.
+    layer_windows: tuple[int | None, ...] = ()
+    layer_rope_theta: tuple[float, ...] = ()
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    post_norms: bool = False
+    activation: Literal["silu", "gelu_tanh"] = "silu"
+    embed_scale: float = 1.0
+    tie_embeddings: bool = True
+    attn_scale: float = 0.0  # 0 -> 1/sqrt(head_dim)
+
+    def __post_init__(self):
+        if self.arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if not self.layer_windows:
+            object.__setattr__(self, "layer_windows", (None,) * self.n_layers)
+        if not self.layer_rope_theta:
+            object.__setattr__(self, "layer_rope_theta", (self.rope_theta,) * self.n_layers)
+        if len(self.layer_windows) != self.n_layers or len(self.layer_rope_theta) != self.n_layers:
+            raise ValueError("layer_windows and layer_rope_theta need one entry per layer")
+        if not self.attn_scale:
+            object.__setattr__(self, "attn_scale", 1.0 / math.sqrt(self.head_dim))
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.n_heads // self.n_kv_heads

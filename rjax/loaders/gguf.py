@@ -1,0 +1,181 @@
+"""GGUF file -> (ModelConfig, Params, GGUFReader), memory-mapped through the `gguf` package.
+
+Quantized tensors stay in their packed blocks (split into planes, see rjax.quant.formats) all
+the way to the device; no full-precision copy of the weights is made.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+from gguf import GGUFReader
+from tqdm.auto import tqdm
+
+from rjax.config import ModelConfig, RopeScaling, SUPPORTED_ARCHITECTURES
+from rjax.model import LayerParams, Params
+from rjax.quant import formats
+from rjax.quant.qtensor import QTensor
+
+GGUF_MAGIC = b"GGUF"
+
+
+class ModelFileError(ValueError):
+    """A model file that cannot be used: the message names the file and what is wrong."""
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFReader:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model file not found: {path}")
+    if path.is_dir():
+        raise ModelFileError(f"{path} is a directory, not a GGUF file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelFileError(f"{path} is not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as e:  # the gguf parser raises many types on a damaged header
+        raise ModelFileError(f"{path}: cannot parse the GGUF header ({type(e).__name__}: {e}); "
+                             "the file is truncated or corrupt") from e
+    size = path.stat().st_size
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size:
+            raise ModelFileError(f"{path} is truncated: tensor {t.name!r} needs bytes up to {end:,} "
+                                 f"but the file has {size:,}")
+    return reader
+
+
+def metadata(reader: GGUFReader) -> dict:
+    """All scalar/string/array metadata fields except the big tokenizer arrays, as Python values."""
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key not in (
+                "tokenizer.ggml.model", "tokenizer.ggml.pre") and len(field.data) > 1:
+            continue
+        try:
+            out[key] = field.contents()
+        except Exception:  # noqa: BLE001 - unusual field types are not needed for config
+            continue
+    return out
+
+
+def config_from_metadata(meta: dict, path: str | os.PathLike = "<gguf>") -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelFileError(f"{path}: unsupported architecture {arch!r}; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+    def get(key, default=None, required=True):
+        full = f"{arch}.{key}"
+        if full in meta:
+            return meta[full]
+        if required and default is None:
+            raise ModelFileError(f"{path}: missing metadata key {full!r}")
+        return default
+
+    n_layers = int(get("block_count"))
+    d_model = int(get("embedding_length"))
+    n_heads = int(get("attention.head_count"))
+    n_kv = get("attention.head_count_kv", n_heads)
+    n_kv = int(n_kv[0] if isinstance(n_kv, list) else n_kv)
+    head_dim = int(get("attention.key_length", d_model // n_heads))
+    d_ff = get("feed_forward_length")
+    d_ff = int(d_ff[0] if isinstance(d_ff, list) else d_ff)
+    vocab = meta.get(f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = len(meta.get("tokenizer.ggml.tokens", [])) or None
+    rope_theta = float(get("rope.freq_base", 10000.0))
+    scaling = None
+    if get("rope.scaling.type", "", required=False) == "llama3" or f"{arch}.rope.scaling.low_freq_factor" in meta:
+        scaling = RopeScaling(float(get("rope.scaling.factor")), float(get("rope.scaling.low_freq_factor", 1.0)),
+                              float(get("rope.scaling.high_freq_factor", 4.0)),
+                              int(get("rope.scaling.original_context_length")))
+    common = dict(arch=arch, n_layers=n_layers, d_model=d_model, d_ff=d_ff, n_heads=n_heads,
+                  n_kv_heads=n_kv, head_dim=head_dim, vocab_size=int(vocab) if vocab else 0,
+                  context_length=int(get("context_length")),
+                  rms_eps=float(get("attention.layer_norm_rms_epsilon")), rope_theta=rope_theta,
+                  rope_scaling=scaling)
+    window = get("attention.sliding_window", 0, required=False)
+    if arch == "llama":
+        return ModelConfig(**common, rope_pairing="pairs",
+                           layer_windows=(int(window) or None,) * n_layers if window else ())
+    if arch == "qwen2":
+        return ModelConfig(**common, rope_pairing="halves", qkv_bias=True,
+                           layer_windows=(int(window) or None,) * n_layers if window else ())
+    # gemma3: five sliding-window layers (rope base 10k) then one global layer (rope base from the file)
+    is_global = tuple((i + 1) % 6 == 0 for i in range(n_layers))
+    return ModelConfig(**common, rope_pairing="halves", qk_norm=True, post_norms=True,
+                       activation="gelu_tanh", embed_scale=math.sqrt(d_model),
+                       layer_windows=tuple(None if g else int(window) for g in is_global),
+                       layer_rope_theta=tuple(rope_theta if g else 10000.0 for g in is_global))
+
+
+def _to_device(w):
+    """Host weight (numpy array, or QTensor of numpy planes) -> the same on the default device."""
+    if isinstance(w, QTensor):
+        return QTensor(jax.tree.map(jnp.asarray, w.planes), w.qtype, w.shape)
+    return jnp.asarray(w)
+
+
+LAYER_TENSORS = {
+    "attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
+    "ffn_norm": "ffn_norm", "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down",
+    "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv",
+    "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
+    "post_attention_norm": "post_attn_norm", "post_ffw_norm": "post_ffn_norm",
+}
+
+
+def load_params(reader: GGUFReader, cfg: ModelConfig, progress: bool = True) -> Params:
+    path = reader.data.filename if hasattr(reader.data, "filename") else "<gguf>"
+    layers: list[dict] = [dict() for _ in range(cfg.n_layers)]
+    top: dict = {}
+    for t in tqdm(reader.tensors, desc="loading tensors", unit="tensor", disable=not progress, leave=False):
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+        w = _to_device(formats.to_host_weight(t.name, t.tensor_type, t.data, shape))
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            key = ".".join(parts[2:-1]) if parts[-1] == "weight" else ".".join(parts[2:])
+            field = LAYER_TENSORS.get(key)
+            if field is None:
+                continue  # tensors this engine does not use (e.g. rope_freqs handled via config)
+            layers[int(parts[1])][field] = w
+        else:
+            top[t.name] = w
+    missing = [f"token_embd.weight"] if "token_embd.weight" not in top else []
+    if "output_norm.weight" not in top:
+        missing.append("output_norm.weight")
+    required = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down"]
+    if cfg.qkv_bias:
+        required += ["bq", "bk", "bv"]
+    if cfg.qk_norm:
+        required += ["q_norm", "k_norm"]
+    if cfg.post_norms:
+        required += ["post_attn_norm", "post_ffn_norm"]
+    inverse = {v: k for k, v in LAYER_TENSORS.items()}
+    for i, layer in enumerate(layers):
+        missing += [f"blk.{i}.{inverse[f]}" for f in required if f not in layer]
+    if missing:
+        raise ModelFileError(f"{path}: missing tensors: {', '.join(missing[:8])}"
+                             + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    return Params(embed=top["token_embd.weight"], layers=tuple(LayerParams(**l) for l in layers),
+                  final_norm=top["output_norm.weight"], lm_head=top.get("output.weight"))
+
+
+def load_gguf(path: str | os.PathLike, progress: bool = True):
+    """-> (config, params, reader). The reader stays open (memory-mapped) for the tokenizer."""
+    reader = open_gguf(path)
+    cfg = config_from_metadata(metadata(reader), path)
+    if not cfg.vocab_size:
+        emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        cfg = dataclasses.replace(cfg, vocab_size=int(emb.shape[1]))
+    params = load_params(reader, cfg, progress)
+    return cfg, params, reader
