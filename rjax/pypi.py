@@ -95,6 +95,12 @@ def pip_index_settings(environ: Mapping[str, str] | None = None,
     environ = os.environ if environ is None else environ
     files = pip_config_files(environ) if config_files is None else config_files
     values: dict[str, str] = {}
+
+    def option(key: str) -> str:
+        """pip's spelling of an option name; --timeout is also spelled --default-timeout."""
+        key = key.lower().replace("_", "-")
+        return "timeout" if key == "default-timeout" else key
+
     for path in files:
         parser = configparser.RawConfigParser()
         try:
@@ -103,10 +109,10 @@ def pip_index_settings(environ: Mapping[str, str] | None = None,
             continue  # an unreadable or malformed file is skipped, as pip warns and moves on
         for section in ("global", "download"):
             if parser.has_section(section):
-                values.update({k.lower().replace("_", "-"): v for k, v in parser.items(section)})
+                values.update({option(k): v for k, v in parser.items(section)})
     for key, value in environ.items():
         if key.startswith("PIP_"):
-            values[key[4:].lower().replace("_", "-")] = value
+            values[option(key[4:])] = value
 
     def truthy(key: str) -> bool:
         return values.get(key, "").strip().lower() in ("1", "true", "yes", "on")
@@ -115,7 +121,7 @@ def pip_index_settings(environ: Mapping[str, str] | None = None,
         [values.get("index-url", DEFAULT_INDEX_URL).strip()]
         + values.get("extra-index-url", "").split())
     find_links = tuple(values.get("find-links", "").split())
-    timeout = values.get("timeout") or values.get("default-timeout")
+    timeout = values.get("timeout")
     return IndexSettings(
         index_urls=tuple(u for u in index_urls if u),
         find_links=find_links,
@@ -161,7 +167,8 @@ class _Anchors(HTMLParser):
 def wheel_link(page: str, page_url: str, filename: str) -> str | None:
     """The absolute URL of `filename` listed on a simple page (JSON or HTML), or None."""
     if page.lstrip().startswith("{"):
-        files = [(f.get("url", ""), f.get("filename", "")) for f in json.loads(page).get("files", [])]
+        listed = json.loads(page).get("files", [])
+        files = [(f.get("url", ""), f.get("filename", "")) for f in listed]
     else:
         parser = _Anchors()
         parser.feed(page)
@@ -240,7 +247,8 @@ def locate_wheel(project: str, filename: str, settings: IndexSettings) -> str:
     if unreachable:
         raise unreachable[0]
     if not settings.index_urls:
-        raise FetchError(f"no package index is configured (pip's no-index is set) to find {filename}")
+        raise FetchError(f"no package index is configured (pip's no-index is set) "
+                         f"to find {filename}")
     raise FetchError(f"{filename} was not found: " + "; ".join(answered))
 
 
@@ -340,4 +348,5 @@ def fetch_wheel(project: str, version: str, filename: str, dest_dir: Path,
         try:
             return pip_download(project, version, filename, dest_dir, settings, progress=progress)
         except FetchError as pip_error:
-            raise FetchError(f"{index_error}\nthe pip fallback failed too: {pip_error}") from pip_error
+            raise FetchError(f"{index_error}\nthe pip fallback failed too: {pip_error}"
+                             ) from pip_error
