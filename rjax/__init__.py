@@ -1,0 +1,20 @@
+"""rjax: a functional LLM inference engine on JAX/XLA.
+
+High level:  model = rjax.load("smollm2-135m-instruct"); rjax.generate(model, "Hello")
+Functional:  rjax.init_cache, rjax.prefill, rjax.decode_step, rjax.decode_loop, rjax.sample
+             are pure jitted functions of (static config, params pytree, cache pytree, inputs).
+"""
+from rjax.cache import KVCache, init_cache
+from rjax.catalog import DEFAULT_MODEL, pull
+from rjax.config import ModelConfig
+from rjax.engine import decode_loop, decode_step, pad_prompts, prefill, prefill_and_sample, prompt_bucket
+from rjax.generation import GenerationResult, generate, stream
+from rjax.loaders import Model, load
+from rjax.model import Params, forward
+from rjax.sampling import SamplingParams, sample
+
+__all__ = [
+    "DEFAULT_MODEL", "GenerationResult", "KVCache", "Model", "ModelConfig", "Params", "SamplingParams",
+    "decode_loop", "decode_step", "forward", "generate", "init_cache", "load", "pad_prompts", "prefill",
+    "prefill_and_sample", "prompt_bucket", "pull", "sample", "stream",
+]

@@ -1,0 +1,44 @@
+"""`load`: a model name, GGUF file or Hugging Face directory -> a `Model` ready to run."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import jax
+
+from rjax.config import ModelConfig
+from rjax.model import Params
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """What `rjax.load` returns: static config, the params pytree and the host-side tokenizer."""
+
+    config: ModelConfig
+    params: Params
+    tokenizer: "object"  # rjax.tokenizer.Tokenizer
+    source: Path
+
+    @property
+    def name(self) -> str:
+        return self.source.name
+
+
+def load(model: str | os.PathLike, *, progress: bool = True, home: str | os.PathLike | None = None) -> Model:
+    """Load a catalog name (pulled if missing), a `.gguf` file, or a Hugging Face directory."""
+    from rjax.catalog import resolve_model
+    from rjax.tokenizer import Tokenizer
+
+    path = Path(resolve_model(model, home=home))
+    if path.is_dir():
+        from rjax.loaders.safetensors import load_hf_dir
+
+        cfg, params = load_hf_dir(path, progress=progress)
+        tokenizer = Tokenizer.from_hf_dir(path)
+    else:
+        from rjax.loaders.gguf import load_gguf
+
+        cfg, params, reader = load_gguf(path, progress=progress)
+        tokenizer = Tokenizer.from_gguf(reader)
+    return Model(cfg, params, tokenizer, path)

@@ -170,12 +170,18 @@ def load_params(reader: GGUFReader, cfg: ModelConfig, progress: bool = True) -> 
                   final_norm=top["output_norm.weight"], lm_head=top.get("output.weight"))
 
 
+def config_from_reader(reader: GGUFReader, path: str | os.PathLike = "<gguf>") -> ModelConfig:
+    cfg = config_from_metadata(metadata(reader), path)
+    if not cfg.vocab_size:  # most files carry it only as the embedding's row count
+        emb = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        if emb is None:
+            raise ModelFileError(f"{path}: missing tensor 'token_embd.weight'")
+        cfg = dataclasses.replace(cfg, vocab_size=int(emb.shape[1]))
+    return cfg
+
+
 def load_gguf(path: str | os.PathLike, progress: bool = True):
     """-> (config, params, reader). The reader stays open (memory-mapped) for the tokenizer."""
     reader = open_gguf(path)
-    cfg = config_from_metadata(metadata(reader), path)
-    if not cfg.vocab_size:
-        emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
-        cfg = dataclasses.replace(cfg, vocab_size=int(emb.shape[1]))
-    params = load_params(reader, cfg, progress)
-    return cfg, params, reader
+    cfg = config_from_reader(reader, path)
+    return cfg, load_params(reader, cfg, progress), reader

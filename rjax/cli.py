@@ -1,0 +1,164 @@
+"""The `rjax` command: pull, info, generate, chat (and the subcommands other modules add)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _add_model_arg(p: argparse.ArgumentParser) -> None:
+    from rjax.catalog import DEFAULT_MODEL
+
+    p.add_argument("-m", "--model", default=DEFAULT_MODEL,
+                   help=f"catalog name, .gguf file or Hugging Face directory (default: {DEFAULT_MODEL})")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _sampling_kwargs(a) -> dict:
+    return dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
+
+
+def cmd_pull(a) -> int:
+    from rjax.catalog import DEFAULT_MODEL, list_models, pull
+
+    if a.list:
+        for m in list_models():
+            print(f"{m.name:24} {m.size / 1e6:8.1f} MB  {'present' if m.present else 'not pulled'}  {m.path}")
+        return 0
+    print(pull(a.name or DEFAULT_MODEL))
+    return 0
+
+
+def cmd_info(a) -> int:
+    from rjax.info import model_info
+
+    info = model_info(a.model)
+    if a.json:
+        print(json.dumps(info, indent=2))
+    else:
+        from rjax.info import format_info
+
+        print(format_info(info))
+    return 0
+
+
+def cmd_generate(a) -> int:
+    import rjax
+
+    model = rjax.load(a.model, progress=not a.json)
+    kw = _sampling_kwargs(a)
+    if a.json:
+        result = rjax.generate(model, a.prompt, raw=a.raw, **kw)
+        print(json.dumps(result.to_json()))
+        return 0
+    stats: dict = {}
+    for chunk in rjax.stream(model, a.prompt, raw=a.raw, stats=stats, **kw):
+        sys.stdout.write(chunk)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if a.verbose:
+        print(f"[ttft {stats['ttft_s']:.3f} s, decode {stats['decode_tokens_per_s']:.1f} tokens/s, "
+              f"finish: {stats['finish_reasons'][0]}]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(a) -> int:
+    import rjax
+    from rjax.chat import ChatSession
+
+    model = rjax.load(a.model)
+    session = ChatSession(model, system=a.system, **_sampling_kwargs(a))
+    print(f"chatting with {model.name} (Ctrl-D or /exit to leave, /reset to start over)", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            session = session.reset()
+            continue
+        if not line.strip():
+            continue
+        for chunk in session.send(line):
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rjax", description="Functional LLM inference on JAX/XLA.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("pull", help="download a catalog model into the cache")
+    p.add_argument("name", nargs="?", help="catalog name (default: the default model)")
+    p.add_argument("--list", action="store_true", help="list catalog models and whether they are present")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("info", help="architecture, shapes, tensor types, parameter count and bytes")
+    p.add_argument("model")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("generate", help="generate a reply (streams to stdout)")
+    _add_model_arg(p)
+    p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
+    _add_sampling_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object with tokens, text and timings")
+    p.add_argument("-v", "--verbose", action="store_true", help="print timings to stderr")
+    p.add_argument("prompt")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="multi-turn conversation in the terminal")
+    _add_model_arg(p)
+    p.add_argument("--system", default=None, help="system prompt")
+    _add_sampling_args(p)
+    p.set_defaults(func=cmd_chat)
+
+    for register in _extensions():
+        register(sub)
+    return parser
+
+
+def _extensions():
+    """Subcommands that live beside the modules they drive (bench, synth, perplexity, serve)."""
+    import importlib
+
+    out = []
+    for mod in ("rjax.bench", "rjax.synth", "rjax.scoring"):
+        try:
+            m = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+            continue
+        if hasattr(m, "register_cli"):
+            out.append(m.register_cli)
+    return out
+
+
+def main(argv=None) -> int:
+    from rjax.catalog import CatalogError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        return 130
+    except (FileNotFoundError, ValueError, CatalogError) as e:
+        # Bad input (missing or damaged file, unknown model, prompt too long): one clear line.
+        print(f"rjax: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Host-side text generation over the jitted engine: prompts in, streamed text out.
+
+Everything that runs per token stays on the device (`engine.decode_loop` runs several decode
+steps per dispatch); the host only turns token ids into text and measures time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rjax import engine
+from rjax.cache import init_cache
+from rjax.loaders import Model
+from rjax.sampling import SamplingParams
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    prompt_tokens: list[int]
+    tokens: list[int]
+    text: str
+    finish_reason: str  # "stop" (end-of-sequence token), "length" (token limit) or "context" (cache full)
+    ttft_s: float
+    decode_tokens_per_s: float
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def activation_dtype():
+    """float32 on CPU (matches the float32 oracle), bfloat16 on accelerators."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+def cache_length(needed: int, context_length: int) -> int:
+    """Cache sizes come from the bucket list too, so nearby requests share compiled programs."""
+    for b in engine.PROMPT_BUCKETS:
+        if b >= max(needed, 256):
+            return min(b, context_length)
+    return context_length
+
+
+def encode_prompt(model: Model, prompt: str, raw: bool = False) -> list[int]:
+    """Chat-template the prompt as one user turn (unless raw), then tokenize."""
+    tok = model.tokenizer
+    if raw:
+        return tok.encode(prompt)
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    # The template already carries any BOS the model wants.
+    return tok.encode(text, add_bos=False)
+
+
+def check_prompt_lengths(model: Model, prompts: Sequence[Sequence[int]]) -> None:
+    ctx = model.config.context_length
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty: at least one token is needed")
+        if len(p) >= ctx:
+            raise PromptTooLongError(f"prompt {i} has {len(p)} tokens; the context of {model.name} "
+                                     f"is {ctx} tokens and generation needs at least one free position")
+
+
+@dataclasses.dataclass
+class TokenEvent:
+    """One step of a stream: new token ids per prompt (possibly empty) and their text."""
+
+    tokens: list[list[int]]
+    texts: list[str]
+
+
+def stream_ids(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256,
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+               steps_per_dispatch: int = 8, stats: dict | None = None) -> Iterator[list[list[int]]]:
+    """Generate for several tokenized prompts at once (one cache slot each), yielding the new
+    token ids of every prompt after each device dispatch. `stats` (optional) receives timings
+    and each prompt's finish reason."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_prompt_lengths(model, prompts)
+    cfg, tok = model.config, model.tokenizer
+    B = len(prompts)
+    longest = max(len(p) for p in prompts)
+    S = cache_length(longest + max_new_tokens, cfg.context_length)
+    tokens, lengths = engine.pad_prompts([list(p) for p in prompts])
+    sp = SamplingParams.make(B, temperature, top_k, top_p)
+    stop_ids = jnp.asarray(sorted(tok.eos_ids) or [-1], jnp.int32)
+    key, sub = jax.random.split(jax.random.key(seed))
+    cache = init_cache(cfg, B, S, activation_dtype())
+
+    t0 = time.perf_counter()
+    first, cache = engine.prefill_and_sample(cfg, model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
+                                             None, sub, sp)
+    first_host = np.asarray(first)
+    ttft = time.perf_counter() - t0
+    budget = np.minimum(max_new_tokens, S - lengths).astype(np.int32)
+    state = engine.initial_state(first, jnp.asarray(budget), stop_ids, key, cache)
+    generated = [[int(t)] for t in first_host]
+    yield [[int(t)] for t in first_host]
+
+    t1 = time.perf_counter()
+    n_decoded = 0
+    while not bool(np.all(np.asarray(state.done))):
+        out, state, cache = engine.decode_loop(cfg, model.params, cache, state, sp, stop_ids, steps_per_dispatch)
+        out = np.asarray(out)
+        new = [[int(t) for t in row if t >= 0] for row in out]
+        n_decoded += sum(len(r) for r in new)
+        for g, r in zip(generated, new):
+            g.extend(r)
+        yield new
+    decode_s = time.perf_counter() - t1
+    if stats is not None:
+        eos = set(tok.eos_ids)
+        stats.update(ttft_s=ttft, decode_s=decode_s,
+                     decode_tokens_per_s=(n_decoded / decode_s) if decode_s > 0 else 0.0,
+                     finish_reasons=["stop" if g and g[-1] in eos else
+                                     "length" if len(g) >= max_new_tokens else "context" for g in generated])
+
+
+def _visible(tok, ids: list[int]) -> list[int]:
+    return [t for t in ids if t not in tok.eos_ids]
+
+
+def stream(model: Model, prompt: str, *, raw: bool = False, stats: dict | None = None, **kw) -> Iterator[str]:
+    """Yield the reply to one prompt as text chunks, as they are generated."""
+    ids = encode_prompt(model, prompt, raw)
+    dec = model.tokenizer.stream_decoder()
+    for step in stream_ids(model, [ids], stats=stats, **kw):
+        chunk = "".join(dec.add(t) for t in _visible(model.tokenizer, step[0]))
+        if chunk:
+            yield chunk
+    tail = dec.flush()
+    if tail:
+        yield tail
+
+
+def generate(model: Model, prompt: str | Sequence[str], *, raw: bool = False, **kw):
+    """Text in, text out. A list of prompts runs as one batch and returns a list of results.
+
+    Keyword arguments: max_new_tokens, temperature, top_k, top_p, seed, steps_per_dispatch.
+    Returns GenerationResult (or a list of them) with token ids, text, finish reason and timings.
+    """
+    single = isinstance(prompt, str)
+    prompts = [prompt] if single else list(prompt)
+    ids = [encode_prompt(model, p, raw) for p in prompts]
+    stats: dict = {}
+    generated: list[list[int]] = [[] for _ in prompts]
+    for step in stream_ids(model, ids, stats=stats, **kw):
+        for g, r in zip(generated, step):
+            g.extend(r)
+    tok = model.tokenizer
+    results = [GenerationResult(p, g, tok.decode(_visible(tok, g)), reason, stats["ttft_s"],
+                                stats["decode_tokens_per_s"])
+               for p, g, reason in zip(ids, generated, stats["finish_reasons"])]
+    return results[0] if single else results

@@ -1,0 +1,53 @@
+"""`rjax info`: what a model file holds, read from its header without loading weights."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from pathlib import Path
+
+
+def model_info(model: str) -> dict:
+    from rjax.catalog import resolve_model
+    from rjax.loaders.gguf import config_from_reader, open_gguf
+
+    path = Path(resolve_model(model))
+    if path.is_dir():
+        from rjax.loaders.safetensors import describe_hf_dir
+
+        return describe_hf_dir(path)
+    reader = open_gguf(path)
+    cfg = config_from_reader(reader, path)
+    tensors = [dict(name=t.name, type=t.tensor_type.name, shape=[int(s) for s in reversed(t.shape.tolist())],
+                    bytes=int(t.n_bytes)) for t in reader.tensors]
+    by_type = collections.Counter(t["type"] for t in tensors)
+    bytes_by_type = collections.Counter()
+    for t in tensors:
+        bytes_by_type[t["type"]] += t["bytes"]
+    config = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("layer_windows", "layer_rope_theta")}
+    config["layer_windows"] = sorted({w for w in cfg.layer_windows if w}) or None
+    return dict(path=str(path), file_bytes=path.stat().st_size, architecture=cfg.arch, config=config,
+                parameters=sum(math.prod(t["shape"]) for t in tensors),
+                tensor_bytes=sum(t["bytes"] for t in tensors),
+                tensor_types={k: dict(count=by_type[k], bytes=bytes_by_type[k]) for k in sorted(by_type)},
+                tensors=tensors)
+
+
+def format_info(info: dict) -> str:
+    c = info["config"]
+    lines = [
+        f"{info['path']}",
+        f"  architecture   {info['architecture']}",
+        f"  layers         {c['n_layers']}   hidden {c['d_model']}   ffn {c['d_ff']}",
+        f"  heads          {c['n_heads']} query / {c['n_kv_heads']} kv, head dim {c['head_dim']}",
+        f"  vocab          {c['vocab_size']}   context {c['context_length']}",
+        f"  rope           base {c['rope_theta']:g}, {c['rope_pairing']}"
+        + (f", sliding window {c['layer_windows']}" if c.get("layer_windows") else ""),
+        f"  parameters     {info['parameters']:,}",
+        f"  tensor bytes   {info['tensor_bytes']:,} (file {info['file_bytes']:,})",
+        "  tensor types   " + ", ".join(f"{k} ×{v['count']} ({v['bytes'] / 1e6:.1f} MB)"
+                                       for k, v in info["tensor_types"].items()),
+        "  tensors:",
+    ]
+    lines += [f"    {t['name']:40} {t['type']:6} {'x'.join(map(str, t['shape']))}" for t in info["tensors"]]
+    return "\n".join(lines)
