@@ -1,0 +1,184 @@
+"""Decode attention: a few query tokens per sequence (1, or up to 8 when verifying drafts) over the cache.
+
+Decoding reads the whole visible cache for very little arithmetic, so the kernel is built to stream
+K/V at memory bandwidth:
+- One program serves all G query heads of one KV head for all T query tokens: the G*T query rows
+  (padded to a power of two >= 16 for the matrix units) form one tile against each K/V block, so
+  each cache block is read once, not G times.
+- Split-K ("flash decoding"): the visible key range of each sequence is cut into `num_splits` equal
+  runs of blocks handled by separate programs, so a small batch still fills the GPU; each program
+  writes an unnormalized partial (acc, running max, running sum) and a small XLA step combines them.
+- Key blocks no row can see (beyond kv_len, outside the window) are skipped; masks are applied only
+  on edge blocks.
+
+Lowering: Pallas's Triton lowering (not Mosaic GPU). It runs under `interpret=True` on the CPU,
+which the tests rely on; a paged cache needs per-block gathers of pages, which are plain pointer
+loads in Triton; and a G*T tile of 16-64 rows is below the 64-row warpgroup tile of Hopper's
+wgmma that Mosaic GPU builds on, while this kernel is bound by memory, not by the matrix units.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from . import flash
+from .kv_blocks import CacheLayout, check_block_k, fit_block_k, load_block
+from .reference import check_shapes
+
+NUM_SMS_H100 = 132
+
+
+def default_tiles(head_dim: int) -> dict:
+    """Block size and launch shape measured best on the H100 (benchmarks/NOTES-attention.md)."""
+    if head_dim <= 128:
+        return dict(block_k=128, num_warps=4, num_stages=3)
+    return dict(block_k=64, num_warps=4, num_stages=3)
+
+
+def default_num_splits(batch: int, kv_heads: int, num_keys: int, block_k: int) -> int:
+    """Enough programs for about two waves on the GPU, but at least 4 key blocks per split."""
+    programs = batch * kv_heads
+    want = pl.cdiv(2 * NUM_SMS_H100, programs)
+    return max(1, min(want, num_keys // (4 * block_k)))
+
+
+def _kernel(kv_len_ref, row_pos_ref, q_ref, k_ref, v_ref, *rest, layout: CacheLayout, scale: float,
+            window: int | None, block_k: int, num_splits: int):
+    *table_ref, acc_ref, m_ref, l_ref = rest
+    table_ref = table_ref[0] if table_ref else None
+    split = pl.program_id(0)
+    pos = row_pos_ref[...]
+    q = q_ref[...]
+    kv_len = kv_len_ref[()]
+    qk_scale = scale * flash.LOG2E
+
+    def step(block, state, masked):
+        start = block * block_k
+        k = load_block(k_ref, table_ref, start, block_k, layout, bounds_check=masked)
+        v = load_block(v_ref, table_ref, start, block_k, layout, bounds_check=masked)
+        mask = flash.visibility(pos, start, block_k, kv_len, window) if masked else None
+        return flash.attend_block(state, q, k, v, qk_scale=qk_scale, mask=mask)
+
+    ranges = flash.block_ranges(pos, kv_len, block_k, window)
+    per_split = flash.idiv(ranges.hi - ranges.lo + (num_splits - 1), num_splits)
+    first = ranges.lo + split * per_split
+    state = flash.init_state(q.shape[0], q.shape[1])
+    acc, m, l = flash.walk_blocks(ranges, state, step, within=(first, first + per_split))
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _combine(acc, m, l, row_pos, kv_len, window):
+    """Merge split partials acc [B, Hkv, n, R, D], m, l [B, Hkv, n, R] into normalized [B, Hkv, R, D]."""
+    m_max = jnp.max(m, axis=2, keepdims=True)
+    m_max = jnp.where(jnp.isfinite(m_max), m_max, 0.0)
+    w = jnp.where(jnp.isfinite(m), jnp.exp2(m - m_max), 0.0)
+    num = jnp.sum(w[..., None] * acc, axis=2)
+    den = jnp.sum(w * l, axis=2)
+    out = num / jnp.where(den > 0, den, 1.0)[..., None]
+    sees = flash.row_sees_a_key(row_pos, kv_len[:, None], window)  # [B, R]
+    return jnp.where(sees[:, None, :, None], out, 0.0)
+
+
+def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, block_k, num_splits,
+          num_warps, num_stages, interpret):
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    if D & (D - 1) or D < 16:
+        raise ValueError(f"decode_attention: head dim {D} must be a power of two >= 16")
+    block_k = fit_block_k(layout, block_k)
+    check_block_k(layout, block_k)
+    if num_splits is None:
+        num_splits = default_num_splits(B, Hkv, layout.num_keys, block_k)
+    rows = max(16, pl.next_power_of_2(T * G))
+    kv_len = jnp.minimum(kv_len.astype(jnp.int32), layout.num_keys)  # never read past the cache
+
+    # Query rows of one KV head, token-major: row t*G + g is token t of query head kv_head*G + g.
+    q_rows = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Hkv, T * G, D)
+    row_pos = jnp.repeat(q_pos.astype(jnp.int32), G, axis=1)
+    if rows > T * G:
+        q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - T * G), (0, 0)))
+        row_pos = jnp.pad(row_pos, ((0, 0), (0, rows - T * G)), constant_values=-1)
+
+    if layout.paged:
+        kv_spec = pl.BlockSpec((k.shape[0], None, layout.page_size, D), lambda s, h, b: (0, h, 0, 0))
+        extra_specs = [pl.BlockSpec((None, table.shape[1]), lambda s, h, b: (b, 0))]
+        extra_args = [table.astype(jnp.int32)]
+    else:
+        kv_spec = pl.BlockSpec((None, None, k.shape[2], D), lambda s, h, b: (b, h, 0, 0))
+        extra_specs, extra_args = [], []
+    kernel = functools.partial(_kernel, layout=layout, scale=float(scale), window=window, block_k=block_k,
+                               num_splits=num_splits)
+    part = (B, Hkv, num_splits, rows)
+    acc, m, l = pl.pallas_call(
+        kernel,
+        grid=(num_splits, Hkv, B),
+        in_specs=[
+            pl.BlockSpec((None,), lambda s, h, b: (b,)),
+            pl.BlockSpec((None, rows), lambda s, h, b: (b, 0)),
+            pl.BlockSpec((None, None, rows, D), lambda s, h, b: (b, h, 0, 0)),
+            kv_spec,
+            kv_spec,
+            *extra_specs,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, D), lambda s, h, b: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda s, h, b: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda s, h, b: (b, h, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct(part + (D,), jnp.float32),
+            jax.ShapeDtypeStruct(part, jnp.float32),
+            jax.ShapeDtypeStruct(part, jnp.float32),
+        ],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="rjax_decode_attention",
+    )(kv_len, row_pos, q_rows, k, v, *extra_args)
+
+    out = _combine(acc, m, l, row_pos, kv_len, window)[:, :, : T * G]
+    out = out.reshape(B, Hkv, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
+    return out.astype(q.dtype)
+
+
+def _tiles(D, block_k, num_warps, num_stages):
+    t = default_tiles(D)
+    given = dict(block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+    t.update({name: val for name, val in given.items() if val is not None})
+    return t
+
+
+_STATIC = ("scale", "window", "block_k", "num_splits", "num_warps", "num_stages", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def decode_attention(q, k, v, q_pos, kv_len, *, scale: float, window: int | None = None,
+                     block_k: int | None = None, num_splits: int | None = None, num_warps: int | None = None,
+                     num_stages: int | None = None, interpret: bool = False):
+    """Attention of q [B, T, Hq, D] (T small) over the contiguous cache k, v [B, Hkv, S, D]."""
+    check_shapes(q, k, v, q_pos, kv_len)
+    layout = CacheLayout(num_keys=k.shape[2])
+    return _call(q, k, v, None, q_pos, kv_len, layout, scale=scale, window=window, num_splits=num_splits,
+                 interpret=interpret, **_tiles(q.shape[-1], block_k, num_warps, num_stages))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def paged_decode_attention(q, k_pages, v_pages, block_tables, q_pos, kv_len, *, scale: float,
+                           window: int | None = None, block_k: int | None = None, num_splits: int | None = None,
+                           num_warps: int | None = None, num_stages: int | None = None,
+                           interpret: bool = False):
+    """Attention of q [B, T, Hq, D] (T small) over the paged cache k_pages, v_pages [P, Hkv, page_size, D]."""
+    check_shapes(q, k_pages, v_pages, q_pos, kv_len, k_name="k_pages", v_name="v_pages")
+    P, _, page_size, D = k_pages.shape
+    if block_tables.ndim != 2 or block_tables.shape[0] != q.shape[0]:
+        raise ValueError(f"paged_decode_attention: block_tables must be [B={q.shape[0]}, max_pages], "
+                         f"got {block_tables.shape}")
+    layout = CacheLayout(num_keys=block_tables.shape[1] * page_size, page_size=page_size, num_pages=P)
+    return _call(q, k_pages, v_pages, block_tables, q_pos, kv_len, layout, scale=scale, window=window,
+                 num_splits=num_splits, interpret=interpret, **_tiles(D, block_k, num_warps, num_stages))

@@ -1,0 +1,77 @@
+"""How a kernel reads one block of consecutive cache positions, from a contiguous or a paged cache.
+
+Inside a kernel program for one (sequence, KV head), the cache ref is either
+- contiguous: [S, D], position j at row j; or
+- paged: [P, page_size, D] (the page pool of this KV head) with the sequence's block table
+  [max_pages], position j at page table[j // page_size], row j % page_size.
+Both kernels (prefill and decode) walk the cache in blocks of `block_k` positions through
+`load_block`, so the masking and softmax code never sees which layout it reads.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """Static description of the cache a kernel reads (hashable, part of the kernel's compile key)."""
+
+    num_keys: int  # logical capacity: S, or max_pages * page_size
+    page_size: int | None = None  # None: contiguous
+    num_pages: int | None = None  # pool size P (paged only)
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size is not None
+
+
+def fit_block_k(layout: CacheLayout, block_k: int) -> int:
+    """block_k, shrunk for a contiguous cache shorter than one block (never below 16)."""
+    if layout.paged or layout.num_keys >= block_k:
+        return block_k
+    return max(16, 1 << (layout.num_keys.bit_length() - 1))
+
+
+def check_block_k(layout: CacheLayout, block_k: int) -> None:
+    """Raise ValueError unless block_k and the page size can be tiled by the Triton lowering."""
+    if block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"attention kernel: block_k={block_k} must be a power of two >= 16")
+    if layout.paged:
+        ps = layout.page_size
+        if ps & (ps - 1):
+            raise ValueError(f"paged attention kernel: page_size={ps} must be a power of two")
+        if ps < block_k and block_k % ps:
+            raise ValueError(f"paged attention kernel: block_k={block_k} is not a multiple of page_size={ps}")
+
+
+def load_block(ref, table_ref, start, block_k: int, layout: CacheLayout, *, bounds_check: bool):
+    """The [block_k, D] block of cache positions start .. start + block_k - 1 (start a multiple of block_k).
+
+    bounds_check: mask rows at or past the capacity (needed only for a block that can cross it).
+    """
+    if not layout.paged:
+        rows = pl.ds(start, block_k)
+        if bounds_check and layout.num_keys % block_k:
+            inside = (start + jnp.arange(block_k, dtype=jnp.int32)) < layout.num_keys
+            return pltriton.load(ref.at[rows, :], mask=inside[:, None], other=0)
+        return ref[rows, :]
+
+    ps, last_page = layout.page_size, layout.num_pages - 1
+    max_pages = layout.num_keys // ps
+    if ps >= block_k:
+        # The block lies inside one page.
+        slot = jnp.minimum(lax.div(start, jnp.int32(ps)), max_pages - 1)
+        page = jnp.clip(table_ref[slot], 0, last_page)
+        return ref[page, pl.ds(lax.rem(start, jnp.int32(ps)), block_k), :]
+    # The block spans block_k // ps whole pages: gather them.
+    n = block_k // ps
+    first = lax.div(start, jnp.int32(ps))
+    slots = first + jnp.arange(n, dtype=jnp.int32)
+    pages = pltriton.load(table_ref.at[pl.ds(first, n)], mask=slots < max_pages, other=0)
+    pages = jnp.clip(pages, 0, last_page)
+    return ref[pages].reshape(block_k, ref.shape[-1])

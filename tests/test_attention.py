@@ -1,0 +1,227 @@
+"""Attention kernels on the CPU: the reference against a float64 NumPy loop, the Pallas kernels (interpret
+mode) against the reference. Small shapes, random inputs (never zeros).
+
+Error bounds (relative Frobenius norm ||out - ref|| / ||ref||):
+- reference vs NumPy float64: 1e-5 (float32 arithmetic).
+- kernel vs reference, float32 inputs: 1e-5 (interpret mode multiplies in float32).
+- kernel vs reference, bfloat16 inputs: 1e-2 (probabilities are rounded to bf16 before the P @ V
+  product and the output is bf16: each ~2^-9 relative; measured ~2e-3).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.attention import (
+    attention, attention_reference, decode_attention, paged_attention, paged_attention_reference,
+    paged_decode_attention, paged_prefill_attention, prefill_attention,
+)
+from pallas_kernels.attention.reference import gather_pages
+
+F32_TOL, BF16_TOL = 1e-5, 1e-2
+
+
+def rel_err(out, ref):
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+    assert np.isfinite(out).all(), "kernel output has NaN/inf"
+    return np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+def numpy_attention(q, k, v, q_pos, kv_len, scale, window):
+    """Direct float64 loops over (sequence, query, head): the definition, written independently."""
+    q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
+    B, T, Hq, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    out = np.zeros((B, T, Hq, D))
+    for b in range(B):
+        for t in range(T):
+            p = int(q_pos[b, t])
+            keys = [j for j in range(S) if j <= p and j < kv_len[b] and (window is None or p - j < window)]
+            if p < 0 or not keys:
+                continue
+            for h in range(Hq):
+                kh = h // (Hq // Hkv)
+                s = np.array([q[b, t, h] @ k[b, kh, j] for j in keys]) * scale
+                w = np.exp(s - s.max())
+                out[b, t, h] = (w / w.sum()) @ v[b, kh, keys]
+    return out
+
+
+def make_case(seed, *, B, T, Hq, Hkv, S, D, dtype, kv_len, q_start, pad_tail=()):
+    """Random q/k/v; sequence b's queries sit at kv_len[b] - T + q_start[b] + t; pad_tail[b] rows padded."""
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((B, T, Hq, D)), dtype)
+    k = jnp.asarray(rng.standard_normal((B, Hkv, S, D)), dtype)
+    v = jnp.asarray(rng.standard_normal((B, Hkv, S, D)), dtype)
+    pos = np.asarray(q_start)[:, None] + np.arange(T)[None, :]
+    for b, n in enumerate(pad_tail):
+        if n:
+            pos[b, T - n:] = -1
+    return q, k, v, jnp.asarray(pos, jnp.int32), jnp.asarray(kv_len, jnp.int32)
+
+
+def paginate(k, page_size, num_pages, seed):
+    """Scatter a contiguous cache [B, Hkv, S, D] into a shuffled page pool; returns (pool, block_tables)."""
+    B, Hkv, S, D = k.shape
+    n = S // page_size
+    order = np.random.default_rng(seed).permutation(num_pages)[: B * n].reshape(B, n)
+    pool = np.random.default_rng(seed + 1).standard_normal((num_pages, Hkv, page_size, D))
+    pool = jnp.asarray(pool, k.dtype)
+    pages = k.reshape(B, Hkv, n, page_size, D).transpose(0, 2, 1, 3, 4)  # [B, n, Hkv, ps, D]
+    pool = pool.at[order.reshape(-1)].set(pages.reshape(B * n, Hkv, page_size, D))
+    return pool, jnp.asarray(order, jnp.int32)
+
+
+# ---------------------------------------------------------------- reference
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_reference_matches_numpy_definition(window):
+    q, k, v, pos, kv_len = make_case(0, B=3, T=6, Hq=4, Hkv=2, S=24, D=8, dtype=jnp.float32,
+                                     kv_len=[20, 7, 0], q_start=[14, 1, 0], pad_tail=[0, 2, 0])
+    ref = attention_reference(q, k, v, pos, kv_len, scale=0.35, window=window)
+    want = numpy_attention(q, k, v, np.asarray(pos), np.asarray(kv_len), 0.35, window)
+    assert rel_err(ref, want) < F32_TOL
+    assert np.all(np.asarray(ref)[1, 4:] == 0) and np.all(np.asarray(ref)[2] == 0)  # padding, kv_len = 0
+
+
+def test_paged_reference_matches_contiguous():
+    q, k, v, pos, kv_len = make_case(1, B=2, T=3, Hq=4, Hkv=1, S=32, D=16, dtype=jnp.float32,
+                                     kv_len=[30, 9], q_start=[27, 6])
+    kp, table = paginate(k, 8, 11, seed=2)
+    vp, _ = paginate(v, 8, 11, seed=2)
+    np.testing.assert_array_equal(np.asarray(gather_pages(kp, table)), np.asarray(k))
+    want = attention_reference(q, k, v, pos, kv_len, scale=0.25)
+    got = paged_attention_reference(q, kp, vp, table, pos, kv_len, scale=0.25)
+    assert rel_err(got, want) < 1e-6
+
+
+# ---------------------------------------------------------------- prefill kernel (interpret mode)
+
+PREFILL_CASES = {
+    # name: (Hq, Hkv, D, dtype, window, block_q, block_k)
+    "mha-f32": (2, 2, 32, jnp.float32, None, 16, 16),
+    "gqa2-bf16-window": (4, 2, 64, jnp.bfloat16, 11, 32, 16),
+    "gqa8-bf16": (8, 1, 32, jnp.bfloat16, None, 16, 32),
+    "gqa4-f32-d128-window": (4, 1, 128, jnp.float32, 20, 32, 16),
+}
+
+
+@pytest.mark.parametrize("name", list(PREFILL_CASES))
+def test_prefill_kernel_matches_reference(name):
+    Hq, Hkv, D, dtype, window, bq, bk = PREFILL_CASES[name]
+    # Three prompts of different lengths in one call: a fresh 40-token prompt, a 25-token chunk that
+    # continues a cached prefix (padded), and an empty slot (kv_len = 0, all padding).
+    q, k, v, pos, kv_len = make_case(3, B=3, T=40, Hq=Hq, Hkv=Hkv, S=72, D=D, dtype=dtype,
+                                     kv_len=[40, 62, 0], q_start=[0, 37, 0], pad_tail=[0, 15, 40])
+    ref = attention_reference(q, k, v, pos, kv_len, scale=D ** -0.5, window=window)
+    out = prefill_attention(q, k, v, pos, kv_len, scale=D ** -0.5, window=window, block_q=bq, block_k=bk,
+                            interpret=True)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert rel_err(out, ref) < (F32_TOL if dtype == jnp.float32 else BF16_TOL)
+    assert np.all(np.asarray(out, np.float32)[1, 25:] == 0) and np.all(np.asarray(out, np.float32)[2] == 0)
+
+
+def test_prefill_kernel_head_dim_256_full_cache():
+    # kv_len = S with S not a multiple of block_k: the last block is read with a bounds mask.
+    q, k, v, pos, kv_len = make_case(4, B=1, T=24, Hq=2, Hkv=1, S=56, D=256, dtype=jnp.bfloat16,
+                                     kv_len=[56], q_start=[32])
+    ref = attention_reference(q, k, v, pos, kv_len, scale=0.0625)
+    out = prefill_attention(q, k, v, pos, kv_len, scale=0.0625, block_q=16, block_k=16, interpret=True)
+    assert rel_err(out, ref) < BF16_TOL
+
+
+@pytest.mark.parametrize("page_size,block_k", [(8, 32), (32, 16)])
+def test_paged_prefill_kernel_matches_reference(page_size, block_k):
+    q, k, v, pos, kv_len = make_case(5, B=2, T=24, Hq=4, Hkv=2, S=64, D=32, dtype=jnp.bfloat16,
+                                     kv_len=[50, 24], q_start=[26, 0], pad_tail=[0, 4])
+    kp, table = paginate(k, page_size, 2 * 64 // page_size + 3, seed=6)
+    vp, _ = paginate(v, page_size, 2 * 64 // page_size + 3, seed=6)
+    ref = attention_reference(q, k, v, pos, kv_len, scale=0.2, window=9)
+    out = paged_prefill_attention(q, kp, vp, table, pos, kv_len, scale=0.2, window=9, block_q=16,
+                                  block_k=block_k, interpret=True)
+    assert rel_err(out, ref) < BF16_TOL
+
+
+# ---------------------------------------------------------------- decode kernel (interpret mode)
+
+DECODE_CASES = {
+    # name: (T, Hq, Hkv, dtype, window, num_splits)
+    "t1-gqa4-f32": (1, 8, 2, jnp.float32, None, 1),
+    "t1-gqa4-f32-split3": (1, 8, 2, jnp.float32, None, 3),
+    "t4-gqa2-bf16-window-split2": (4, 4, 2, jnp.bfloat16, 13, 2),
+    "t8-gqa8-bf16-split4": (8, 8, 1, jnp.bfloat16, None, 4),
+    "t3-mha-f32-window": (3, 2, 2, jnp.float32, 30, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(DECODE_CASES))
+def test_decode_kernel_matches_reference(name):
+    T, Hq, Hkv, dtype, window, splits = DECODE_CASES[name]
+    # A long sequence, a short one whose first query is padding, and an empty slot.
+    q, k, v, pos, kv_len = make_case(7, B=3, T=T, Hq=Hq, Hkv=Hkv, S=200, D=32, dtype=dtype,
+                                     kv_len=[181, 37, 0], q_start=[181 - T, 37 - T, 0], pad_tail=[0, 0, T])
+    pos = pos.at[1, 0].set(-1)
+    ref = attention_reference(q, k, v, pos, kv_len, scale=0.3, window=window)
+    out = decode_attention(q, k, v, pos, kv_len, scale=0.3, window=window, block_k=16, num_splits=splits,
+                           interpret=True)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert rel_err(out, ref) < (F32_TOL if dtype == jnp.float32 else BF16_TOL)
+    assert np.all(np.asarray(out, np.float32)[1, 0] == 0) and np.all(np.asarray(out, np.float32)[2] == 0)
+
+
+def test_decode_kernel_window_excludes_every_key():
+    # The query sits past kv_len by more than the window: it sees no key, output 0, no NaN.
+    q, k, v, pos, kv_len = make_case(8, B=2, T=1, Hq=4, Hkv=2, S=64, D=16, dtype=jnp.float32,
+                                     kv_len=[10, 64], q_start=[40, 63])
+    out = decode_attention(q, k, v, pos, kv_len, scale=0.5, window=8, block_k=16, num_splits=2, interpret=True)
+    ref = attention_reference(q, k, v, pos, kv_len, scale=0.5, window=8)
+    assert np.all(np.asarray(out)[0] == 0) and rel_err(out, ref) < F32_TOL
+
+
+@pytest.mark.parametrize("page_size,block_k", [(16, 64), (64, 32)])
+def test_paged_decode_kernel_matches_reference(page_size, block_k):
+    q, k, v, pos, kv_len = make_case(9, B=2, T=2, Hq=4, Hkv=2, S=256, D=64, dtype=jnp.bfloat16,
+                                     kv_len=[250, 70], q_start=[248, 68])
+    kp, table = paginate(k, page_size, 2 * 256 // page_size + 5, seed=10)
+    vp, _ = paginate(v, page_size, 2 * 256 // page_size + 5, seed=10)
+    ref = attention_reference(q, k, v, pos, kv_len, scale=0.125, window=100)
+    out = paged_decode_attention(q, kp, vp, table, pos, kv_len, scale=0.125, window=100, block_k=block_k,
+                                 num_splits=3, interpret=True)
+    assert rel_err(out, ref) < BF16_TOL
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def test_entry_points_dispatch_and_jit():
+    q, k, v, pos, kv_len = make_case(11, B=2, T=12, Hq=4, Hkv=2, S=32, D=16, dtype=jnp.float32,
+                                     kv_len=[30, 12], q_start=[18, 0])
+    ref = attention_reference(q, k, v, pos, kv_len, scale=0.25, window=6)
+    # CPU backend: implementation=None is the reference, bit for bit.
+    auto = attention(q, k, v, pos, kv_len, scale=0.25, window=6)
+    np.testing.assert_array_equal(np.asarray(auto), np.asarray(ref))
+    jitted = jax.jit(functools.partial(attention, scale=0.25, window=6, implementation="interpret"))
+    assert rel_err(jitted(q, k, v, pos, kv_len), ref) < F32_TOL  # T = 12: prefill kernel
+    assert rel_err(jitted(q[:, -2:], k, v, pos[:, -2:], kv_len), ref[:, -2:]) < F32_TOL  # T = 2: decode kernel
+    kp, table = paginate(k, 16, 6, seed=12)
+    vp, _ = paginate(v, 16, 6, seed=12)
+    paged = paged_attention(q[:, -1:], kp, vp, table, pos[:, -1:], kv_len, scale=0.25, window=6,
+                            implementation="interpret")
+    assert rel_err(paged, ref[:, -1:]) < F32_TOL
+    with pytest.raises(ValueError, match="implementation"):
+        attention(q, k, v, pos, kv_len, scale=0.25, implementation="triton")
+
+
+def test_shape_errors_name_the_argument():
+    q, k, v, pos, kv_len = make_case(13, B=1, T=2, Hq=3, Hkv=2, S=16, D=16, dtype=jnp.float32,
+                                     kv_len=[4], q_start=[2])
+    with pytest.raises(ValueError, match="query heads 3"):
+        attention(q, k, v, pos, kv_len, scale=1.0, implementation="interpret")
+    with pytest.raises(ValueError, match="q_pos"):
+        attention_reference(q, k[:, :1], v[:, :1], pos[:, :1], kv_len, scale=1.0)
