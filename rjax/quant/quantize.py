@@ -1,8 +1,8 @@
 """Quantize on load: dense host weights (f32/f16/bf16) -> the planes of `rjax.quant.formats`.
 
-Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 go through gguf-py's quantizers (bit-exact with ggml's
-reference quantizers, which gguf-py reproduces); Q4_K, which gguf-py cannot quantize, is
-ours: a vectorized version of the scheme of ggml's `quantize_row_q4_K_ref`. Host numpy
+Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 go through gguf-py's quantizers (its numpy ports of ggml's
+reference quantizers), so the planes are bit-exact with `gguf.quants.quantize`; Q4_K, which
+gguf-py cannot quantize, is ours: a vectorized version of the scheme of ggml's `quantize_row_q4_K_ref`. Host numpy
 code, processed in row chunks so memory stays bounded.
 
 Q4_K, per 256-value super-block of eight 32-value sub-blocks:
@@ -13,8 +13,10 @@ Q4_K, per 256-value super-block of eight 32-value sub-blocks:
 2. the eight scales and eight mins are quantized to 6 bits against the super-block's
    largest scale / min, whose /63 become the f16 `d` / `dmin`;
 3. the quants are recomputed against the 6-bit-quantized scales and mins.
-Error bound (tested): every value is within 0.5 * d * sc of its sub-block's grid unless it
-lies outside the grid's range, and the RMS error on Gaussian weights is below 9% of their RMS.
+Error bounds (tested): a value inside its sub-block's grid is within half a grid step of
+it; every value is within 10% of its super-block's range (max - min(min, 0)); on Gaussian
+weights the RMS error is below 8% of their RMS (measured 7.2%), lower than gguf's Q4_0 and
+Q4_1. A 4096 x 14336 f32 weight quantizes in about 3 s on one CPU core.
 """
 from __future__ import annotations
 
@@ -69,7 +71,8 @@ def quantize(w: np.ndarray, qtype: QType | int | str, name: str = "<weight>") ->
         if t == QType.Q4_K:
             chunks.append(_q4_k_planes(x))
         else:
-            chunks.append(formats.split_planes(t, gguf.quants.quantize(x, t)))
+            with np.errstate(over="ignore"):  # f16 scale overflow is reported below, by name
+                chunks.append(formats.split_planes(t, gguf.quants.quantize(x, t)))
     cls = formats.LAYOUTS[t][0]
     if not chunks:  # zero rows
         return formats.to_host_weight(name, t, np.zeros(0, np.uint8), shape)
