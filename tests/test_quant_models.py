@@ -8,16 +8,25 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGUFReader, quants
 
+from rjax.catalog import CATALOG, CatalogError, resolve_model
 from rjax.quant import formats, reference
 from rjax.quant.qtensor import QTensor
 
-MODELS = {
-    "smollm2": pathlib.Path("/tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf"),
-    "gemma3": pathlib.Path("/tmp/models/gemma-3-270m-q4_k_m.gguf"),
-}
+MODELS = ["smollm2-135m-instruct", "gemma3-270m"]
 CHUNK_VALUES = 1 << 22  # dequantize big tensors this many values at a time
 
 _dequantize = jax.jit(reference.dequantize)
+
+
+def model_path(name):
+    """The cached catalog file, else the copy in /tmp/models; never downloads."""
+    try:
+        return resolve_model(name, pull_missing=False, progress=False)
+    except CatalogError:
+        path = pathlib.Path("/tmp/models") / CATALOG[name].file_name
+        if not path.exists():
+            pytest.skip(f"{name} is not downloaded")
+        return path
 
 
 def _chunks(t, w):
@@ -35,12 +44,9 @@ def _chunks(t, w):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("model", MODELS)
 def test_every_tensor_bit_exact(model):
-    path = MODELS[model]
-    if not path.exists():
-        pytest.skip(f"{path} not downloaded")
-    reader = GGUFReader(path)
+    reader = GGUFReader(model_path(model))
     file_bytes = plane_bytes = 0
     types = set()
     for t in reader.tensors:

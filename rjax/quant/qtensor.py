@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as QType
 class QTensor:
     """A block-quantized matrix: `planes` are device arrays, `qtype` and `shape` are static."""
 
-    planes: Any  # a NamedTuple of arrays, one field per block field (see formats.PLANES)
+    planes: Any  # a NamedTuple of arrays, one per field of the block struct (see formats.LAYOUTS)
     qtype: QType = dataclasses.field(metadata=dict(static=True))
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
 
