@@ -1,0 +1,37 @@
+"""Prefill GEMM (M in the hundreds to thousands): either the fused kernel with large tiles
+(dequantize each weight tile in registers, bf16 MMA on the tensor cores) or dequantize the
+whole weight once and use XLA's dot, whichever measured faster for the type
+(benchmarks/NOTES-quant_matmul.md).
+"""
+from __future__ import annotations
+
+import jax
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QType
+
+from pallas_kernels.quant_matmul.kernel import TileConfig, fused_qmatmul
+from pallas_kernels.quant_matmul.reference import dequantize_then_dot
+from rjax.quant.qtensor import QTensor
+
+PATHS = ("fused", "dequant_dot")
+# Measured on the H100 at M=2048 (see the notes); types not listed use the fused kernel.
+PREFILL_PATH: dict[QType, str] = {}
+
+
+def gemm_config(qtype: QType, m: int, n: int, k: int) -> TileConfig:
+    """Tiles for the fused prefill kernel: 128x128 output tiles, 64..256 K values per step."""
+    block_size = GGML_QUANT_SIZES[qtype][0]
+    block_k = max(1, 64 // block_size)
+    return TileConfig(block_m=128, block_n=128, block_k=block_k, num_warps=8, num_stages=3)
+
+
+def qmatmul_gemm(x: jax.Array, w: QTensor, *, path: str | None = None,
+                 config: TileConfig | None = None, interpret: bool = False) -> jax.Array:
+    """x (M, K) @ dequantize(w).T -> (M, N) in x.dtype, by the measured-faster path."""
+    path = path or PREFILL_PATH.get(w.qtype, "fused")
+    if path == "dequant_dot":
+        return dequantize_then_dot(x, w)
+    if path != "fused":
+        raise ValueError(f"qmatmul_gemm: path={path!r}; expected one of {PATHS}")
+    cfg = config or gemm_config(w.qtype, x.shape[0], *w.shape)
+    return fused_qmatmul(x, w, cfg, interpret=interpret)

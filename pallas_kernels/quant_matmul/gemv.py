@@ -1,0 +1,41 @@
+"""Decode GEMV / skinny GEMM (M = 1..64): the fused kernel with one M tile, so each weight
+byte is read from HBM once per call and dequantized in registers.
+
+Tiles come from `gemv_config`; the measured choices and their numbers are in
+benchmarks/NOTES-quant_matmul.md. Small N gets split along K (partial sums added by XLA)
+so that every SM has weight to stream.
+"""
+from __future__ import annotations
+
+import jax
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QType
+
+from pallas_kernels.quant_matmul.kernel import TileConfig, fused_qmatmul
+from rjax.quant.qtensor import QTensor
+
+MAX_M = 64
+_SMS = 132                  # H100 SXM multiprocessors
+_PROGRAMS_WANTED = 2 * _SMS  # enough programs in flight to keep HBM busy
+_VALUES_PER_STEP = 256      # K values a program dequantizes per loop step
+_BLOCK_N = 32
+
+
+def gemv_config(qtype: QType, m: int, n: int, k: int) -> TileConfig:
+    """Tiles for an (m, k) @ (k, n) decode product with an m of at most MAX_M."""
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"gemv: M={m} outside 1..{MAX_M}")
+    block_size = GGML_QUANT_SIZES[qtype][0]
+    block_k = max(1, _VALUES_PER_STEP // block_size)
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    n_tiles = -(-n // _BLOCK_N)
+    steps = -(-(k // block_size) // block_k)
+    split = max(1, min(-(-_PROGRAMS_WANTED // n_tiles), steps // 2 or 1))
+    return TileConfig(block_m=block_m, block_n=_BLOCK_N, block_k=block_k, split_k=split)
+
+
+def qmatmul_gemv(x: jax.Array, w: QTensor, *, config: TileConfig | None = None,
+                 interpret: bool = False) -> jax.Array:
+    """x (M <= 64, K) @ dequantize(w).T -> (M, N) in x.dtype."""
+    cfg = config or gemv_config(w.qtype, x.shape[0], *w.shape)
+    return fused_qmatmul(x, w, cfg, interpret=interpret)

@@ -1,0 +1,173 @@
+"""The fused quantized matmul: one Pallas kernel that streams GGUF planes, dequantizes each
+tile on chip and multiplies it with x. `gemv.py` (decode) and `gemm.py` (prefill) pick its
+tile sizes; the kernel itself is shared.
+
+Lowering: Pallas' Triton backend. JAX 0.11 deprecates it in favour of Mosaic GPU, but the
+kernel needs byte/nibble unpacking with shifts and masks on uint8 tiles, register
+reshapes of those tiles into MMA operands, and masked loads at arbitrary row/block edges;
+Triton expresses all of it and runs in Pallas' interpreter on CPU (so the exact kernel code
+is tested without a GPU), while Mosaic GPU's layouts for sub-word integer tiles and its
+interpreter with blocked specs did not work for this. Measured numbers live in
+benchmarks/NOTES-quant_matmul.md.
+
+Program (n, m, s) of the grid owns output rows x[m*BM : (m+1)*BM] and weight rows
+w[n*BN : (n+1)*BN] and the s-th of `split_k` equal ranges of blocks along K. It walks its
+range `block_k` blocks at a time; each step loads the blocks' planes once, turns every run
+of the block (see tiles.py) into a (BN, block_k * run) tile and either
+  - "mma": casts the tile to x's dtype (bf16/f16; f32 stays f32 and uses an exact f32 dot)
+    and accumulates tile @ x_run.T on the tensor cores, in float32; or
+  - "fma": for M <= 8, multiplies on the CUDA cores, with the per-run scale applied after
+    the sum over the run (one multiply per run rather than per value).
+Every weight byte is read from HBM once per program column, so with one M tile (decode) the
+weight is read exactly once. Rows, blocks and x rows past the edges are masked to zero;
+N, M and the number of blocks need not divide the tiles.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.quant_matmul.tiles import FORMATS, index
+from rjax.quant.qtensor import QTensor
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    block_m: int          # x rows per program (power of two; >= 16 for "mma")
+    block_n: int          # weight rows per program (power of two; >= 16 for "mma")
+    block_k: int          # GGUF blocks per K step (power of two)
+    split_k: int = 1      # programs sharing one output tile along K (partial sums added after)
+    method: str = "mma"   # "mma" (tensor cores) or "fma" (CUDA cores, M <= 8)
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"TileConfig.{name}={v} must be a power of two")
+        if self.method not in ("mma", "fma"):
+            raise ValueError(f"TileConfig.method={self.method!r}: expected 'mma' or 'fma'")
+        if self.method == "mma" and min(self.block_m, self.block_n) < 16:
+            raise ValueError(f"TileConfig: 'mma' needs block_m, block_n >= 16, got {self}")
+
+
+def _iota(n):
+    return jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
+
+
+def _kernel(x_ref, *refs, fmt, cfg: TileConfig, m_rows, n_rows, n_blocks, blocks_per_split, cdt):
+    *w_refs, o_ref = refs
+    bm, bn, bkb = cfg.block_m, cfg.block_n, cfg.block_k
+    pid_n, pid_m, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    n0, m0 = pid_n * bn, pid_m * bm
+    kb0 = pid_s * blocks_per_split
+    kb_end = jnp.minimum(kb0 + blocks_per_split, n_blocks)
+    rows, xrows = pl.ds(n0, bn), pl.ds(m0, bm)
+    rmask = (n0 + _iota(bn)) < n_rows
+    xmask = (m0 + _iota(bm)) < m_rows
+    run, sub = fmt.seg_len, fmt.sub
+
+    def step_mma(i, acc):
+        b0 = kb0 + i * bkb
+        blocks = pl.ds(b0, bkb)
+        bmask = (b0 + _iota(bkb)) < kb_end
+        wmask = rmask[:, None] & bmask[None, :]
+        xm = (xmask[:, None] & bmask[None, :]).reshape(bm, bkb, 1, 1)
+        for part in fmt.parts(w_refs, rows, blocks, wmask):
+            w = part.q * part.scale[..., None]
+            if part.bias is not None:
+                w = w + part.bias[..., None]
+            w = w.reshape(bn, bkb * run).astype(cdt)
+            xp = plgpu.load(x_ref.at[xrows, blocks, index(part.seg), :, :], mask=xm, other=0)
+            xp = xp.reshape(bm, bkb * run).astype(cdt)
+            acc = acc + jax.lax.dot_general(w, xp, (((1,), (1,)), ((), ())),
+                                            preferred_element_type=jnp.float32)
+        return acc
+
+    def step_fma(i, accs):
+        b0 = kb0 + i * bkb
+        blocks = pl.ds(b0, bkb)
+        bmask = (b0 + _iota(bkb)) < kb_end
+        wmask = rmask[:, None] & bmask[None, :]
+        accs = list(accs)
+        for part in fmt.parts(w_refs, rows, blocks, wmask):
+            for m in range(bm):
+                xmask_m = bmask & (m0 + m < m_rows)
+                xp = plgpu.load(x_ref.at[m0 + m, blocks, index(part.seg), :, :],
+                                mask=xmask_m.reshape(bkb, 1, 1), other=0).astype(jnp.float32)
+                t = jnp.sum(part.q * xp[None], axis=-1) * part.scale       # (BN, BKB, sub)
+                if part.bias is not None:
+                    t = t + part.bias * jnp.sum(xp, axis=-1)[None]
+                accs[m] = accs[m] + jnp.sum(jnp.sum(t, axis=-1), axis=-1)
+        return tuple(accs)
+
+    n_steps = blocks_per_split // bkb
+    if cfg.method == "mma":
+        acc = jax.lax.fori_loop(0, n_steps, step_mma, jnp.zeros((bn, bm), jnp.float32))
+        out = acc.T.astype(o_ref.dtype)
+        idx = (xrows, rows) if cfg.split_k == 1 else (pid_s, xrows, rows)
+        plgpu.store(o_ref.at[idx], out, mask=xmask[:, None] & rmask[None, :])
+    else:
+        accs = jax.lax.fori_loop(0, n_steps, step_fma,
+                                 tuple(jnp.zeros((bn,), jnp.float32) for _ in range(bm)))
+        for m, acc in enumerate(accs):
+            idx = (m0 + m, rows) if cfg.split_k == 1 else (pid_s, m0 + m, rows)
+            plgpu.store(o_ref.at[idx], acc.astype(o_ref.dtype), mask=rmask & (m0 + m < m_rows))
+
+
+def compute_dtype(dtype) -> jnp.dtype:
+    """MMA operand dtype for activations of `dtype`: bf16/f16 as given, anything else f32."""
+    dtype = jnp.dtype(dtype)
+    return dtype if dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else jnp.dtype(jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
+def fused_qmatmul(x: jax.Array, w: QTensor, cfg: TileConfig, interpret: bool = False) -> jax.Array:
+    """x (M, K) @ dequantize(w).T -> (M, N) in x.dtype, by the fused kernel with tiles `cfg`."""
+    if w.qtype not in FORMATS:
+        raise NotImplementedError(f"fused_qmatmul: no kernel for {w.qtype.name}; have "
+                                  f"{', '.join(t.name for t in FORMATS)}")
+    fmt = FORMATS[w.qtype]
+    n_rows, k = w.shape
+    m_rows = x.shape[0]
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"fused_qmatmul: x of shape {x.shape} does not match weight {w.qtype.name} {w.shape}")
+    if k % fmt.block_size:
+        raise ValueError(f"fused_qmatmul: K={k} is not a multiple of the {w.qtype.name} block size {fmt.block_size}")
+    if cfg.method == "fma" and cfg.block_m > 8:
+        raise ValueError(f"fused_qmatmul: 'fma' unrolls over x rows; block_m={cfg.block_m} > 8")
+    n_blocks = k // fmt.block_size
+    blocks_per_split = pl.cdiv(pl.cdiv(n_blocks, cfg.split_k), cfg.block_k) * cfg.block_k
+    x5 = x.reshape(m_rows, n_blocks, fmt.segments, fmt.sub, fmt.seg_len // fmt.sub)
+    views = fmt.views(w.planes)
+    grid = (pl.cdiv(n_rows, cfg.block_n), pl.cdiv(m_rows, cfg.block_m), cfg.split_k)
+    if cfg.split_k == 1:
+        out_shape = jax.ShapeDtypeStruct((m_rows, n_rows), x.dtype)
+    else:
+        out_shape = jax.ShapeDtypeStruct((cfg.split_k, m_rows, n_rows), jnp.float32)
+    kernel = functools.partial(
+        _kernel, fmt=fmt, cfg=cfg, m_rows=m_rows, n_rows=n_rows, n_blocks=n_blocks,
+        blocks_per_split=blocks_per_split, cdt=compute_dtype(x.dtype))
+    wbytes = sum(math.prod(v.shape) * v.dtype.itemsize for v in views)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        cost_estimate=pl.CostEstimate(
+            flops=2 * m_rows * n_rows * k, transcendentals=0,
+            bytes_accessed=wbytes * grid[1] + x.size * x.dtype.itemsize * grid[0]
+            + m_rows * n_rows * jnp.dtype(out_shape.dtype).itemsize * cfg.split_k),
+        interpret=interpret,
+        name=f"qmatmul_{w.qtype.name.lower()}",
+    )(x5, *views)
+    if cfg.split_k > 1:
+        out = out.sum(axis=0).astype(x.dtype)
+    return out

@@ -1,0 +1,199 @@
+"""In-kernel dequantization of a tile of GGUF blocks, read straight from the planes.
+
+A kernel step covers `BN` weight rows and `BKB` consecutive blocks of each row. Every type
+splits its block into `segments` contiguous runs ("segments") of `seg_len` values, chosen so
+that each run decodes from the planes without moving data across registers (Q4_0's low
+nibbles are values 0..15, its high nibbles values 16..31; Q4_K's 32-byte quant chunks give
+two 32-value runs each). A run comes back as a `Part`:
+
+    values = q * scale[..., None] + bias[..., None]        q: (BN, BKB, sub, seg_len // sub)
+
+where `q` holds the run's integer quants as float32 and `scale`/`bias` one factor per
+`seg_len // sub` values (Q6_K has a scale per 16 values, so its 32-value runs have sub=2).
+The kernel multiplies each run by the matching slice of x, viewed outside the kernel as
+(M, n_blocks, segments, sub, seg_len // sub): a free reshape, so x is read in its own order
+and nothing is permuted in memory.
+
+Plane `views` are free reshapes too (contiguous arrays), picked so that every load is a
+plain slice: all tile dimensions are powers of two, as Triton requires.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from gguf import GGMLQuantizationType as QType
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_F32 = jnp.float32
+# float32 bits of 2**23: OR-ing an integer 0 <= v < 2**23 into the mantissa gives exactly
+# 2**23 + v. One logic op and one add per value instead of an int->float conversion, which
+# runs at a quarter of the FP32 rate on Hopper and would bound the decode GEMV.
+_MAGIC_BITS = 0x4B000000
+_MAGIC = 8388608.0
+
+
+def int_to_f32(v: jax.Array, zero: int = 0) -> jax.Array:
+    """float32(v - zero) for integer v with 0 <= v < 2**23, exact."""
+    bits = v.astype(jnp.int32) | _MAGIC_BITS
+    return jax.lax.bitcast_convert_type(bits, _F32) - (_MAGIC + zero)
+
+
+class Part(NamedTuple):
+    seg: int                 # which run of the block: values seg*seg_len ... (seg+1)*seg_len - 1
+    q: jax.Array             # (BN, BKB, sub, seg_len // sub) float32, integer-valued
+    scale: jax.Array         # (BN, BKB, sub) float32
+    bias: jax.Array | None   # (BN, BKB, sub) float32, or None
+
+
+class TileFormat(NamedTuple):
+    block_size: int
+    segments: int
+    seg_len: int
+    sub: int
+    views: Callable      # planes -> tuple of arrays (free reshapes), in kernel-argument order
+    parts: Callable      # (refs, rows, blocks, mask (BN, BKB)) -> list[Part]; runs in the kernel
+
+
+def index(i):
+    """A static index as a scalar array: Pallas' interpreter cannot discharge plain ints."""
+    return jnp.int32(i) if isinstance(i, int) else i
+
+
+def _load(ref, idx, mask):
+    """Masked load of ref[idx]; `mask` has the leading (BN, BKB) dims, broadcast over the rest."""
+    view = ref.at[tuple(index(i) for i in idx)]
+    extra = len(view.shape) - mask.ndim
+    m = mask.reshape(mask.shape + (1,) * extra) if extra else mask
+    return plgpu.load(view, mask=m, other=0)
+
+
+def _f(v):
+    return v.astype(_F32)
+
+
+def _run(v):
+    """(BN, BKB, L) -> (BN, BKB, 1, L): a run with one scale."""
+    return v.reshape(v.shape[:2] + (1,) + v.shape[2:])
+
+
+def _col(v):
+    """(BN, BKB) -> (BN, BKB, 1): one factor per run."""
+    return v.reshape(v.shape + (1,))
+
+
+# --- 32-value block types ------------------------------------------------------------------
+
+def _q8_0_parts(refs, rows, blocks, mask):
+    d_ref, qs_ref = refs
+    d = _f(_load(d_ref, (rows, blocks), mask))
+    qs = _load(qs_ref, (rows, blocks, slice(None)), mask)           # int8 (BN, BKB, 32)
+    q = int_to_f32(qs.astype(jnp.int32) + 128, zero=128)
+    return [Part(0, _run(q), _col(d), None)]
+
+
+def _nibble_parts(qs, scale, bias, zero):
+    lo = int_to_f32(qs & 0x0F, zero)
+    hi = int_to_f32(qs >> 4, zero)
+    return [Part(0, _run(lo), scale, bias), Part(1, _run(hi), scale, bias)]
+
+
+def _q4_0_parts(refs, rows, blocks, mask):
+    d_ref, qs_ref = refs
+    d = _f(_load(d_ref, (rows, blocks), mask))
+    qs = _load(qs_ref, (rows, blocks, slice(None)), mask)           # uint8 (BN, BKB, 16)
+    return _nibble_parts(qs, _col(d), None, zero=8)
+
+
+def _q4_1_parts(refs, rows, blocks, mask):
+    d_ref, m_ref, qs_ref = refs
+    d = _f(_load(d_ref, (rows, blocks), mask))
+    m = _f(_load(m_ref, (rows, blocks), mask))
+    qs = _load(qs_ref, (rows, blocks, slice(None)), mask)
+    return _nibble_parts(qs, _col(d), _col(m), zero=0)
+
+
+def _q5_0_parts(refs, rows, blocks, mask):
+    d_ref, qh_ref, qs_ref = refs
+    d = _f(_load(d_ref, (rows, blocks), mask))
+    qs = _load(qs_ref, (rows, blocks, slice(None)), mask)
+    qh = [_load(qh_ref, (rows, blocks, i), mask).astype(jnp.int32) for i in range(4)]
+    shifts = jax.lax.broadcasted_iota(jnp.int32, (1, 1, 16), 2)
+    parts = []
+    for seg, (nib, h16) in enumerate(((qs & 0x0F, qh[0] | (qh[1] << 8)),
+                                       (qs >> 4, qh[2] | (qh[3] << 8)))):
+        hbit = (h16.reshape(h16.shape + (1,)) >> shifts) & 1         # bit j -> value j of the run
+        q = int_to_f32(nib.astype(jnp.int32) | (hbit << 4), zero=16)
+        parts.append(Part(seg, _run(q), _col(d), None))
+    return parts
+
+
+# --- 256-value super-block types ------------------------------------------------------------
+
+def _q4_k_parts(refs, rows, blocks, mask):
+    d_ref, dmin_ref, sc_ref, qs_ref = refs                          # qs viewed (N, nb, 4, 32)
+    d = _f(_load(d_ref, (rows, blocks), mask))
+    dmin = _f(_load(dmin_ref, (rows, blocks), mask))
+    b = [_load(sc_ref, (rows, blocks, i), mask).astype(jnp.int32) for i in range(12)]
+
+    def scale_min(s):   # ggml's get_scale_min_k4
+        if s < 4:
+            return b[s] & 63, b[s + 4] & 63
+        return (b[s + 4] & 0x0F) | ((b[s - 4] >> 2) & 0x30), (b[s + 4] >> 4) | ((b[s] >> 2) & 0x30)
+
+    parts = []
+    for c in range(4):  # 32 quant bytes: low nibbles are run 2c, high nibbles run 2c + 1
+        qs = _load(qs_ref, (rows, blocks, c, slice(None)), mask)    # (BN, BKB, 32)
+        for h, nib in enumerate((qs & 0x0F, qs >> 4)):
+            sc, mn = scale_min(2 * c + h)
+            parts.append(Part(2 * c + h, _run(int_to_f32(nib)),
+                              _col(d * _f(sc)), _col(-(dmin * _f(mn)))))
+    return parts
+
+
+def _q6_k_parts(refs, rows, blocks, mask):
+    ql_ref, qh_ref, sc_ref, d_ref = refs        # ql (N, nb, 8, 16), qh (N, nb, 4, 16)
+    d = _f(_load(d_ref, (rows, blocks), mask))
+    ql_cache, qh_cache = {}, {}
+    parts = []
+    # Value 128h + 32j + 16t + l: low 4 bits in ql byte 64h + 32(j%2) + 16t + l (nibble j//2),
+    # high 2 bits in qh byte 32h + 16t + l (bits 2j, 2j+1), scale 8h + 2j + t.
+    for h in range(2):
+        for j in range(4):
+            key = (h, j % 2)
+            if key not in ql_cache:
+                ql_cache[key] = _load(ql_ref, (rows, blocks, pl.ds(4 * h + 2 * (j % 2), 2), slice(None)), mask)
+            if h not in qh_cache:
+                qh_cache[h] = _load(qh_ref, (rows, blocks, pl.ds(2 * h, 2), slice(None)), mask)
+            low = (ql_cache[key] >> (4 * (j // 2))) & 0x0F
+            high = (qh_cache[h] >> (2 * j)) & 0x03
+            q = int_to_f32(low.astype(jnp.int32) | (high.astype(jnp.int32) << 4), zero=32)
+            sc = _f(_load(sc_ref, (rows, blocks, pl.ds(8 * h + 2 * j, 2)), mask))   # (BN, BKB, 2)
+            parts.append(Part(4 * h + j, q, sc * _col(d), None))
+    return parts
+
+
+def _same(p):
+    return tuple(p)
+
+
+def _q4_k_views(p):
+    n, nb = p.d.shape
+    return p.d, p.dmin, p.scales, p.qs.reshape(n, nb, 4, 32)
+
+
+def _q6_k_views(p):
+    n, nb = p.d.shape
+    return p.ql.reshape(n, nb, 8, 16), p.qh.reshape(n, nb, 4, 16), p.scales, p.d
+
+
+FORMATS: dict[QType, TileFormat] = {
+    QType.Q8_0: TileFormat(32, 1, 32, 1, _same, _q8_0_parts),
+    QType.Q4_0: TileFormat(32, 2, 16, 1, _same, _q4_0_parts),
+    QType.Q4_1: TileFormat(32, 2, 16, 1, _same, _q4_1_parts),
+    QType.Q5_0: TileFormat(32, 2, 16, 1, _same, _q5_0_parts),
+    QType.Q4_K: TileFormat(256, 8, 32, 1, _q4_k_views, _q4_k_parts),
+    QType.Q6_K: TileFormat(256, 8, 32, 2, _q6_k_views, _q6_k_parts),
+}

@@ -1,0 +1,175 @@
+"""Fused quantized matmul (pallas_kernels.quant_matmul) on CPU: the Pallas kernels run in
+the interpreter, at small shapes, on random valid blocks (never zeros).
+
+Oracles: gguf.quants.dequantize (ggml's arithmetic) for the weights and float64 numpy for
+the product. Error bounds (relative Frobenius norm against the float64 product):
+  f32 activations: <= 1e-5 (the kernel dequantizes and dots in f32);
+  bf16 activations: <= 1e-2 (the MMA operands are bf16: the weights round to 8 bits).
+"""
+from __future__ import annotations
+
+import unittest.mock as mock
+import warnings
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QType
+
+from pallas_kernels.quant_matmul import qmatmul, supports
+from pallas_kernels.quant_matmul.gemm import gemm_config
+from pallas_kernels.quant_matmul.gemv import gemv_config
+from pallas_kernels.quant_matmul.kernel import TileConfig, fused_qmatmul
+from pallas_kernels.quant_matmul.reference import dequantize_then_dot, qmatmul_reference
+from pallas_kernels.quant_matmul.testing import quantized_qtensor, random_qtensor, raw_bytes
+from rjax.quant.reference import dequantize
+
+TYPES = [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q4_K, QType.Q6_K]
+F32_TOL, BF16_TOL = 1e-5, 1e-2
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def _block(qtype):
+    return gguf.GGML_QUANT_SIZES[qtype][0]
+
+
+def _oracle(x, w):
+    """float64 x @ W.T with W from gguf-py's dequantizer."""
+    wd = gguf.quants.dequantize(raw_bytes(w), w.qtype).reshape(w.shape)
+    return np.asarray(x, np.float64) @ wd.astype(np.float64).T
+
+
+def _rel(out, ref):
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    assert np.all(np.isfinite(out)), "non-finite output (an element never written?)"
+    return np.linalg.norm(out - ref) / np.linalg.norm(ref)
+
+
+def _x(m, k, seed, dtype=jnp.float32):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((m, k)), dtype)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_reference_dequantize_matches_gguf(qtype):
+    w = random_qtensor(qtype, 7, 2 * _block(qtype), seed=3)
+    want = gguf.quants.dequantize(raw_bytes(w), qtype).reshape(w.shape)
+    np.testing.assert_array_equal(np.asarray(dequantize(w)), want)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_qmatmul_reference_matches_float64(qtype):
+    w = random_qtensor(qtype, 24, 2 * _block(qtype), seed=4)
+    x = _x(3, w.shape[1], 5)
+    out = qmatmul_reference(x, w)
+    assert out.shape == (3, 24) and out.dtype == jnp.float32
+    assert _rel(out, _oracle(x, w)) < 1e-6
+
+
+# (method, block_m, block_n, block_k, split_k, M, N): tiles that do and do not divide the
+# problem, K steps that overrun the last block, split-K with an empty last split.
+CONFIGS = [
+    ("mma", 16, 16, 2, 1, 1, 40),
+    ("mma", 16, 32, 4, 3, 5, 24),
+    ("mma", 32, 16, 1, 2, 37, 16),
+    ("fma", 1, 16, 2, 1, 1, 40),
+    ("fma", 4, 32, 1, 2, 3, 20),
+]
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("method,bm,bn,bk,split,m,n", CONFIGS)
+def test_fused_kernel_f32(qtype, method, bm, bn, bk, split, m, n):
+    k = 3 * _block(qtype)
+    w = random_qtensor(qtype, n, k, seed=m * 100 + n)
+    x = _x(m, k, seed=bm + bk)
+    cfg = TileConfig(bm, bn, bk, split_k=split, method=method)
+    out = fused_qmatmul(x, w, cfg, interpret=True)
+    assert out.shape == (m, n) and out.dtype == jnp.float32
+    assert _rel(out, _oracle(x, w)) < F32_TOL
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_fused_kernel_bf16_activations(qtype):
+    k = 2 * _block(qtype)
+    w = random_qtensor(qtype, 48, k, seed=11)
+    x = _x(20, k, seed=12, dtype=jnp.bfloat16)
+    out = fused_qmatmul(x, w, TileConfig(16, 32, 2, split_k=2), interpret=True)
+    assert out.dtype == jnp.bfloat16
+    assert _rel(out, _oracle(np.asarray(x.astype(jnp.float32)), w)) < BF16_TOL
+
+
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0], ids=lambda t: t.name)
+def test_gguf_quantized_gaussian_weights(qtype):
+    """Weights as gguf-py quantizes real data (not only random bytes)."""
+    rng = np.random.default_rng(21)
+    w = quantized_qtensor(qtype, rng.standard_normal((33, 96)).astype(np.float32) * 0.05)
+    x = _x(2, 96, 22)
+    out = qmatmul(x, w, implementation="interpret")
+    assert _rel(out, _oracle(x, w)) < F32_TOL
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 16, 64, 80])
+def test_qmatmul_dispatch_interpret(qtype, m):
+    """The public entry with the production tile choices (GEMV up to 64 rows, GEMM above)."""
+    k = 2 * _block(qtype)
+    w = random_qtensor(qtype, 24, k, seed=m)
+    x = _x(m, k, seed=m + 1)
+    out = qmatmul(x, w, implementation="interpret")
+    assert out.shape == (m, 24)
+    assert _rel(out, _oracle(x, w)) < F32_TOL
+
+
+def test_qmatmul_leading_dims_jit_and_cpu_default():
+    w = random_qtensor(QType.Q4_K, 16, 256, seed=2)
+    x = _x(6, 256, 3).reshape(2, 3, 256)
+    out = jax.jit(lambda x, w: qmatmul(x, w, implementation="interpret"))(x, w)
+    assert out.shape == (2, 3, 16)
+    ref = _oracle(np.asarray(x).reshape(6, 256), w).reshape(2, 3, 16)
+    assert _rel(out, ref) < F32_TOL
+    # On a CPU backend the default is the reference path.
+    np.testing.assert_array_equal(np.asarray(qmatmul(x, w)), np.asarray(qmatmul(x, w, implementation="reference")))
+
+
+def test_dequantize_then_dot_bf16():
+    w = random_qtensor(QType.Q6_K, 32, 512, seed=8)
+    x = _x(70, 512, 9, jnp.bfloat16)
+    out = dequantize_then_dot(x, w)
+    assert out.dtype == jnp.bfloat16
+    assert _rel(out, _oracle(np.asarray(x.astype(jnp.float32)), w)) < BF16_TOL
+
+
+def test_supports_and_errors():
+    assert all(supports(t) for t in TYPES)
+    assert not supports(QType.Q2_K) and not supports(QType.F16)
+    w = random_qtensor(QType.Q8_0, 8, 64, seed=1)
+    with pytest.raises(ValueError, match="does not match"):
+        qmatmul(jnp.ones((1, 32)), w)
+    with pytest.raises(ValueError, match="implementation"):
+        qmatmul(jnp.ones((1, 64)), w, implementation="cuda")
+    with pytest.raises(ValueError, match="power of two"):
+        TileConfig(16, 24, 1)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_kernels_lower_to_triton_for_h100(qtype):
+    """The production configs (decode and prefill) lower to a Triton module for an H100,
+    without a GPU, so lowering errors show up on CPU."""
+    from jax._src.pallas.triton import gpu_info
+
+    h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+    n, k = 4096, 4096
+    w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), random_qtensor(qtype, 1, k))
+    w = type(w)(jax.tree.map(lambda a: jax.ShapeDtypeStruct((n,) + a.shape[1:], a.dtype), w.planes), qtype, (n, k))
+    for m, cfg in [(1, gemv_config(qtype, 1, n, k)), (64, gemv_config(qtype, 64, n, k)),
+                   (1, TileConfig(1, 32, 8 if _block(qtype) == 32 else 1, method="fma")),
+                   (2048, gemm_config(qtype, 2048, n, k))]:
+        x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+        with warnings.catch_warnings(), mock.patch.object(gpu_info, "get_gpu_info", lambda: h100):
+            warnings.simplefilter("ignore")
+            lowered = jax.jit(fused_qmatmul, static_argnames=("cfg", "interpret")).trace(
+                x, w, cfg).lower(lowering_platforms=("cuda",))
+        assert "__gpu$xla.gpu.triton" in lowered.as_text(), (m, cfg)
