@@ -1,0 +1,639 @@
+"""Tokenizer and chat template, built from GGUF metadata or a Hugging Face checkpoint directory.
+
+The text <-> ids work is done by the `tokenizers` library; this module only assembles a
+`tokenizers.Tokenizer` from what a GGUF file stores (`tokenizer.ggml.*`), adds BOS/EOS handling,
+chat templates (jinja2, sandboxed, with the helpers Hugging Face templates expect) and an
+incremental decoder for streaming.
+
+The GGUF assembly follows what transformers builds from the same file, because transformers is
+the reference the tests compare against. Where transformers and llama.cpp differ, transformers
+wins (see `_BYTE_LEVEL_SPLITS` for the one difference that shows on real text).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import numpy as np
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+
+# GGUF token types (llama.cpp's llama_token_type).
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+
+SUPPORTED_GGUF_MODELS = ("gpt2", "llama")
+
+# --- byte-level (GPT-2 style) pre-tokenizer splits, by `tokenizer.ggml.pre` ---------------------
+
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# None means the GPT-2 rule built into the ByteLevel pre-tokenizer.
+# `smollm` (and the starcoder family): llama.cpp and the original SmolLM2 tokenizer.json first cut
+# every digit out on its own (`\p{N}`), then apply the GPT-2 rule. transformers' GGUF loader does
+# not, and the two differ on whitespace runs before digits ("x  12": transformers gives
+# "x", " ", " 12" -> Ġ Ġ 1 2; the digit-first rule gives "x", "  ", "1", "2" -> ĠĠ 1 2). We match
+# transformers, the reference the tests use.
+_BYTE_LEVEL_SPLITS: dict[str, str | None] = {
+    "default": None,
+    "gpt2": None,
+    "gpt-2": None,
+    "smollm": None,
+    "starcoder": None,
+    "refact": None,
+    "mpt": None,
+    "olmo": None,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "falcon3": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+
+# Architectures whose sentencepiece GGUF follows Gemma's conventions (see `_sentencepiece_backend`).
+_GEMMA_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3", "gemma3n"})
+
+# Control tokens that end a turn in common chat formats: generation stops on them as on EOS.
+_END_OF_TURN_TOKENS = (
+    "<|im_end|>",
+    "<end_of_turn>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<|return|>",
+)
+
+
+@lru_cache(maxsize=1)
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map, as byte-level BPE vocabularies spell bytes."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+# --- chat templates ----------------------------------------------------------------------------
+
+# Gemma's turn format, used when a Gemma GGUF carries no template (gemma-3-270m has none). The
+# system message, if any, is prepended to the first user turn; the assistant's role is "model".
+GEMMA_FALLBACK_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set system_prefix = render_content(messages[0]['content']) + '\n\n' -%}"
+    "{%- set turns = messages[1:] -%}"
+    "{%- else -%}{%- set system_prefix = '' -%}{%- set turns = messages -%}{%- endif -%}"
+    "{%- for message in turns -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Gemma chat roles must alternate user/assistant/user/...') }}"
+    "{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (system_prefix if loop.first else '') }}"
+    "{{ render_content(message['content']) | trim }}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+# ChatML, for a vocabulary that has <|im_start|>/<|im_end|> but no template.
+CHATML_FALLBACK_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + render_content(message['content']) + '<|im_end|>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+
+
+def _render_content(content: Any) -> str:
+    """A message's content as text: a string, or the text parts of an OpenAI-style list of parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence):
+        return "".join(part.get("text", "") for part in content if isinstance(part, Mapping) and part.get("type") == "text")
+    return "" if content is None else str(content)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text in some HF templates; render it as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller):
+        return caller()
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # Jinja's own tojson escapes HTML characters, which no chat format wants.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@lru_cache(maxsize=32)
+def compile_chat_template(source: str) -> jinja2.Template:
+    """A chat template compiled as Hugging Face does: sandboxed, trim_blocks + lstrip_blocks,
+    loop controls, and the helpers templates call (raise_exception, strftime_now, tojson)."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["render_content"] = _render_content
+    return env.from_string(source)
+
+
+# --- the tokenizer -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class Tokenizer:
+    """Text <-> token ids for one model, plus its chat template. Host-side; never traced.
+
+    `backend` does the work; the fields record what the model file says about BOS/EOS and turns.
+    Build one with `Tokenizer.from_gguf` or `Tokenizer.from_hf_dir`.
+    """
+
+    backend: tokenizers.Tokenizer
+    bos_id: int | None
+    eos_id: int | None
+    eos_ids: frozenset[int]
+    add_bos: bool
+    add_eos: bool
+    chat_template: str | None
+    # True when `chat_template` is a built-in fallback, not one from the model file.
+    chat_template_is_fallback: bool = False
+    special_tokens: Mapping[str, str | None] = field(default_factory=dict)  # bos_token, eos_token, ... as text
+
+    # -- construction --------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, reader) -> Tokenizer:
+        """From a GGUF file's `tokenizer.ggml.*` metadata: a `gguf.GGUFReader`, or a path to open one."""
+        if isinstance(reader, (str, os.PathLike)):
+            import gguf
+
+            reader = gguf.GGUFReader(reader)
+        meta = _GGUFMetadata(reader)
+        source = getattr(reader, "path", "<gguf>")
+        kind = meta.get("tokenizer.ggml.model")
+        architecture = meta.get("general.architecture", "")
+        tokens = meta.strings("tokenizer.ggml.tokens")
+        if tokens is None:
+            raise ValueError(f"{source}: no tokenizer.ggml.tokens in the file")
+        token_types = meta.array("tokenizer.ggml.token_type")
+        if token_types is None:
+            token_types = np.full(len(tokens), TOKEN_NORMAL, dtype=np.int32)
+        if kind == "gpt2":
+            pre = meta.get("tokenizer.ggml.pre", "default")
+            if pre not in _BYTE_LEVEL_SPLITS:
+                raise ValueError(
+                    f"{source}: tokenizer.ggml.pre {pre!r} is not supported; supported: {sorted(_BYTE_LEVEL_SPLITS)}"
+                )
+            merges = meta.strings("tokenizer.ggml.merges")
+            if merges is None:
+                raise ValueError(f"{source}: a gpt2 tokenizer needs tokenizer.ggml.merges, which the file lacks")
+            backend = _byte_level_backend(tokens, token_types, merges, _BYTE_LEVEL_SPLITS[pre])
+            default_add_bos = False
+        elif kind == "llama":
+            scores = meta.array("tokenizer.ggml.scores")
+            unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+            backend = _sentencepiece_backend(
+                tokens,
+                token_types,
+                scores,
+                unk_id=unk_id,
+                add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+                gemma=architecture in _GEMMA_ARCHITECTURES,
+            )
+            # llama.cpp adds BOS to a sentencepiece vocabulary that does not say otherwise.
+            default_add_bos = True
+        else:
+            raise ValueError(
+                f"{source}: tokenizer.ggml.model {kind!r} is not supported; supported: {list(SUPPORTED_GGUF_MODELS)}"
+            )
+
+        def token_text(key: str) -> str | None:
+            index = meta.get(key)
+            return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+        bos_id = meta.get("tokenizer.ggml.bos_token_id")
+        eos_id = meta.get("tokenizer.ggml.eos_token_id")
+        marked = {meta.get("tokenizer.ggml.eot_token_id"), meta.get("tokenizer.ggml.eom_token_id"), eos_id}
+        specials = {
+            "bos_token": token_text("tokenizer.ggml.bos_token_id"),
+            "eos_token": token_text("tokenizer.ggml.eos_token_id"),
+            "unk_token": token_text("tokenizer.ggml.unknown_token_id"),
+            "pad_token": token_text("tokenizer.ggml.padding_token_id"),
+        }
+        template = meta.get("tokenizer.chat_template")
+        return cls._assemble(
+            backend,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            marked_eos={i for i in marked if i is not None},
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", default_add_bos)),
+            add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+            chat_template=template,
+            architecture=architecture,
+            special_tokens=specials,
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike) -> Tokenizer:
+        """From a Hugging Face checkpoint directory: tokenizer.json, tokenizer_config.json,
+        chat_template.jinja (when present), generation_config.json and config.json for EOS ids."""
+        root = Path(path)
+        tokenizer_file = root / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"{root}: no tokenizer.json (only fast-tokenizer checkpoints are supported)")
+        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        tok_config = _read_json(root / "tokenizer_config.json")
+        gen_config = _read_json(root / "generation_config.json")
+        model_config = _read_json(root / "config.json")
+
+        def token_name(value) -> str | None:
+            return value.get("content") if isinstance(value, Mapping) else value
+
+        specials = {name: token_name(tok_config.get(name)) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+
+        def first_id(*candidates) -> int | None:
+            for value in candidates:
+                if isinstance(value, list):
+                    value = value[0] if value else None
+                if isinstance(value, str):
+                    value = backend.token_to_id(value)
+                if isinstance(value, int):
+                    return value
+            return None
+
+        bos_id = first_id(specials["bos_token"], gen_config.get("bos_token_id"), model_config.get("bos_token_id"))
+        eos_id = first_id(specials["eos_token"], gen_config.get("eos_token_id"), model_config.get("eos_token_id"))
+        marked = {eos_id}
+        for source in (gen_config.get("eos_token_id"), model_config.get("eos_token_id")):
+            marked.update(source if isinstance(source, list) else [source])
+        if specials["bos_token"] is None and bos_id is not None:
+            specials["bos_token"] = backend.id_to_token(bos_id)
+        if specials["eos_token"] is None and eos_id is not None:
+            specials["eos_token"] = backend.id_to_token(eos_id)
+
+        # What the file's post-processor adds around a text, unless the config states it.
+        probe_plain = backend.encode("a", add_special_tokens=False).ids
+        probe_full = backend.encode("a", add_special_tokens=True).ids
+        start = _find_sublist(probe_full, probe_plain)
+        added_before, added_after = probe_full[:start], probe_full[start + len(probe_plain):]
+        add_bos = tok_config.get("add_bos_token", bos_id is not None and added_before == [bos_id])
+        add_eos = tok_config.get("add_eos_token", eos_id is not None and added_after == [eos_id])
+
+        template_file = root / "chat_template.jinja"
+        template = template_file.read_text(encoding="utf-8") if template_file.is_file() else tok_config.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+            template = named.get("default")
+        return cls._assemble(
+            backend,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            marked_eos={i for i in marked if isinstance(i, int)},
+            add_bos=bool(add_bos) and bos_id is not None,
+            add_eos=bool(add_eos) and eos_id is not None,
+            chat_template=template,
+            architecture=str(model_config.get("model_type", "")),
+            special_tokens=specials,
+        )
+
+    @classmethod
+    def _assemble(
+        cls,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_id: int | None,
+        eos_id: int | None,
+        marked_eos: set[int],
+        add_bos: bool,
+        add_eos: bool,
+        chat_template: str | None,
+        architecture: str,
+        special_tokens: Mapping[str, str | None],
+    ) -> Tokenizer:
+        special_texts = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+        eos_ids = set(marked_eos)
+        for text in _END_OF_TURN_TOKENS:
+            index = backend.token_to_id(text)
+            if index is not None and text in special_texts:
+                eos_ids.add(index)
+        is_fallback = False
+        if not chat_template:
+            chat_template = _fallback_template(architecture, backend, special_texts)
+            is_fallback = chat_template is not None
+        return cls(
+            backend=backend,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            eos_ids=frozenset(eos_ids),
+            add_bos=add_bos,
+            add_eos=add_eos,
+            chat_template=chat_template,
+            chat_template_is_fallback=is_fallback,
+            special_tokens=dict(special_tokens),
+        )
+
+    # -- text <-> ids --------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce, added tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`. Special tokens written in the text (e.g. `<|im_start|>`) become
+        their ids. BOS (and EOS, where the file asks for it) is added per the model file when
+        `add_bos` is None, or as `add_bos` says."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            ids = [self.bos_id, *ids]
+        if add_bos is None and self.add_eos and self.eos_id is not None:
+            ids = [*ids, self.eos_id]
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+        """Text of `ids`; special tokens are dropped when `skip_special`."""
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, index: int) -> str | None:
+        return self.backend.id_to_token(int(index))
+
+    def stream_decoder(self, skip_special: bool = True) -> StreamDecoder:
+        """A fresh incremental decoder for one generated sequence."""
+        return StreamDecoder(self, skip_special=skip_special)
+
+    # -- chat ----------------------------------------------------------------------------------
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        """The conversation rendered as the model expects it (text, to be encoded with
+        `encode_chat` or `encode(..., add_bos=False)` when the template writes BOS itself)."""
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template, and no built-in one fits its vocabulary")
+        context = {name: value for name, value in self.special_tokens.items()}
+        context.update(tools=None, documents=None)
+        context.update(extra)
+        return compile_chat_template(self.chat_template).render(
+            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **context
+        )
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Ids of the rendered conversation. Like transformers' apply_chat_template(tokenize=True),
+        no BOS/EOS is added around the template's text: the template writes what it needs."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_bos=False)
+
+
+class StreamDecoder:
+    """Incremental detokenization: feed ids one at a time, get text as soon as it is whole.
+
+    Text is emitted only when the decoded tail does not end in U+FFFD, so a character spread over
+    several byte tokens (an emoji) comes out once, complete. Each step decodes only a window that
+    starts at the last emitted token boundary, so a step costs O(window), not O(sequence).
+    The concatenation of every `add` result and `flush()` equals `tokenizer.decode(all_ids)`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special
+        self._ids: list[int] = []
+        self._prefix = 0  # window start: first id of the last emitted chunk's window
+        self._read = 0  # ids before this are fully emitted
+
+    @property
+    def ids(self) -> list[int]:
+        return list(self._ids)
+
+    def _window_text(self, start: int, stop: int | None = None) -> str:
+        return self._tokenizer.decode(self._ids[start:stop], skip_special=self._skip_special)
+
+    def add(self, token_id: int) -> str:
+        """Add one id; return the text that became complete ("" while a character is still partial)."""
+        self._ids.append(int(token_id))
+        seen = self._window_text(self._prefix, self._read)
+        text = self._window_text(self._prefix)
+        if len(text) > len(seen) and not text.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self._ids)
+            return text[len(seen):]
+        return ""
+
+    def add_many(self, token_ids: Iterable[int]) -> str:
+        return "".join(self.add(t) for t in token_ids)
+
+    def flush(self) -> str:
+        """Whatever is still held back (a partial character at the end decodes as U+FFFD, as in decode)."""
+        seen = self._window_text(self._prefix, self._read)
+        text = self._window_text(self._prefix)
+        self._prefix = self._read = len(self._ids)
+        return text[len(seen):]
+
+
+# --- GGUF assembly -----------------------------------------------------------------------------
+
+
+class _GGUFMetadata:
+    """Typed access to a GGUFReader's key/value fields."""
+
+    def __init__(self, reader):
+        self._fields = reader.fields
+
+    def get(self, key: str, default=None):
+        f = self._fields.get(key)
+        if f is None:
+            return default
+        value = f.contents()
+        return default if value is None else value
+
+    def strings(self, key: str) -> list[str] | None:
+        f = self._fields.get(key)
+        if f is None:
+            return None
+        return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+
+    def array(self, key: str) -> np.ndarray | None:
+        f = self._fields.get(key)
+        if f is None:
+            return None
+        return np.asarray(f.contents())
+
+
+def _byte_level_backend(
+    tokens: list[str], token_types: np.ndarray, merges: list[str], split: str | None
+) -> tokenizers.Tokenizer:
+    """GPT-2 style byte-level BPE with the file's merges."""
+    alphabet = _byte_alphabet()
+    spelled = set(alphabet.values())
+    # Tokens written with characters outside the byte alphabet are respelled byte by byte.
+    vocab = {
+        (t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode("utf-8"))): i for i, t in enumerate(tokens)
+    }
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    backend = tokenizers.Tokenizer(
+        models.BPE(vocab=vocab, merges=pairs, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
+    )
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    backend.decoder = decoders.ByteLevel()
+    # A control token spelled outside the byte alphabet is a mislabel in the file (llama.cpp's
+    # converter) and is left a plain vocabulary entry, as transformers does.
+    _add_marked_tokens(backend, tokens, token_types, vocab, lambda t: set(t) <= spelled)
+    return backend
+
+
+def _sentencepiece_backend(
+    tokens: list[str],
+    token_types: np.ndarray,
+    scores: np.ndarray | None,
+    *,
+    unk_id: int | None,
+    add_space_prefix: bool,
+    gemma: bool,
+) -> tokenizers.Tokenizer:
+    """SentencePiece-style BPE over "▁"-for-space pieces, with byte fallback.
+
+    GGUF stores no merges for these; they are recovered from the vocabulary: every way to cut a
+    token into two tokens is a merge, ranked by the merged token's priority. Gemma files need two
+    fixes: their tokens of several spaces are stored as real spaces (respelled "▁▁…" to be reachable),
+    and their priority is the token's position in the file, which (unlike their scores) follows
+    the merge order.
+    """
+    stored = tokens
+    if gemma:
+        tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        priority = {t: -i for i, t in enumerate(tokens)}
+    else:
+        if scores is None:
+            raise ValueError("a sentencepiece (llama) GGUF tokenizer needs tokenizer.ggml.scores, which the file lacks")
+        priority = {t: float(s) for t, s in zip(tokens, scores)}
+    vocab = {t: i for i, t in enumerate(tokens)}
+    backend = tokenizers.Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=_merges_from_vocab(vocab, priority),
+            unk_token=tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if gemma:
+        backend.normalizer = normalizers.Replace(" ", "▁")
+    else:
+        scheme = "first" if add_space_prefix else "never"
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
+        if add_space_prefix:
+            steps.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(steps)
+    # Looked up by their stored spelling: the respelled space runs are then not added tokens, so
+    # BPE builds them, as in transformers.
+    _add_marked_tokens(backend, stored, token_types, vocab, lambda t: True)
+    return backend
+
+
+def _merges_from_vocab(vocab: dict[str, int], priority: dict[str, float]) -> list[tuple[str, str]]:
+    """Every (left, right) with left, right and left+right in the vocabulary, best merged token
+    first; ties by longer left part, then longer right part, then vocabulary order (the order
+    transformers gives them, which decides between two cuts of the same token)."""
+    ranked = []
+    for token, score in priority.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-score, -cut, cut - len(token), left, right))
+    ranked.sort(key=lambda r: r[:3])  # stable: equal keys keep vocabulary order
+    return [(r[3], r[4]) for r in ranked]
+
+
+def _add_marked_tokens(backend, tokens, token_types, vocab, eligible) -> None:
+    """CONTROL tokens match whole in the text as special tokens; USER_DEFINED ones match whole
+    as plain added tokens (like llama.cpp), otherwise BPE would cut them into pieces."""
+    types = np.asarray(token_types)
+    control = [
+        AddedToken(tokens[i], special=True, normalized=False)
+        for i in np.flatnonzero(types == TOKEN_CONTROL)
+        if eligible(tokens[i])
+    ]
+    user = [
+        AddedToken(tokens[i], special=False, normalized=False)
+        for i in np.flatnonzero(types == TOKEN_USER_DEFINED)
+        if tokens[i] in vocab
+    ]
+    if control:
+        backend.add_special_tokens(control)
+    if user:
+        backend.add_tokens(user)
+
+
+def _fallback_template(architecture: str, backend: tokenizers.Tokenizer, special_texts: set[str]) -> str | None:
+    """A built-in chat template for a model file that has none: Gemma's turn format for the Gemma
+    family, ChatML for a vocabulary with <|im_start|>/<|im_end|> special tokens, else none."""
+    if architecture.split("_")[0] in _GEMMA_ARCHITECTURES and backend.token_to_id("<start_of_turn>") is not None:
+        return GEMMA_FALLBACK_TEMPLATE
+    if {"<|im_start|>", "<|im_end|>"} <= special_texts:
+        return CHATML_FALLBACK_TEMPLATE
+    return None
+
+
+# --- small helpers -----------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _find_sublist(haystack: list[int], needle: list[int]) -> int:
+    for start in range(len(haystack) - len(needle) + 1):
+        if haystack[start:start + len(needle)] == needle:
+            return start
+    return 0
