@@ -1,0 +1,44 @@
+"""Shared fixtures: the real catalog models (pulled into the cache on first use) and the oracle."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # lets tests import `tests.oracle.client`
+    sys.path.insert(0, str(REPO))
+
+
+def pytest_collection_modifyitems(config, items):
+    import jax
+
+    if jax.default_backend() != "gpu":
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from rjax.catalog import resolve_model
+
+    return Path(resolve_model("smollm2-135m-instruct", progress=False))
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    from rjax.catalog import resolve_model
+
+    return Path(resolve_model("gemma3-270m", progress=False))
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """The default model, loaded once per test session (worker)."""
+    import rjax
+
+    return rjax.load(smollm2_path, progress=False)
