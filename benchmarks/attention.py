@@ -89,7 +89,11 @@ def _pallas_gqa(q, k, v, kv_len):  # q [B, Hq, D], k, v [B, S, Hkv, D]
 
 def _pallas_paged(q, k_pages, v_pages, table, kv_len):  # k_pages [Hkv, P, page_size, D]
     from jax.experimental.pallas.ops.gpu import paged_attention as ops
-    return ops.paged_attention(q * q.shape[-1] ** -0.5, k_pages, v_pages, table, kv_len)
+    # Its default of 8 pages per block overflows shared memory at page_size 64: use 128-key blocks.
+    per_block = max(1, 128 // k_pages.shape[2])
+    splits = max(1, min(16, table.shape[1] // per_block))
+    return ops.paged_attention(q * q.shape[-1] ** -0.5, k_pages, v_pages, table, kv_len,
+                               pages_per_compute_block=per_block, k_splits=splits)
 
 
 # ---------------------------------------------------------------- cases
@@ -154,16 +158,17 @@ def prefill_case(rows, S, D, *, Hq=32, Hkv=8, B=1, peers=True, sweep=()):
     run_one(rows, "prefill", shape, "jax pallas mha (triton)", _pallas_mha, repeated, 3 * q_bytes, flops,
             "TFLOP/s", note="K/V repeated to Hq heads")
     for block_kv in (128, 64):
-        def scaled(i):
+        def scaled_f16(i):  # attention_mgpu declares its shared-memory tiles float16
             q, k, v = native(i)
-            return (q * scale).astype(q.dtype), k, v
-        row = run_one(rows, "prefill", shape, f"jax pallas mgpu bkv={block_kv}", _pallas_mgpu(block_kv), scaled,
-                      q_bytes + kv_bytes, flops, "TFLOP/s")
+            return (q * scale).astype(jnp.float16), k.astype(jnp.float16), v.astype(jnp.float16)
+        row = run_one(rows, "prefill", shape, f"jax pallas mgpu bkv={block_kv}", _pallas_mgpu(block_kv),
+                      scaled_f16, q_bytes + kv_bytes, flops, "TFLOP/s", note="float16")
         if "us" in row:
             break
 
 
-def decode_case(rows, B, S, *, Hq=32, Hkv=8, D=128, peers=True, paged=True, page_size=64, sweep=()):
+def decode_case(rows, B, S, *, Hq=32, Hkv=8, D=128, peers=True, paged=True, page_size=64, sweep=(),
+                paged_sweep=()):
     shape = f"B={B} ctx={S} H={Hq}/{Hkv} D={D}"
     kv_bytes = 2 * B * Hkv * S * D * 2
     scale = D ** -0.5
@@ -189,9 +194,10 @@ def decode_case(rows, B, S, *, Hq=32, Hkv=8, D=128, peers=True, paged=True, page
                                  .reshape(B * n_pages, Hkv, page_size, D)[jnp.argsort(table.reshape(-1))])
             return q, to_pool(k), to_pool(v)
 
-        fn = lambda q, kp, vp: paged_decode_attention(q, kp, vp, table, pos, kv_len, scale=scale)
-        run_one(rows, "decode", shape, f"rjax pallas paged ps={page_size}", fn, ours_paged, kv_bytes, kv_bytes,
-                "GB/s")
+        for cfg in [dict()] + [dict(c) for c in paged_sweep]:
+            name = f"rjax pallas paged ps={page_size}" + "".join(f",{k}={v}" for k, v in cfg.items())
+            fn = lambda q, kp, vp, cfg=cfg: paged_decode_attention(q, kp, vp, table, pos, kv_len, scale=scale, **cfg)
+            run_one(rows, "decode", shape, name, fn, ours_paged, kv_bytes, kv_bytes, "GB/s")
     if not peers:
         return
 
@@ -219,6 +225,7 @@ PREFILL_SWEEP = {
     256: [dict(block_q=64, block_k=32, num_warps=4, num_stages=3), dict(block_q=128, block_k=64, num_warps=8),
           dict(block_q=64, block_k=64, num_warps=8, num_stages=2), dict(block_q=32, block_k=64, num_warps=4)],
 }
+PAGED_SWEEP = [dict(block_k=64), dict(block_k=64, num_stages=4), dict(block_k=128, num_stages=4)]
 DECODE_SWEEP = [dict(block_k=64, num_stages=3), dict(block_k=128, num_stages=2), dict(block_k=128, num_stages=4),
                 dict(block_k=256, num_stages=2), dict(block_k=128, num_warps=8)]
 
@@ -246,7 +253,7 @@ def main(argv=None):
     if args.only != "prefill":
         for B, S in decode_shapes:
             sweep = DECODE_SWEEP if args.sweep and (B, S) in ((8, 8192), (1, 32768), (64, 8192)) else ()
-            decode_case(rows, B, S, sweep=sweep)
+            decode_case(rows, B, S, sweep=sweep, paged_sweep=PAGED_SWEEP if sweep else ())
     copy_bw = next((r["rate"] for r in rows if r["kind"] == "copy" and "rate" in r), None)
     result = dict(device=dev.device_kind, jax=jax.__version__, copy_GBps=copy_bw, rows=rows)
     with open(args.json, "w") as f:

@@ -65,17 +65,23 @@ def init_state(rows: int, head_dim: int):
 
 
 def attend_block(state, q, k, v, *, qk_scale: float, mask=None):
-    """Fold keys k [bk, D] / values v [bk, D] into state for queries q [R, D]; mask [R, bk] bool or None."""
+    """Fold keys k [bk, D] / values v [bk, D] into state for queries q [R, D]; mask [R, bk] bool or None.
+
+    The running max m is kept in scaled units, so the scale meets each raw score once, inside the
+    exponent's argument (one fused multiply-add per score instead of a multiply and a subtract).
+    float32 inputs multiply in full float32 (the Triton lowering would otherwise use tf32).
+    """
     acc, m, l = state
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    s = s * qk_scale
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
     if mask is not None:
         s = jnp.where(mask, s, MASK_SCORE)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_new = jnp.maximum(m, jnp.max(s, axis=1) * qk_scale)
     alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(s - m_new[:, None])
+    p = jnp.exp2(s * qk_scale - m_new[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                         preferred_element_type=jnp.float32)
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l
 

@@ -68,10 +68,12 @@ def load_block(ref, table_ref, start, block_k: int, layout: CacheLayout, *, boun
         slot = jnp.minimum(lax.div(start, jnp.int32(ps)), max_pages - 1)
         page = jnp.clip(table_ref[slot], 0, last_page)
         return ref[page, pl.ds(lax.rem(start, jnp.int32(ps)), block_k), :]
-    # The block spans block_k // ps whole pages: gather them.
-    n = block_k // ps
+    # The block spans block_k // ps whole pages: gather row by row (row r of the block is position
+    # start + r, on page table[(start + r) // ps] at offset r % ps), which yields the [block_k, D]
+    # tile directly, with no reshape of a [pages, ps, D] tile in registers.
     first = lax.div(start, jnp.int32(ps))
-    slots = first + jnp.arange(n, dtype=jnp.int32)
-    pages = pltriton.load(table_ref.at[pl.ds(first, n)], mask=slots < max_pages, other=0)
+    r = jnp.arange(block_k, dtype=jnp.int32)
+    slots = first + lax.div(r, jnp.int32(ps))
+    pages = pltriton.load(table_ref.at[jnp.minimum(slots, max_pages - 1)])
     pages = jnp.clip(pages, 0, last_page)
-    return ref[pages].reshape(block_k, ref.shape[-1])
+    return ref[pages, lax.rem(r, jnp.int32(ps)), :]
