@@ -146,10 +146,21 @@ def _extensions():
     return out
 
 
+def enable_compilation_cache() -> None:
+    """Keep compiled XLA programs across runs of the command, beside the model cache."""
+    import jax
+
+    from rjax.catalog import rjax_home
+
+    jax.config.update("jax_compilation_cache_dir", str(rjax_home() / "xla-cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 def main(argv=None) -> int:
     from rjax.catalog import CatalogError
 
     args = build_parser().parse_args(argv)
+    enable_compilation_cache()
     try:
         return args.func(args) or 0
     except KeyboardInterrupt:
