@@ -1,0 +1,593 @@
+"""`rjax bench`: prefill and decode throughput, latency, compile time and memory, beside the
+memory-bandwidth roofline measured in the same run.
+
+What is measured (one model, random prompts of `prompt_len` token ids):
+- HBM bandwidth: a jitted `x + 1` over a large device array, counting bytes read + written,
+  median of several runs. It is the ceiling every decode step is held against.
+- prefill per batch size: first call (trace + compile + run) and steady calls of
+  `engine.prefill_and_sample`; time to first token is a steady call at batch 1 up to the
+  first token on the host; prefill tokens/s = batch x prompt_len / that time.
+- decode per (batch, steps per dispatch N): `engine.decode_loop` from a prefilled cache, with
+  a stop set that never matches and a budget beyond the run, so every slot generates every
+  step. The first dispatch (compile) is excluded; each timed run starts from a copy of the
+  same prefilled cache and makes ceil(gen / N) dispatches, each synced by fetching its tokens.
+  tokens/s = generated tokens / time; per-token latency = dispatch time / N (p50/p90/p99);
+  host time per token = time for the dispatch call to return / N (the launch overhead that
+  more steps per dispatch amortize).
+- roofline: bytes one decode step must read = weights (all of them, except an untied
+  embedding table of which only the batch's rows are read) + the KV cache of every sequence
+  at the run's mean context (window-limited for sliding-window layers). ceiling tokens/s =
+  batch x bandwidth / bytes; the fraction achieved is measured / ceiling.
+- recompilation: the number of programs each jitted function compiles is counted
+  (`_cache_size`): one per batch size for prefill (a second prompt length in the same bucket
+  must reuse it), one per (batch, N) for decode, none for repeated runs.
+- peak device memory from `memory_stats()` where the backend has it (GPUs; not the CPU).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from rjax import engine
+from rjax.cache import init_cache
+from rjax.config import ModelConfig
+from rjax.generation import activation_dtype, cache_length
+from rjax.model import Params
+from rjax.quant.qtensor import QTensor
+from rjax.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchSettings:
+    prompt_len: int = 512
+    gen: int = 128
+    batches: tuple[int, ...] = (1, 8, 32)
+    steps_per_dispatch: tuple[int, ...] = (1, 16)
+    repeats: int = 3
+    copy_bytes: int = 1 << 30      # bandwidth probe array size
+    copy_repeats: int = 5
+    seed: int = 0
+    time_budget_s: float | None = None  # stop cleanly (remaining measurements "skipped") after this
+
+    def __post_init__(self):
+        if self.prompt_len < 1 or self.gen < 1 or self.repeats < 1:
+            raise ValueError(f"prompt_len, gen and repeats must be >= 1 (got {self.prompt_len}, "
+                             f"{self.gen}, {self.repeats})")
+        if not self.batches or min(self.batches) < 1:
+            raise ValueError(f"batch sizes must be >= 1, got {self.batches}")
+        if not self.steps_per_dispatch or min(self.steps_per_dispatch) < 1:
+            raise ValueError(f"steps per dispatch must be >= 1, got {self.steps_per_dispatch}")
+
+
+# ---------------------------------------------------------------------------------------------
+# bytes: weights, KV cache, roofline
+
+def _leaf_bytes(tree) -> int:
+    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def weight_bytes(params: Params) -> int:
+    """Bytes of every weight array (quantized planes or dense arrays) in the params."""
+    return _leaf_bytes(params)
+
+
+def decode_weight_bytes(cfg: ModelConfig, params: Params, batch: int) -> int:
+    """Weight bytes one decode step reads: everything, except that an untied embedding table
+    is only gathered from (`batch` rows of it)."""
+    total = weight_bytes(params)
+    if params.lm_head is None:  # tied: the embedding is read in full as the LM head
+        return total
+    embed = _leaf_bytes(params.embed)
+    return total - embed + math.ceil(embed / cfg.vocab_size) * min(batch, cfg.vocab_size)
+
+
+def kv_bytes_per_sequence(cfg: ModelConfig, context: float, itemsize: int) -> float:
+    """K and V bytes a decode step reads for one sequence holding `context` positions."""
+    per_position = 2 * cfg.n_kv_heads * cfg.head_dim * itemsize
+    return sum(per_position * (min(context, w) if w else context) for w in cfg.layer_windows)
+
+
+def weight_types(params: Params) -> dict[str, dict[str, int]]:
+    """{type name: {count, bytes}} over the weights (QTensor types, dense dtypes)."""
+    out: dict[str, dict[str, int]] = {}
+    for leaf in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QTensor)):
+        name = leaf.qtype.name if isinstance(leaf, QTensor) else str(leaf.dtype)
+        entry = out.setdefault(name, {"count": 0, "bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += _leaf_bytes(leaf)
+    return dict(sorted(out.items()))
+
+
+def roofline(weight_bytes_per_step: int, kv_bytes_per_seq: float, batch: int, bandwidth_bytes_per_s: float) -> dict:
+    step_bytes = weight_bytes_per_step + batch * kv_bytes_per_seq
+    return dict(bytes_per_step=int(step_bytes), weight_bytes=int(weight_bytes_per_step),
+                kv_bytes=int(batch * kv_bytes_per_seq),
+                step_time_s=step_bytes / bandwidth_bytes_per_s,
+                tokens_per_s=batch * bandwidth_bytes_per_s / step_bytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# measurements
+
+def _percentiles(values) -> dict:
+    v = np.asarray(values, np.float64)
+    if v.size == 0:
+        return {"p50": None, "p90": None, "p99": None}
+    return {f"p{q}": float(np.percentile(v, q)) for q in (50, 90, 99)}
+
+
+def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, passes: int = 4) -> dict:
+    """Device memory bandwidth from a jitted elementwise pass over an array of nbytes, which
+    reads and writes every byte. `passes` passes run in one dispatch (a loop whose trip count
+    is a runtime value, so XLA can neither unroll nor fuse them) to keep launch and sync
+    overhead out of the time; the median of `repeats` dispatches counts."""
+    n = max(1, nbytes // 4)
+    x = jnp.zeros((n,), jnp.float32)
+    f = jax.jit(lambda a, k: jax.lax.fori_loop(0, k, lambda i, b: b + 1.0, a))
+    k = jnp.int32(passes)
+    f(x, k).block_until_ready()
+    samples = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        f(x, k).block_until_ready()
+        samples.append(time.perf_counter() - t0)
+    del x
+    moved = 2 * 4 * n * passes
+    med = float(np.median(samples))
+    return dict(array_bytes=4 * n, passes=passes, bytes_moved=moved, samples_s=samples, median_s=med,
+                bytes_per_s=moved / med, gb_per_s=moved / med / 1e9)
+
+
+def memory_stats() -> dict | None:
+    stats = jax.devices()[0].memory_stats()
+    if not stats:
+        return None
+    keys = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit", "largest_alloc_size")
+    return {k: int(stats[k]) for k in keys if k in stats}
+
+
+def load_for_bench(model: str | os.PathLike, progress: bool = True) -> tuple[ModelConfig, Params, Path]:
+    """(config, params on the device, path). GGUF files skip the tokenizer: prompts are ids."""
+    from rjax.catalog import resolve_model
+
+    path = Path(resolve_model(model, progress=progress))
+    if path.is_dir():
+        import rjax
+
+        m = rjax.load(path, progress=progress)
+        cfg, params = m.config, m.params
+    else:
+        from rjax.loaders.gguf import load_gguf
+
+        cfg, params, _ = load_gguf(path, progress=progress)
+    jax.block_until_ready(params)
+    return cfg, params, path
+
+
+def _random_prompts(rng: np.random.Generator, vocab: int, batch: int, length: int) -> np.ndarray:
+    return rng.integers(0, vocab, (batch, length), dtype=np.int32)
+
+
+class _Budget:
+    def __init__(self, seconds: float | None):
+        self.deadline = None if seconds is None else time.perf_counter() + seconds
+
+    def exhausted(self) -> bool:
+        return self.deadline is not None and time.perf_counter() > self.deadline
+
+
+def _copy_cache(cache):
+    return jax.tree.map(jnp.copy, cache)
+
+
+def run_bench(model: str | os.PathLike | tuple[ModelConfig, Params], settings: BenchSettings = BenchSettings(), *,
+              progress: bool = True, on_update: Callable[[dict], None] | None = None,
+              log: Callable[[str], None] | None = None) -> dict:
+    """Run every measurement and return the result (see `RESULT_KEYS`). `model` is a catalog
+    name or path, or an already loaded (config, params). `on_update(result)` is called after
+    each measurement with the result so far (for writing it out as it grows)."""
+    s = settings
+    budget = _Budget(s.time_budget_s)
+    say = log or (lambda msg: None)
+    t_start = time.perf_counter()
+    dev = jax.devices()[0]
+    result: dict = {
+        "rjax_bench_version": 1,
+        "device": {"platform": dev.platform, "kind": dev.device_kind, "count": jax.device_count(),
+                   "jax_version": jax.__version__},
+        "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(s).items()},
+        "status": "running", "skipped": [], "errors": [],
+    }
+
+    def update():
+        result["elapsed_s"] = time.perf_counter() - t_start
+        if on_update is not None:
+            on_update(result)
+
+    # Bandwidth first, before the model takes its memory.
+    bw = measure_bandwidth(s.copy_bytes, s.copy_repeats)
+    result["bandwidth"] = bw
+    # memory_stats' peak is process-wide and cannot be reset: note what the probe alone reached.
+    result["memory"] = {"after_bandwidth_probe": memory_stats()}
+    say(f"bandwidth: {bw['gb_per_s']:.1f} GB/s ({bw['array_bytes'] / 2**20:.0f} MiB array)")
+    update()
+
+    t0 = time.perf_counter()
+    if isinstance(model, tuple):
+        cfg, params = model
+        source = None
+    else:
+        cfg, params, source = load_for_bench(model, progress=progress)
+    load_s = time.perf_counter() - t0
+    dtype = activation_dtype()
+    itemsize = jnp.dtype(dtype).itemsize
+    result["model"] = {
+        "source": str(source) if source else None, "arch": cfg.arch, "n_layers": cfg.n_layers,
+        "d_model": cfg.d_model, "d_ff": cfg.d_ff, "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "tied_embeddings": params.lm_head is None,
+        "weight_bytes": weight_bytes(params), "weight_types": weight_types(params),
+        "activation_dtype": jnp.dtype(dtype).name, "load_s": load_s,
+    }
+    result["memory"]["after_load"] = memory_stats()
+    say(f"loaded {source or cfg.arch}: {result['model']['weight_bytes'] / 1e9:.3f} GB of weights in {load_s:.1f} s")
+
+    if s.prompt_len >= cfg.context_length:
+        raise ValueError(f"prompt length {s.prompt_len} does not fit the context of {cfg.context_length}")
+    bucket = engine.prompt_bucket(s.prompt_len)
+    warm_tokens = max(s.steps_per_dispatch)
+    S = cache_length(s.prompt_len + warm_tokens + s.gen + 1, cfg.context_length)
+    if s.prompt_len + s.gen + 1 > S:
+        raise ValueError(f"prompt {s.prompt_len} + {s.gen} generated tokens do not fit the context of "
+                         f"{cfg.context_length}")
+    mean_context = s.prompt_len + 1 + s.gen / 2  # positions held, averaged over the timed steps
+    kv_seq = kv_bytes_per_sequence(cfg, mean_context, itemsize)
+    result["settings"].update(prompt_bucket=bucket, cache_len=S, mean_context=mean_context,
+                              kv_bytes_per_sequence=kv_seq)
+    result.update(prefill=[], decode=[], compile={"prefill_and_sample": {}, "decode_loop": {}})
+    update()
+
+    rng = np.random.default_rng(s.seed)
+    stop_ids = jnp.asarray([-1], jnp.int32)  # token ids are >= 0: never stops
+    key = jax.random.key(s.seed)
+    batches = list(dict.fromkeys(s.batches))
+    steps = sorted(set(s.steps_per_dispatch), reverse=True)
+    # Headline numbers first, in case the time budget runs out: every batch (prefill, then decode
+    # with the most steps per dispatch), then the other step counts. n None: prefill.
+    tasks = [t for b in batches for t in ((b, None), (b, steps[0]))] + [(b, n) for n in steps[1:] for b in batches]
+    n_prefill_programs = engine.prefill_and_sample._cache_size()
+    n_decode_programs = engine.decode_loop._cache_size()
+    expected_prefill, expected_decode = 0, 0
+    alt_len_checked = False
+    templates: dict[int, object] = {}
+
+    bar = tqdm(tasks, desc="bench", unit="run", disable=not progress, leave=False)
+    for b, n in bar:
+        label = f"prefill B={b}" if n is None else f"decode B={b} N={n}"
+        bar.set_postfix_str(label)
+        if budget.exhausted():
+            result["skipped"].append(label)
+            update()
+            continue
+        if n is not None and b not in templates:
+            result["skipped"].append(label)  # its prefill failed or was skipped
+            continue
+        try:
+            if n is None:
+                entry, templates[b] = _bench_prefill(cfg, params, s, b, S, dtype, rng, key, budget)
+                expected_prefill += 1
+                if not alt_len_checked:
+                    entry["same_bucket_length"] = _check_bucket_reuse(cfg, params, s, b, S, dtype, rng, key)
+                    alt_len_checked = True
+                result["prefill"].append(entry)
+                result["compile"]["prefill_and_sample"][f"B={b}"] = entry["compile_s"]
+                say(f"{label}: {entry['tokens_per_s']:,.0f} tokens/s, {entry['time_s'] * 1e3:.1f} ms, "
+                    f"first call {entry['first_call_s']:.1f} s")
+            else:
+                entry = _bench_decode(cfg, params, s, b, n, templates[b], key, stop_ids, budget)
+                expected_decode += 1
+                rf = roofline(decode_weight_bytes(cfg, params, b), kv_seq, b, bw["bytes_per_s"])
+                entry["roofline"] = rf
+                entry["roofline_fraction"] = entry["tokens_per_s"] / rf["tokens_per_s"]
+                result["decode"].append(entry)
+                result["compile"]["decode_loop"][f"B={b},N={n}"] = entry["compile_s"]
+                say(f"{label}: {entry['tokens_per_s']:,.1f} tokens/s, p50 {entry['per_token_s']['p50'] * 1e3:.2f} "
+                    f"ms/token, {100 * entry['roofline_fraction']:.0f}% of the {rf['tokens_per_s']:,.0f} tokens/s "
+                    f"roofline, first call {entry['first_call_s']:.1f} s")
+        except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the others
+            result["errors"].append({"run": label, "error": f"{type(e).__name__}: {e}"})
+            say(f"{label}: FAILED {type(e).__name__}: {e}")
+        update()
+    bar.close()
+    templates.clear()
+
+    result["recompilation"] = {
+        "prefill_and_sample": {"programs": engine.prefill_and_sample._cache_size() - n_prefill_programs,
+                               "expected": expected_prefill},
+        "decode_loop": {"programs": engine.decode_loop._cache_size() - n_decode_programs,
+                        "expected": expected_decode},
+    }
+    for v in result["recompilation"].values():
+        v["ok"] = v["programs"] == v["expected"]
+    result["memory"]["end"] = memory_stats()
+    result["summary"] = summarize(result)
+    result["status"] = "done" if not result["skipped"] and not result["errors"] else "partial"
+    update()
+    return result
+
+
+def _bench_prefill(cfg, params, s: BenchSettings, b, S, dtype, rng, key, budget):
+    tokens, lengths = engine.pad_prompts(list(_random_prompts(rng, cfg.vocab_size, b, s.prompt_len)))
+    tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+    sp = SamplingParams.make(b)
+
+    def run():
+        cache = init_cache(cfg, b, S, dtype)
+        jax.block_until_ready(cache)
+        t0 = time.perf_counter()
+        first, cache = engine.prefill_and_sample(cfg, params, cache, tokens, lengths, None, key, sp)
+        first = np.asarray(first)
+        return time.perf_counter() - t0, first, cache
+
+    before = engine.prefill_and_sample._cache_size()
+    first_call, _, template = run()
+    times = []
+    for _ in range(s.repeats):
+        if times and budget.exhausted():
+            break
+        dt, first, template = run()
+        times.append(dt)
+    t = float(np.median(times))
+    entry = dict(batch=b, prompt_len=s.prompt_len, first_call_s=first_call, compile_s=max(0.0, first_call - t),
+                 time_s=t, samples_s=times, ttft_s=t, tokens_per_s=b * s.prompt_len / t,
+                 programs_compiled=engine.prefill_and_sample._cache_size() - before)
+    jax.block_until_ready(template)
+    return entry, (template, jnp.asarray(first))
+
+
+def _check_bucket_reuse(cfg, params, s: BenchSettings, b, S, dtype, rng, key) -> dict:
+    """Prefill a different prompt length of the same bucket: it must reuse the compiled program."""
+    bucket = engine.prompt_bucket(s.prompt_len)
+    lower = max([x for x in engine.PROMPT_BUCKETS if x < bucket], default=0)
+    alt = lower + 1 if lower + 1 != s.prompt_len else min(bucket, s.prompt_len + 1)
+    if alt == s.prompt_len or engine.prompt_bucket(alt) != bucket:
+        return {"prompt_len": alt, "checked": False}
+    tokens, lengths = engine.pad_prompts(list(_random_prompts(rng, cfg.vocab_size, b, alt)))
+    before = engine.prefill_and_sample._cache_size()
+    cache = init_cache(cfg, b, S, dtype)
+    first, cache = engine.prefill_and_sample(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths), None,
+                                             key, SamplingParams.make(b))
+    np.asarray(first)
+    new = engine.prefill_and_sample._cache_size() - before
+    return {"prompt_len": alt, "checked": True, "new_programs": new, "ok": new == 0}
+
+
+def _bench_decode(cfg, params, s: BenchSettings, b, n, prefilled, key, stop_ids, budget) -> dict:
+    """`prefilled`: (the cache after prefill, the first tokens it sampled); never donated."""
+    template, first = prefilled
+    sp = SamplingParams.make(b)
+    # A budget beyond the run and a stop set that never matches: every slot decodes every step.
+    room = template.max_len - s.prompt_len
+    n_dispatches = math.ceil(s.gen / n)
+
+    def fresh_state():
+        cache = _copy_cache(template)
+        state = engine.initial_state(first, jnp.full((b,), room, jnp.int32), stop_ids, key, cache)
+        jax.block_until_ready((cache, state))
+        return cache, state
+
+    before = engine.decode_loop._cache_size()
+    cache, state = fresh_state()
+    t0 = time.perf_counter()
+    out, state, cache = engine.decode_loop(cfg, params, cache, state, sp, stop_ids, n)
+    np.asarray(out)
+    first_call = time.perf_counter() - t0
+    programs = engine.decode_loop._cache_size() - before
+    del cache, state
+
+    dispatch_s, host_s, run_rates, tokens_total, time_total = [], [], [], 0, 0.0
+    for r in range(s.repeats):
+        if r and budget.exhausted():
+            break
+        cache, state = fresh_state()
+        run_tokens, run_time = 0, 0.0
+        for _ in range(n_dispatches):
+            t0 = time.perf_counter()
+            out, state, cache = engine.decode_loop(cfg, params, cache, state, sp, stop_ids, n)
+            t1 = time.perf_counter()
+            out = np.asarray(out)
+            t2 = time.perf_counter()
+            dispatch_s.append(t2 - t0)
+            host_s.append(t1 - t0)
+            run_tokens += int((out >= 0).sum())
+            run_time += t2 - t0
+        if run_tokens != b * n * n_dispatches:
+            raise RuntimeError(f"decode B={b} N={n} generated {run_tokens} tokens, expected "
+                               f"{b * n * n_dispatches}: a slot stopped early")
+        run_rates.append(run_tokens / run_time)
+        tokens_total += run_tokens
+        time_total += run_time
+        del cache, state
+    steady = float(np.median(dispatch_s))
+    per_token = np.asarray(dispatch_s) / n
+    return dict(batch=b, steps_per_dispatch=n, dispatches_per_run=n_dispatches, runs=len(run_rates),
+                tokens=tokens_total, time_s=time_total,
+                tokens_per_s=float(np.median(run_rates)), tokens_per_s_runs=run_rates,
+                per_token_s=_percentiles(per_token),
+                per_sequence_tokens_per_s=float(np.median(run_rates)) / b,
+                dispatch_s=_percentiles(dispatch_s),
+                host_s_per_token=float(np.median(host_s)) / n,
+                first_call_s=first_call, compile_s=max(0.0, first_call - steady), programs_compiled=programs)
+
+
+def summarize(result: dict) -> dict:
+    """The headline numbers, llama-bench style (pp = prefill at batch 1, tg = decode at batch 1)."""
+    s = result["settings"]
+    out: dict = {"pp": None, "ttft_s": None, "tg": None, "tg_steps_per_dispatch": None,
+                 "decode_by_batch": {}, "roofline_tg": None, "roofline_fraction_tg": None,
+                 "compile_s_total": None, "bandwidth_gb_per_s": result.get("bandwidth", {}).get("gb_per_s")}
+    p1 = [p for p in result.get("prefill", []) if p["batch"] == 1]
+    if p1:
+        out["pp"] = p1[0]["tokens_per_s"]
+        out["ttft_s"] = p1[0]["ttft_s"]
+    best: dict[int, dict] = {}
+    for d in result.get("decode", []):
+        if d["batch"] not in best or d["tokens_per_s"] > best[d["batch"]]["tokens_per_s"]:
+            best[d["batch"]] = d
+    for b, d in sorted(best.items()):
+        out["decode_by_batch"][str(b)] = {"tokens_per_s": d["tokens_per_s"], "steps_per_dispatch": d["steps_per_dispatch"],
+                                          "roofline_tokens_per_s": d["roofline"]["tokens_per_s"],
+                                          "roofline_fraction": d["roofline_fraction"]}
+    if 1 in best:
+        out["tg"] = best[1]["tokens_per_s"]
+        out["tg_steps_per_dispatch"] = best[1]["steps_per_dispatch"]
+        out["roofline_tg"] = best[1]["roofline"]["tokens_per_s"]
+        out["roofline_fraction_tg"] = best[1]["roofline_fraction"]
+    host = {d["steps_per_dispatch"]: d["host_s_per_token"] for d in result.get("decode", []) if d["batch"] == 1}
+    out["host_s_per_token_by_steps"] = {str(k): v for k, v in sorted(host.items())}
+    comp = result.get("compile", {})
+    times = [v for prog in comp.values() for v in prog.values()]
+    out["compile_s_total"] = float(sum(times)) if times else None
+    out["label"] = f"pp{s['prompt_len']} / tg{s['gen']}"
+    return out
+
+
+# Top-level keys of a finished result (the test checks them all).
+RESULT_KEYS = ("rjax_bench_version", "device", "settings", "status", "skipped", "errors", "bandwidth", "model",
+               "memory", "prefill", "decode", "compile", "recompilation", "summary", "elapsed_s")
+
+
+# ---------------------------------------------------------------------------------------------
+# output
+
+def write_json(result: dict, path: str | os.PathLike) -> None:
+    """Atomically (re)write the result, so a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, path)
+
+
+def plot(result: dict, path: str | os.PathLike) -> Path:
+    """tokens/s against batch size, one line per steps-per-dispatch, with the roofline."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("plotting needs matplotlib: pip install matplotlib (or rjax[plot])") from None
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    by_n: dict[int, list] = {}
+    for d in result["decode"]:
+        by_n.setdefault(d["steps_per_dispatch"], []).append((d["batch"], d["tokens_per_s"]))
+    for n, pts in sorted(by_n.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"rjax, N={n} steps per dispatch")
+    roof = sorted({(d["batch"], d["roofline"]["tokens_per_s"]) for d in result["decode"]})
+    if roof:
+        ax.plot([p[0] for p in roof], [p[1] for p in roof], "k--",
+                label=f"roofline at {result['bandwidth']['gb_per_s']:.3g} GB/s")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size (sequences)")
+    ax.set_ylabel("decode tokens/s (all sequences)")
+    name = Path(result["model"]["source"]).name if result["model"].get("source") else result["model"]["arch"]
+    ax.set_title(f"{name} on {result['device']['kind']}", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def format_table(result: dict) -> str:
+    lines = []
+    m, bw = result.get("model", {}), result.get("bandwidth", {})
+    lines.append(f"model {m.get('source') or m.get('arch')}: {m.get('weight_bytes', 0) / 1e9:.3f} GB weights, "
+                 f"device {result['device']['kind']}, copy bandwidth {bw.get('gb_per_s', float('nan')):.1f} GB/s")
+    for p in result.get("prefill", []):
+        lines.append(f"  prefill B={p['batch']:<3} {p['tokens_per_s']:>12,.1f} tokens/s  {p['time_s'] * 1e3:9.2f} ms"
+                     f"   first call {p['first_call_s']:.1f} s")
+    lines.append(f"  {'decode':14} {'tokens/s':>12} {'p50 ms/tok':>11} {'p99':>8} {'host us/tok':>12} "
+                 f"{'roofline':>10} {'frac':>6} {'compile s':>10}")
+    for d in result.get("decode", []):
+        lines.append(f"  B={d['batch']:<3} N={d['steps_per_dispatch']:<5} {d['tokens_per_s']:>12,.1f} "
+                     f"{d['per_token_s']['p50'] * 1e3:>11.3f} {d['per_token_s']['p99'] * 1e3:>8.3f} "
+                     f"{d['host_s_per_token'] * 1e6:>12.1f} {d['roofline']['tokens_per_s']:>10,.0f} "
+                     f"{d['roofline_fraction']:>6.1%} {d['compile_s']:>10.1f}")
+    rc = result.get("recompilation", {})
+    if rc:
+        lines.append("  programs compiled: " + ", ".join(f"{k} {v['programs']} (expected {v['expected']})"
+                                                       for k, v in rc.items()))
+    mem = (result.get("memory") or {}).get("end")
+    if mem and "peak_bytes_in_use" in mem:
+        lines.append(f"  peak device memory {mem['peak_bytes_in_use'] / 2**30:.2f} GiB")
+    for k in ("skipped", "errors"):
+        if result.get(k):
+            lines.append(f"  {k}: {result[k]}")
+    return "\n".join(lines)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def cmd_bench(a) -> int:
+    default_copy = (1 << 30) if jax.default_backend() != "cpu" else (64 << 20)
+    settings = BenchSettings(prompt_len=a.prompt_len, gen=a.gen, batches=a.batch, steps_per_dispatch=a.steps_per_dispatch,
+                             repeats=a.repeats, copy_bytes=int(a.copy_mib * 2**20) if a.copy_mib else default_copy,
+                             seed=a.seed, time_budget_s=a.time_budget)
+    on_update = (lambda r: write_json(r, a.json)) if a.json else None
+
+    def log(msg):
+        print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    result = run_bench(a.model, settings, progress=not a.quiet and sys.stderr.isatty(), on_update=on_update,
+                       log=None if a.quiet else log)
+    if a.plot:
+        plot(result, a.plot)
+    print(format_table(result), flush=True)
+    return 0 if not result["errors"] else 1
+
+
+def register_cli(subparsers) -> None:
+    from rjax.catalog import DEFAULT_MODEL
+
+    p = subparsers.add_parser("bench", help="prefill/decode throughput, latency, compile time and roofline",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-m", "--model", default=DEFAULT_MODEL, help=f"catalog name or path (default: {DEFAULT_MODEL})")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--gen", type=int, default=128, help="tokens generated per timed decode run")
+    p.add_argument("--batch", type=_int_list, default=(1, 8, 32), help="batch sizes, e.g. 1,8,32")
+    p.add_argument("--steps-per-dispatch", type=_int_list, default=(1, 16), help="decode steps per dispatch, e.g. 1,16")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration")
+    p.add_argument("--copy-mib", type=float, default=None,
+                   help="bandwidth probe array size in MiB (default 1024 on accelerators, 64 on CPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="skip the remaining measurements after this long (they are listed as skipped)")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the result here (rewritten as it grows)")
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="plot tokens/s against batch size (matplotlib)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress output, only the final table")
+    p.set_defaults(func=cmd_bench)
