@@ -34,7 +34,7 @@ class ChatSession:
         """Add a user turn and stream the assistant's reply; the reply joins the history."""
         tok = self.model.tokenizer
         self.messages.append({"role": "user", "content": text})
-        ids = tok.encode(tok.apply_chat_template(self.messages, add_generation_prompt=True), add_bos=False)
+        ids = tok.encode_chat(self.messages)
         dec = tok.stream_decoder()
         reply = []
         for step in stream_ids(self.model, [ids], max_new_tokens=self.max_new_tokens, temperature=self.temperature,

@@ -51,12 +51,9 @@ def cache_length(needed: int, context_length: int) -> int:
 
 def encode_prompt(model: Model, prompt: str, raw: bool = False) -> list[int]:
     """Chat-template the prompt as one user turn (unless raw), then tokenize."""
-    tok = model.tokenizer
     if raw:
-        return tok.encode(prompt)
-    text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    # The template already carries any BOS the model wants.
-    return tok.encode(text, add_bos=False)
+        return model.tokenizer.encode(prompt)
+    return model.tokenizer.encode_chat([{"role": "user", "content": prompt}])
 
 
 def check_prompt_lengths(model: Model, prompts: Sequence[Sequence[int]]) -> None:

@@ -42,8 +42,8 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
     try:
         reader = GGUFReader(path, "r")
     except Exception as e:  # the gguf parser raises many types on a damaged header
-        raise ModelFileError(f"{path}: cannot parse the GGUF header ({type(e).__name__}: {e}); "
-                             "the file is truncated or corrupt") from e
+        raise ModelFileError(f"{path} is truncated or corrupt ({path.stat().st_size:,} bytes): the GGUF reader "
+                             f"failed with {type(e).__name__}: {e}") from e
     size = path.stat().st_size
     for t in reader.tensors:
         end = int(t.data_offset) + int(t.n_bytes)
@@ -94,7 +94,13 @@ def config_from_metadata(meta: dict, path: str | os.PathLike = "<gguf>") -> Mode
         vocab = len(meta.get("tokenizer.ggml.tokens", [])) or None
     rope_theta = float(get("rope.freq_base", 10000.0))
     scaling = None
-    if get("rope.scaling.type", "", required=False) == "llama3" or f"{arch}.rope.scaling.low_freq_factor" in meta:
+    scaling_type = get("rope.scaling.type", "", required=False)
+    if scaling_type not in ("", "none", "linear", "llama3"):
+        raise ModelFileError(f"{path}: rope scaling type {scaling_type!r} ({arch}.rope.scaling.type) is not "
+                             "supported; supported: none, linear, llama3")
+    # linear scaling divides positions by the factor (gemma3: on its global layers only)
+    linear = float(get("rope.scaling.factor", 1.0, required=False)) if scaling_type == "linear" else 1.0
+    if scaling_type == "llama3" or f"{arch}.rope.scaling.low_freq_factor" in meta:
         scaling = RopeScaling(float(get("rope.scaling.factor")), float(get("rope.scaling.low_freq_factor", 1.0)),
                               float(get("rope.scaling.high_freq_factor", 4.0)),
                               int(get("rope.scaling.original_context_length")))
@@ -105,17 +111,21 @@ def config_from_metadata(meta: dict, path: str | os.PathLike = "<gguf>") -> Mode
                   rope_scaling=scaling)
     window = get("attention.sliding_window", 0, required=False)
     if arch == "llama":
-        return ModelConfig(**common, rope_pairing="pairs",
+        return ModelConfig(**common, rope_pairing="pairs", layer_rope_linear=(linear,) * n_layers,
                            layer_windows=(int(window) or None,) * n_layers if window else ())
     if arch == "qwen2":
-        return ModelConfig(**common, rope_pairing="halves", qkv_bias=True,
+        return ModelConfig(**common, rope_pairing="halves", qkv_bias=True, layer_rope_linear=(linear,) * n_layers,
                            layer_windows=(int(window) or None,) * n_layers if window else ())
     # gemma3: five sliding-window layers (rope base 10k) then one global layer (rope base from the file)
     is_global = tuple((i + 1) % 6 == 0 for i in range(n_layers))
+    # llama.cpp's rule: the 62-layer (27B) model scales queries by its d_model / n_heads (Gemma's
+    # query_pre_attn_scalar), the others by head_dim.
+    attn_scale = (d_model / n_heads) ** -0.5 if n_layers == 62 else 0.0
     return ModelConfig(**common, rope_pairing="halves", qk_norm=True, post_norms=True,
-                       activation="gelu_tanh", embed_scale=math.sqrt(d_model),
+                       activation="gelu_tanh", embed_scale=math.sqrt(d_model), attn_scale=attn_scale,
                        layer_windows=tuple(None if g else int(window) for g in is_global),
-                       layer_rope_theta=tuple(rope_theta if g else 10000.0 for g in is_global))
+                       layer_rope_theta=tuple(rope_theta if g else 10000.0 for g in is_global),
+                       layer_rope_linear=tuple(linear if g else 1.0 for g in is_global))
 
 
 def _to_device(w):
@@ -177,6 +187,13 @@ def config_from_reader(reader: GGUFReader, path: str | os.PathLike = "<gguf>") -
         if emb is None:
             raise ModelFileError(f"{path}: missing tensor 'token_embd.weight'")
         cfg = dataclasses.replace(cfg, vocab_size=int(emb.shape[1]))
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:  # llama.cpp's form of Llama-3 rope scaling: per-frequency divisors
+        factors = np.asarray(freqs.data, np.float32).reshape(-1)
+        if factors.size != cfg.head_dim // 2:
+            raise ModelFileError(f"{path}: tensor 'rope_freqs.weight' has {factors.size} values; "
+                                 f"head_dim {cfg.head_dim} needs {cfg.head_dim // 2}")
+        cfg = dataclasses.replace(cfg, rope_freq_factors=tuple(float(f) for f in factors), rope_scaling=None)
     return cfg
 
 

@@ -1,0 +1,251 @@
+"""The functional core on a small synthetic model: cache writes, slots, buckets, decode loop, errors.
+
+Numbers are compared between independent routes through the engine (one prefill against a
+prefill plus decode steps, one slot against a batch); the model against transformers lives in
+test_llama_oracle.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QType
+from gguf import GGUFWriter
+
+import rjax
+from rjax import engine
+from rjax.cache import init_cache
+from rjax.generation import PromptTooLongError, check_prompt_lengths
+from rjax.loaders.gguf import ModelFileError, load_gguf
+from rjax.quant.formats import TensorFormatError
+from rjax.sampling import SamplingParams
+from rjax.synth import write_synthetic
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("synth") / "tiny.gguf"
+    return write_synthetic(path, "smollm2-135m", "q8_0", seed=3, n_layers=2, vocab_size=512,
+                           tokenizer_from="builtin")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_path):
+    cfg, params, _ = load_gguf(tiny_path, progress=False)
+    return cfg, params
+
+
+def _prompts(seed, lengths, vocab):
+    rng = np.random.default_rng(seed)
+    return [list(rng.integers(0, vocab, n)) for n in lengths]
+
+
+def test_prefill_then_decode_equals_one_longer_prefill(tiny):
+    cfg, params = tiny
+    ids = _prompts(0, [12], cfg.vocab_size)[0]
+    full_cache = init_cache(cfg, 1, 64)
+    t, l = engine.pad_prompts([ids])
+    full, _ = engine.prefill(cfg, params, full_cache, jnp.asarray(t), jnp.asarray(l))
+
+    cache = init_cache(cfg, 1, 64)
+    t, l = engine.pad_prompts([ids[:8]])
+    logits, cache = engine.prefill(cfg, params, cache, jnp.asarray(t), jnp.asarray(l))
+    for tok in ids[8:]:
+        logits, cache = engine.decode_step(cfg, params, cache, jnp.asarray([tok], jnp.int32))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(full), rtol=0, atol=1e-4 * float(jnp.abs(full).max()))
+    assert int(cache.lengths[0]) == 12
+
+
+def test_batched_prefill_equals_each_prompt_alone(tiny):
+    cfg, params = tiny
+    prompts = _prompts(1, [3, 17, 9], cfg.vocab_size)
+    cache = init_cache(cfg, 3, 64)
+    t, l = engine.pad_prompts(prompts)
+    batched, cache = engine.prefill(cfg, params, cache, jnp.asarray(t), jnp.asarray(l))
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [3, 17, 9])
+    for i, p in enumerate(prompts):
+        alone, _ = engine.prefill(cfg, params, init_cache(cfg, 1, 64), *map(jnp.asarray, engine.pad_prompts([p])))
+        np.testing.assert_allclose(np.asarray(batched[i]), np.asarray(alone[0]), atol=1e-4 * float(jnp.abs(alone).max()))
+
+
+def test_prefill_into_one_slot_leaves_the_others_untouched(tiny):
+    cfg, params = tiny
+    cache = init_cache(cfg, 3, 32)
+    cache = dataclasses.replace(cache, k=cache.k + 7.0, v=cache.v - 3.0)  # recognisable contents
+    before_k, before_v = np.asarray(cache.k), np.asarray(cache.v)
+    t, l = engine.pad_prompts(_prompts(2, [5], cfg.vocab_size))
+    _, cache = engine.prefill(cfg, params, cache, jnp.asarray(t), jnp.asarray(l), jnp.asarray([1], jnp.int32))
+    k, v = np.asarray(cache.k), np.asarray(cache.v)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [0, 5, 0])
+    for s in (0, 2):
+        np.testing.assert_array_equal(k[:, s], before_k[:, s])
+        np.testing.assert_array_equal(v[:, s], before_v[:, s])
+    assert not np.array_equal(k[:, 1, :, :5], before_k[:, 1, :, :5])
+    np.testing.assert_array_equal(k[:, 1, :, 5:], before_k[:, 1, :, 5:])  # nothing past the prompt
+    # An inactive slot in decode is not written and does not advance.
+    _, cache = engine.decode_step(cfg, params, cache, jnp.asarray([1, 2, 3], jnp.int32),
+                                  jnp.asarray([False, True, False]))
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [0, 6, 0])
+    np.testing.assert_array_equal(np.asarray(cache.k)[:, 0], before_k[:, 0])
+
+
+def test_prompt_lengths_within_a_bucket_share_one_compilation(tiny):
+    cfg, params = tiny
+    sp = SamplingParams.make(1)
+    key = jax.random.key(0)
+    fn = engine.prefill_and_sample
+
+    def run(n):
+        t, l = engine.pad_prompts(_prompts(n, [n], cfg.vocab_size))
+        cache = init_cache(cfg, 1, 64)
+        fn(cfg, params, cache, jnp.asarray(t), jnp.asarray(l), None, key, sp)[0].block_until_ready()
+
+    run(5)
+    before = fn._cache_size()
+    for n in (6, 9, 15, 16):
+        run(n)
+    assert fn._cache_size() == before, "a prompt length inside the 16-token bucket recompiled"
+    run(17)
+    assert fn._cache_size() == before + 1
+    # Other sampling parameters are arrays, not static arguments: no recompilation either.
+    t, l = engine.pad_prompts(_prompts(3, [7], cfg.vocab_size))
+    fn(cfg, params, init_cache(cfg, 1, 64), jnp.asarray(t), jnp.asarray(l), None, key,
+       SamplingParams.make(1, temperature=0.8, top_k=5, top_p=0.9))[0].block_until_ready()
+    assert fn._cache_size() == before + 1
+
+
+def test_decode_loop_greedy_equals_step_by_step_and_stops_at_stop_token(tiny):
+    cfg, params = tiny
+    prompts = _prompts(4, [6, 11], cfg.vocab_size)
+    sp = SamplingParams.make(2)
+    key = jax.random.key(1)
+
+    # Step by step with decode_step + argmax.
+    cache = init_cache(cfg, 2, 64)
+    t, l = engine.pad_prompts(prompts)
+    logits, cache = engine.prefill(cfg, params, cache, jnp.asarray(t), jnp.asarray(l))
+    expected = [np.asarray(jnp.argmax(logits, -1))]
+    for _ in range(9):
+        logits, cache = engine.decode_step(cfg, params, cache, jnp.asarray(expected[-1], jnp.int32))
+        expected.append(np.asarray(jnp.argmax(logits, -1)))
+    expected = np.stack(expected, 1)  # [2, 10]
+
+    cache = init_cache(cfg, 2, 64)
+    first, cache = engine.prefill_and_sample(cfg, params, cache, jnp.asarray(t), jnp.asarray(l), None, key, sp)
+    no_stop = jnp.asarray([-1], jnp.int32)
+    state = engine.initial_state(first, jnp.asarray([10, 10]), no_stop, key, cache)
+    out, state, cache = engine.decode_loop(cfg, params, cache, state, sp, no_stop, 4)
+    out2, state, cache = engine.decode_loop(cfg, params, cache, state, sp, no_stop, 8)
+    got = np.concatenate([np.asarray(first)[:, None], np.asarray(out), np.asarray(out2)], 1)
+    np.testing.assert_array_equal(got[:, :10], expected)
+    assert (got[:, 10:] == -1).all() and bool(np.asarray(state.done).all())  # the 10-token budget
+
+    # With sequence 0's 4th token as a stop token, sequence 0 stops right after emitting it.
+    stop_tok = int(expected[0, 3])
+    stop = jnp.asarray([stop_tok], jnp.int32)
+    cache = init_cache(cfg, 2, 64)
+    first, cache = engine.prefill_and_sample(cfg, params, cache, jnp.asarray(t), jnp.asarray(l), None, key, sp)
+    state = engine.initial_state(first, jnp.asarray([10, 10]), stop, key, cache)
+    out, state, cache = engine.decode_loop(cfg, params, cache, state, sp, stop, 9)
+    row0 = np.asarray(out)[0]
+    first_stop = list(expected[0]).index(stop_tok)
+    np.testing.assert_array_equal(row0[:first_stop], expected[0, 1:first_stop + 1])
+    assert (row0[first_stop:] == -1).all()
+
+
+def test_decode_loop_stops_when_the_cache_is_full(tiny):
+    cfg, params = tiny
+    cache = init_cache(cfg, 1, 16)
+    t, l = engine.pad_prompts(_prompts(5, [12], cfg.vocab_size))
+    sp = SamplingParams.make(1)
+    key = jax.random.key(0)
+    first, cache = engine.prefill_and_sample(cfg, params, cache, jnp.asarray(t), jnp.asarray(l), None, key, sp)
+    no_stop = jnp.asarray([-1], jnp.int32)
+    state = engine.initial_state(first, jnp.asarray([100]), no_stop, key, cache)
+    out, state, cache = engine.decode_loop(cfg, params, cache, state, sp, no_stop, 10)
+    assert int(cache.lengths[0]) == 16
+    assert (np.asarray(out)[0] >= 0).sum() == 4  # positions 12..15 were written, the 4th token ends it
+    assert bool(state.done[0])
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        load_gguf(tmp_path / "nope.gguf")
+
+
+def test_not_a_gguf(tmp_path):
+    p = tmp_path / "model.gguf"
+    p.write_bytes(b"PK\x03\x04 definitely a zip")
+    with pytest.raises(ModelFileError, match="not a GGUF file"):
+        load_gguf(p)
+
+
+def test_truncated_gguf(tiny_path, tmp_path):
+    data = tiny_path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(ModelFileError, match=r"cut\.gguf is truncated"):
+        load_gguf(cut)
+    header_only = tmp_path / "header.gguf"
+    header_only.write_bytes(data[:200])
+    with pytest.raises(ModelFileError, match=r"header\.gguf is truncated"):
+        load_gguf(header_only)
+
+
+def _tiny_writer(path, arch):
+    w = GGUFWriter(str(path), arch)
+    for key, value in dict(block_count=1, context_length=64, embedding_length=32, feed_forward_length=64,
+                           **{"attention.head_count": 2, "attention.head_count_kv": 1}).items():
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    return w
+
+
+def _finish(w):
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    p = tmp_path / "mamba.gguf"
+    w = _tiny_writer(p, "mamba")
+    w.add_tensor("token_embd.weight", np.ones((16, 32), np.float32))
+    _finish(w)
+    with pytest.raises(ModelFileError, match=r"unsupported architecture 'mamba'.*llama"):
+        load_gguf(p)
+
+
+def test_unsupported_tensor_type_is_named(tmp_path):
+    p = tmp_path / "iq2.gguf"
+    w = _tiny_writer(p, "llama")
+    w.add_tensor("token_embd.weight", np.ones((16, 32), np.float32))
+    # IQ2_XXS: 66 bytes per 256 values; rows of 256 values.
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((32, 66), np.uint8), raw_dtype=QType.IQ2_XXS)
+    _finish(w)
+    with pytest.raises(TensorFormatError, match=r"blk\.0\.attn_q\.weight.*IQ2_XXS"):
+        load_gguf(p)
+
+
+def test_prompt_longer_than_the_context(tiny_path):
+    model = rjax.load(tiny_path, progress=False)
+    small = dataclasses.replace(model, config=dataclasses.replace(model.config, context_length=32))
+    with pytest.raises(PromptTooLongError, match=r"40 tokens.*context.*32"):
+        check_prompt_lengths(small, [list(range(40))])
+    with pytest.raises(PromptTooLongError):
+        rjax.generate(small, "x" * 200, raw=True, max_new_tokens=2)
+    with pytest.raises(ValueError, match="empty"):
+        check_prompt_lengths(small, [[]])
+
+
+def test_cache_longer_than_the_context(tiny):
+    cfg, _ = tiny
+    with pytest.raises(ValueError, match="exceeds the model's context length"):
+        init_cache(cfg, 1, cfg.context_length + 1)
