@@ -240,27 +240,23 @@ def full_jobs(types, shapes, ms):
 
 def sweep_configs(qt, m, n, k):
     bs = GGML_QUANT_SIZES[qt][0]
-    nb = k // bs
     out = []
     if m <= 64:
-        bks = (1, 2) if bs == 256 else (4, 8)
-        bm = 16 if m <= 16 else 64
-        for bn in (16, 32, 64):
-            for bk in bks:
-                for target in (132, 264):
-                    tiles = -(-n // bn)
-                    split = max(1, min(-(-target // tiles), -(-nb // bk)))
-                    out.append(TileConfig(bm, bn, bk, split_k=split))
-                    if m == 1 and target == 264:
-                        out.append(TileConfig(1, bn, bk, split_k=split, method="fma"))
-        out = list(dict.fromkeys(out))
+        for bn in (64, 128):
+            for warps in (4, 8):
+                for vps in ((256, 512) if m == 1 else (256,)):
+                    for programs in (264, 528):
+                        out.append(gemv_config(qt, m, n, k, block_n=bn, num_warps=warps,
+                                               values_per_step=vps, programs=programs))
+        if m == 1:
+            for bn in (16, 32):
+                for warps in (4, 8):
+                    out.append(gemv_config(qt, m, n, k, method="fma", block_n=bn, num_warps=warps, programs=264))
     else:
-        bks = (1,) if bs == 256 else (2, 4)
-        for bm, bn, warps in ((128, 128, 8), (128, 128, 4), (64, 128, 4), (128, 64, 4), (128, 256, 8)):
-            for bk in bks:
-                for stages in (3, 4):
-                    out.append(TileConfig(bm, bn, bk, num_warps=warps, num_stages=stages))
-    return out
+        bk = max(1, 64 // bs)
+        for bm, bn, warps in ((128, 128, 8), (128, 128, 4), (128, 256, 8), (64, 128, 4)):
+            out.append(TileConfig(bm, bn, bk, num_warps=warps, num_stages=3))
+    return list(dict.fromkeys(out))
 
 
 def sweep_jobs(types, shapes, ms):

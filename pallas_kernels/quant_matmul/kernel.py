@@ -16,8 +16,8 @@ range `block_k` blocks at a time; each step loads the blocks' planes once, turns
 of the block (see tiles.py) into a (BN, block_k * run) tile and either
   - "mma": casts the tile to x's dtype (bf16/f16; f32 stays f32 and uses an exact f32 dot)
     and accumulates tile @ x_run.T on the tensor cores, in float32; or
-  - "fma": for M <= 8, multiplies on the CUDA cores, with the per-run scale applied after
-    the sum over the run (one multiply per run rather than per value).
+  - "fma": for M <= 8, multiplies on the CUDA cores in float32, accumulating elementwise
+    into a tile-sized accumulator that is reduced once after the K loop.
 Every weight byte is read from HBM once per program column, so with one M tile (decode) the
 weight is read exactly once. Rows, blocks and x rows past the edges are masked to zero;
 N, M and the number of blocks need not divide the tiles.
@@ -73,6 +73,8 @@ def _kernel(x_ref, *refs, fmt, cfg: TileConfig, m_rows, n_rows, n_blocks, blocks
     rmask = (n0 + _iota(bn)) < n_rows
     xmask = (m0 + _iota(bm)) < m_rows
     run, sub = fmt.seg_len, fmt.sub
+    # f32 operands: an exact f32 dot (Triton's default for f32 would be tf32).
+    precision = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
 
     def step_mma(i, acc):
         b0 = kb0 + i * bkb
@@ -87,25 +89,27 @@ def _kernel(x_ref, *refs, fmt, cfg: TileConfig, m_rows, n_rows, n_blocks, blocks
             w = w.reshape(bn, bkb * run).astype(cdt)
             xp = plgpu.load(x_ref.at[xrows, blocks, index(part.seg), :, :], mask=xm, other=0)
             xp = xp.reshape(bm, bkb * run).astype(cdt)
-            acc = acc + jax.lax.dot_general(w, xp, (((1,), (1,)), ((), ())),
+            acc = acc + jax.lax.dot_general(w, xp, (((1,), (1,)), ((), ())), precision=precision,
                                             preferred_element_type=jnp.float32)
         return acc
 
     def step_fma(i, accs):
+        # Elementwise accumulation into a full (BN, BKB, sub, run/sub) tile per x row: no
+        # reductions or layout changes inside the loop; one reduction after it.
         b0 = kb0 + i * bkb
         blocks = pl.ds(b0, bkb)
         bmask = (b0 + _iota(bkb)) < kb_end
         wmask = rmask[:, None] & bmask[None, :]
         accs = list(accs)
         for part in fmt.parts(w_refs, rows, blocks, wmask):
+            w = part.q * part.scale[..., None]
+            if part.bias is not None:
+                w = w + part.bias[..., None]
             for m in range(bm):
                 xmask_m = bmask & (m0 + m < m_rows)
                 xp = plgpu.load(x_ref.at[m0 + m, blocks, index(part.seg), :, :],
                                 mask=xmask_m.reshape(bkb, 1, 1), other=0).astype(jnp.float32)
-                t = jnp.sum(part.q * xp[None], axis=-1) * part.scale       # (BN, BKB, sub)
-                if part.bias is not None:
-                    t = t + part.bias * jnp.sum(xp, axis=-1)[None]
-                accs[m] = accs[m] + jnp.sum(jnp.sum(t, axis=-1), axis=-1)
+                accs[m] = accs[m] + w * xp[None]
         return tuple(accs)
 
     n_steps = blocks_per_split // bkb
@@ -115,9 +119,11 @@ def _kernel(x_ref, *refs, fmt, cfg: TileConfig, m_rows, n_rows, n_blocks, blocks
         idx = (xrows, rows) if cfg.split_k == 1 else (pid_s, xrows, rows)
         plgpu.store(o_ref.at[idx], out, mask=xmask[:, None] & rmask[None, :])
     else:
+        tile = (bn, bkb, sub, run // sub)
         accs = jax.lax.fori_loop(0, n_steps, step_fma,
-                                 tuple(jnp.zeros((bn,), jnp.float32) for _ in range(bm)))
+                                 tuple(jnp.zeros(tile, jnp.float32) for _ in range(bm)))
         for m, acc in enumerate(accs):
+            acc = jnp.sum(jnp.sum(jnp.sum(acc, axis=3), axis=2), axis=1)
             idx = (m0 + m, rows) if cfg.split_k == 1 else (pid_s, m0 + m, rows)
             plgpu.store(o_ref.at[idx], acc.astype(o_ref.dtype), mask=rmask & (m0 + m < m_rows))
 
