@@ -44,6 +44,12 @@ class ModelConfig:
     # callers may pass them explicitly for mixed local/global models.
     layer_windows: tuple[int | None, ...] = ()
     layer_rope_theta: tuple[float, ...] = ()
+    # Per-layer linear rope scaling (positions divided by the factor; Gemma 3 4B+ uses it on its
+    # global layers only), 1.0 = none; derived in __post_init__ when not given.
+    layer_rope_linear: tuple[float, ...] = ()
+    # Per-frequency divisors of the rope frequencies (head_dim // 2 of them): how llama.cpp stores
+    # Llama-3 scaling (the `rope_freqs` tensor). None = none.
+    rope_freq_factors: tuple[float, ...] | None = None
     qkv_bias: bool = False
     qk_norm: bool = False
     post_norms: bool = False
@@ -61,8 +67,14 @@ class ModelConfig:
             object.__setattr__(self, "layer_windows", (None,) * self.n_layers)
         if not self.layer_rope_theta:
             object.__setattr__(self, "layer_rope_theta", (self.rope_theta,) * self.n_layers)
-        if len(self.layer_windows) != self.n_layers or len(self.layer_rope_theta) != self.n_layers:
-            raise ValueError("layer_windows and layer_rope_theta need one entry per layer")
+        if not self.layer_rope_linear:
+            object.__setattr__(self, "layer_rope_linear", (1.0,) * self.n_layers)
+        if (len(self.layer_windows) != self.n_layers or len(self.layer_rope_theta) != self.n_layers
+                or len(self.layer_rope_linear) != self.n_layers):
+            raise ValueError("layer_windows, layer_rope_theta and layer_rope_linear need one entry per layer")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ValueError(f"rope_freq_factors has {len(self.rope_freq_factors)} entries; "
+                             f"head_dim {self.head_dim} needs {self.head_dim // 2}")
         if not self.attn_scale:
             object.__setattr__(self, "attn_scale", 1.0 / math.sqrt(self.head_dim))
 

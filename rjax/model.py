@@ -54,9 +54,11 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (xf * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig, theta: float) -> jax.Array:
+def rope_inv_freq(cfg: ModelConfig, theta: float, linear: float = 1.0) -> jax.Array:
     d = cfg.head_dim
-    inv = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    inv = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)) / linear
+    if cfg.rope_freq_factors is not None:
+        inv = inv / jnp.asarray(cfg.rope_freq_factors, jnp.float32)
     s = cfg.rope_scaling
     if s is not None:  # Llama 3: stretch low frequencies, keep high ones, blend between
         low_wavelen = s.original_context_length / s.low_freq_factor
@@ -103,7 +105,7 @@ def _attention_block(cfg: ModelConfig, i: int, p: LayerParams, x, cache: KVCache
     if p.q_norm is not None:
         q = rms_norm(q, p.q_norm, cfg.rms_eps)
         k = rms_norm(k, p.k_norm, cfg.rms_eps)
-    inv_freq = rope_inv_freq(cfg, cfg.layer_rope_theta[i])
+    inv_freq = rope_inv_freq(cfg, cfg.layer_rope_theta[i], cfg.layer_rope_linear[i])
     q = apply_rope(q, pos, inv_freq, cfg.rope_pairing)
     k = apply_rope(k, pos, inv_freq, cfg.rope_pairing)
     cache = cache.write(i, k, v, pos, slots)
