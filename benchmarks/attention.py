@@ -30,13 +30,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.attention import decode_attention, paged_decode_attention, prefill_attention
+from pallas_kernels.attention import (
+    decode_attention, mgpu_prefill_attention, paged_decode_attention, prefill_attention,
+)
 
 ROTATE_BYTES = 200e6
 DTYPE = jnp.bfloat16
 
 
-def measure(fn, make_set, set_bytes, *, target_s=0.25, reps=7, max_sets=32):
+def measure(fn, make_set, set_bytes, *, target_s=0.1, reps=5, max_sets=32):
     """Median seconds per call of fn(*make_set(i)) (see module docstring)."""
     n_sets = int(min(max_sets, max(1, math.ceil(ROTATE_BYTES / max(set_bytes, 1)))))
     sets = [make_set(i) for i in range(n_sets)]
@@ -123,7 +125,7 @@ def device_copy(rows):
     del x
 
 
-def prefill_case(rows, S, D, *, Hq=32, Hkv=8, B=1, peers=True, sweep=()):
+def prefill_case(rows, S, D, *, Hq=32, Hkv=8, B=1, peers=True, sweep=(), mosaic_sweep=()):
     shape = f"B={B} S={S} H={Hq}/{Hkv} D={D}"
     flops = 4 * B * Hq * D * S * S / 2
     scale = D ** -0.5
@@ -139,6 +141,10 @@ def prefill_case(rows, S, D, *, Hq=32, Hkv=8, B=1, peers=True, sweep=()):
     for cfg in configs:
         name = "rjax pallas" + ("" if not cfg else " " + ",".join(f"{k}={v}" for k, v in cfg.items()))
         fn = lambda q, k, v, cfg=cfg: prefill_attention(q, k, v, pos, kv_len, scale=scale, **cfg)
+        run_one(rows, "prefill", shape, name, fn, ours, q_bytes + kv_bytes, flops, "TFLOP/s")
+    for cfg in [dict()] + [dict(c) for c in mosaic_sweep]:
+        name = "rjax mosaic" + ("" if not cfg else " " + ",".join(f"{k}={v}" for k, v in cfg.items()))
+        fn = lambda q, k, v, cfg=cfg: mgpu_prefill_attention(q, k, v, pos, kv_len, scale=scale, **cfg)
         run_one(rows, "prefill", shape, name, fn, ours, q_bytes + kv_bytes, flops, "TFLOP/s")
     if not peers:
         return
@@ -220,12 +226,14 @@ def decode_case(rows, B, S, *, Hq=32, Hkv=8, D=128, peers=True, paged=True, page
 
 
 PREFILL_SWEEP = {
-    128: [dict(block_q=128, block_k=128, num_warps=8, num_stages=2), dict(block_q=128, block_k=64, num_warps=4),
-          dict(block_q=64, block_k=64, num_warps=4, num_stages=3), dict(block_q=128, block_k=32, num_warps=4)],
+    128: [dict(block_q=128, block_k=128, num_warps=8, num_stages=3), dict(block_q=64, block_k=64, num_warps=4),
+          dict(block_q=64, block_k=64, num_warps=4, num_stages=4), dict(block_q=128, block_k=64, num_warps=8,
+                                                                         num_stages=4)],
     256: [dict(block_q=64, block_k=32, num_warps=4, num_stages=3), dict(block_q=128, block_k=64, num_warps=8),
           dict(block_q=64, block_k=64, num_warps=8, num_stages=2), dict(block_q=32, block_k=64, num_warps=4)],
 }
-PAGED_SWEEP = [dict(block_k=64), dict(block_k=64, num_stages=4), dict(block_k=128, num_stages=4)]
+MOSAIC_SWEEP = {128: [dict(block_kv=64, stages=3), dict(block_kv=64, stages=4), dict(block_kv=128, stages=3)],
+                256: [dict(block_kv=64, stages=3)]}
 DECODE_SWEEP = [dict(block_k=64, num_stages=3), dict(block_k=128, num_stages=2), dict(block_k=128, num_stages=4),
                 dict(block_k=256, num_stages=2), dict(block_k=128, num_warps=8)]
 
@@ -248,8 +256,9 @@ def main(argv=None):
         decode_shapes = [(b, s) for b in (1, 8, 64) for s in (1024, 8192, 32768)]
     if args.only != "decode":
         for S, D in prefill_shapes:
-            sweep = PREFILL_SWEEP[D] if args.sweep and S == 2048 else ()
-            prefill_case(rows, S, D, sweep=sweep)
+            sweep = args.sweep and S == 2048
+            prefill_case(rows, S, D, sweep=PREFILL_SWEEP[D] if sweep else (),
+                         mosaic_sweep=MOSAIC_SWEEP[D] if sweep else ())
     if args.only != "prefill":
         for B, S in decode_shapes:
             sweep = DECODE_SWEEP if args.sweep and (B, S) in ((8, 8192), (1, 32768), (64, 8192)) else ()

@@ -20,6 +20,7 @@ from pallas_kernels.attention import (
     attention, attention_reference, decode_attention, paged_attention, paged_attention_reference,
     paged_decode_attention, paged_prefill_attention, prefill_attention,
 )
+from pallas_kernels.attention.prefill_mgpu import mgpu_prefill_attention
 from pallas_kernels.attention.reference import gather_pages
 
 F32_TOL, BF16_TOL = 1e-5, 1e-2
@@ -146,6 +147,18 @@ def test_paged_prefill_kernel_matches_reference(page_size, block_k):
     out = paged_prefill_attention(q, kp, vp, table, pos, kv_len, scale=0.2, window=9, block_q=16,
                                   block_k=block_k, interpret=True)
     assert rel_err(out, ref) < BF16_TOL
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_mosaic_prefill_kernel_matches_reference(window):
+    # Mosaic GPU kernel in the GPU interpreter: two sequences, the second padded after 150 queries;
+    # T = 200 is padded to the 128-row program tile inside the wrapper.
+    q, k, v, pos, kv_len = make_case(14, B=2, T=200, Hq=2, Hkv=1, S=256, D=64, dtype=jnp.bfloat16,
+                                     kv_len=[230, 150], q_start=[30, 0], pad_tail=[0, 50])
+    ref = attention_reference(q, k, v, pos, kv_len, scale=0.125, window=window)
+    out = mgpu_prefill_attention(q, k, v, pos, kv_len, scale=0.125, window=window, block_kv=64, interpret=True)
+    assert out.shape == q.shape and rel_err(out, ref) < BF16_TOL
+    assert not np.any(np.asarray(out[1, 150:], np.float32))
 
 
 # ---------------------------------------------------------------- decode kernel (interpret mode)

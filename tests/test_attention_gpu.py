@@ -17,9 +17,11 @@ if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU", allow_module_level=True)
 
 from pallas_kernels.attention import (  # noqa: E402
-    attention, attention_reference, decode_attention, paged_attention, paged_decode_attention,
-    paged_prefill_attention, prefill_attention,
+    attention, attention_reference, decode_attention, mgpu_prefill_attention, paged_attention,
+    paged_decode_attention, paged_prefill_attention, prefill_attention,
 )
+
+PREFILL_KERNELS = {"triton": prefill_attention, "mosaic": mgpu_prefill_attention}
 
 BF16_TOL, F32_TOL = 1e-2, 1e-4
 
@@ -50,18 +52,33 @@ def paginate(k, page_size, seed):
     return pool.at[order.reshape(-1)].set(pages), jnp.asarray(order, jnp.int32)
 
 
+@pytest.mark.parametrize("kernel", list(PREFILL_KERNELS))
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("window", [None, 384])
-def test_prefill_matches_reference(D, window):
+def test_prefill_matches_reference(kernel, D, window):
     B, T, Hq, Hkv, S = 3, 1024, 32, 8, 1536
     q, k, v = make(D, B, T, Hq, Hkv, S, D, jnp.bfloat16)
     # A fresh 1024-token prompt, a 700-token chunk after a 500-token prefix (padded), an empty slot.
     pos = np.stack([np.arange(T), np.where(np.arange(T) < 700, 500 + np.arange(T), -1), -np.ones(T, int)])
     pos, kv_len = jnp.asarray(pos, jnp.int32), jnp.asarray([1024, 1200, 0], jnp.int32)
     ref = attention_reference(q, k, v, pos, kv_len, scale=D ** -0.5, window=window)
-    out = prefill_attention(q, k, v, pos, kv_len, scale=D ** -0.5, window=window)
+    out = PREFILL_KERNELS[kernel](q, k, v, pos, kv_len, scale=D ** -0.5, window=window)
     assert rel_err(out, ref) < BF16_TOL
     assert not np.any(np.asarray(out[1, 700:], np.float32)) and not np.any(np.asarray(out[2], np.float32))
+
+
+@pytest.mark.parametrize("D", [128, 256])
+def test_mosaic_prefill_ragged_and_repeatable(D):
+    # T = 300 (padded inside to 384); the same inputs twice must give the same bits (no race).
+    q, k, v = make(11, 2, 300, 16, 4, 512, D, jnp.bfloat16)
+    pos = jnp.asarray(np.stack([np.arange(300) + 200, np.where(np.arange(300) < 260, np.arange(300), -1)]),
+                      jnp.int32)
+    kv_len = jnp.asarray([500, 260], jnp.int32)
+    ref = attention_reference(q, k, v, pos, kv_len, scale=0.07, window=128)
+    out = mgpu_prefill_attention(q, k, v, pos, kv_len, scale=0.07, window=128)
+    again = mgpu_prefill_attention(q, k, v, pos, kv_len, scale=0.07, window=128)
+    assert rel_err(out, ref) < BF16_TOL
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(again, np.float32))
 
 
 def test_prefill_float32_ragged():
@@ -116,7 +133,8 @@ def test_entry_points_pick_the_kernels_on_gpu():
     kv_len = jnp.asarray([416, 16], jnp.int32)
     ref = attention_reference(q, k, v, pos, kv_len, scale=0.1)
     step = jax.jit(lambda *a: attention(*a, scale=0.1))
-    assert rel_err(step(q, k, v, pos, kv_len), ref) < BF16_TOL  # prefill kernel
+    assert rel_err(step(q, k, v, pos, kv_len), ref) < BF16_TOL  # prefill kernel (Mosaic GPU)
+    assert "mosaic_gpu" in step.lower(q, k, v, pos, kv_len).as_text()
     assert rel_err(step(q[:, -1:], k, v, pos[:, -1:], kv_len), ref[:, -1:]) < BF16_TOL  # decode kernel
     kp, table = paginate(k, 32, seed=4)
     vp, _ = paginate(v, 32, seed=4)

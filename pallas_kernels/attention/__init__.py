@@ -5,7 +5,9 @@ plus block tables) are the entry points the model calls; semantics are in refere
 
 implementation:
   None         choose: on a GPU backend the Pallas kernel (prefill kernel when T > 8, decode kernel
-               otherwise), elsewhere the reference
+               otherwise), elsewhere the reference. The contiguous prefill uses the Mosaic GPU kernel
+               (prefill_mgpu.py) where it applies (16-bit inputs, head dim 64/128/192/256, cache
+               length a multiple of its key block), else the Triton-lowered one (prefill.py).
   "reference"  the pure-JAX reference
   "pallas"     the Pallas kernel, compiled for the GPU
   "interpret"  the Pallas kernel in interpret mode (runs on the CPU; for tests)
@@ -16,11 +18,12 @@ import jax
 
 from .decode import decode_attention, paged_decode_attention
 from .prefill import paged_prefill_attention, prefill_attention
+from .prefill_mgpu import mgpu_prefill_attention, supports as mgpu_prefill_supports
 from .reference import attention_reference, paged_attention_reference
 
 __all__ = [
     "attention", "paged_attention", "attention_reference", "paged_attention_reference",
-    "prefill_attention", "paged_prefill_attention", "decode_attention", "paged_decode_attention",
+    "prefill_attention", "mgpu_prefill_attention", "paged_prefill_attention", "decode_attention", "paged_decode_attention",
     "MAX_DECODE_TOKENS",
 ]
 
@@ -41,7 +44,12 @@ def attention(q, k, v, q_pos, kv_len, *, scale: float, window: int | None = None
     impl = _resolve(implementation)
     if impl == "reference":
         return attention_reference(q, k, v, q_pos, kv_len, scale=scale, window=window)
-    kernel = prefill_attention if q.shape[1] > MAX_DECODE_TOKENS else decode_attention
+    if q.shape[1] <= MAX_DECODE_TOKENS:
+        kernel = decode_attention
+    elif mgpu_prefill_supports(q, k):
+        kernel = mgpu_prefill_attention
+    else:
+        kernel = prefill_attention
     return kernel(q, k, v, q_pos, kv_len, scale=scale, window=window, interpret=impl == "interpret")
 
 

@@ -74,11 +74,16 @@ def attend_block(state, q, k, v, *, qk_scale: float, mask=None):
     acc, m, l = state
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
-    if mask is not None:
-        s = jnp.where(mask, s, MASK_SCORE)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1) * qk_scale)
+    if mask is None:
+        m_new = jnp.maximum(m, jnp.max(s, axis=1) * qk_scale)
+        p = jnp.exp2(s * qk_scale - m_new[:, None])
+    else:
+        # Scale before masking: a fused multiply-add of MASK_SCORE * qk_scale - m would keep the
+        # product's rounding error (~1e21 at 1e29) and overflow exp2 on fully masked rows.
+        s = jnp.where(mask, s * qk_scale, MASK_SCORE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.exp2(s - m_new[:, None])
     alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(s * qk_scale - m_new[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
     pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
                          preferred_element_type=jnp.float32)
