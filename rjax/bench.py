@@ -554,6 +554,9 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def cmd_bench(a) -> int:
+    # Compile times are part of what is measured: leave the command's persistent compilation
+    # cache off unless asked (with it, "compile" is the time to load a cached program).
+    jax.config.update("jax_enable_compilation_cache", bool(a.compilation_cache))
     default_copy = (1 << 30) if jax.default_backend() != "cpu" else (64 << 20)
     settings = BenchSettings(prompt_len=a.prompt_len, gen=a.gen, batches=a.batch, steps_per_dispatch=a.steps_per_dispatch,
                              repeats=a.repeats, copy_bytes=int(a.copy_mib * 2**20) if a.copy_mib else default_copy,
@@ -565,6 +568,9 @@ def cmd_bench(a) -> int:
 
     result = run_bench(a.model, settings, progress=not a.quiet and sys.stderr.isatty(), on_update=on_update,
                        log=None if a.quiet else log)
+    result["settings"]["persistent_compilation_cache"] = bool(a.compilation_cache)
+    if a.json:
+        write_json(result, a.json)
     if a.plot:
         plot(result, a.plot)
     print(format_table(result), flush=True)
@@ -589,5 +595,7 @@ def register_cli(subparsers) -> None:
                    help="skip the remaining measurements after this long (they are listed as skipped)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the result here (rewritten as it grows)")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="plot tokens/s against batch size (matplotlib)")
+    p.add_argument("--compilation-cache", action="store_true",
+                   help="use the persistent compilation cache (compile times then measure cache loads)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output, only the final table")
     p.set_defaults(func=cmd_bench)
