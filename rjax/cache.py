@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from rjax.attention import attention
+from pallas_kernels.attention import attention
 from rjax.config import ModelConfig
 
 

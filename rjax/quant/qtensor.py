@@ -50,14 +50,15 @@ Weight = QTensor | jax.Array
 def matmul(x: jax.Array, w: Weight) -> jax.Array:
     """x @ w.T for x of shape (..., in_features) and w of logical shape (out, in).
 
-    Dense weights are plain arrays in (out, in) orientation. Quantized weights dequantize and
-    dot in float32 here (the reference path); the fused Pallas kernels plug in below when the
-    backend has them.
+    Dense weights are plain arrays in (out, in) orientation. Quantized weights go to
+    `pallas_kernels.quant_matmul.qmatmul`: the fused kernels on GPU for the types they cover,
+    dequantize-then-dot in float32 (the reference) elsewhere.
     """
     if isinstance(w, QTensor):
-        wd = w.dequantize(jnp.float32)
-        return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), wd,
-                          preferred_element_type=jnp.float32).astype(x.dtype)
+        # Imported here: the kernels import QTensor from this module.
+        from pallas_kernels.quant_matmul import qmatmul
+
+        return qmatmul(x, w)
     return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
 
