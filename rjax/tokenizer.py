@@ -197,6 +197,8 @@ class Tokenizer:
     # True when `chat_template` is a built-in fallback, not one from the model file.
     chat_template_is_fallback: bool = False
     special_tokens: Mapping[str, str | None] = field(default_factory=dict)  # bos_token, eos_token, ... as text
+    special_ids: frozenset[int] = frozenset()  # ids decode(skip_special=True) drops
+    byte_fallback_ids: frozenset[int] = frozenset()  # <0x00>..<0xFF> of a byte-fallback vocabulary
 
     # -- construction --------------------------------------------------------------------------
 
@@ -349,7 +351,11 @@ class Tokenizer:
         architecture: str,
         special_tokens: Mapping[str, str | None],
     ) -> Tokenizer:
-        special_texts = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+        added = backend.get_added_tokens_decoder()
+        special_texts = {t.content for t in added.values() if t.special}
+        byte_fallback_ids = set()
+        if getattr(backend.model, "byte_fallback", False):
+            byte_fallback_ids = {backend.token_to_id(f"<0x{b:02X}>") for b in range(256)} - {None}
         eos_ids = set(marked_eos)
         for text in _END_OF_TURN_TOKENS:
             index = backend.token_to_id(text)
@@ -369,6 +375,8 @@ class Tokenizer:
             chat_template=chat_template,
             chat_template_is_fallback=is_fallback,
             special_tokens=dict(special_tokens),
+            special_ids=frozenset(i for i, t in added.items() if t.special),
+            byte_fallback_ids=frozenset(byte_fallback_ids),
         )
 
     # -- text <-> ids --------------------------------------------------------------------------
@@ -431,7 +439,10 @@ class StreamDecoder:
     Text is emitted only when the decoded tail does not end in U+FFFD, so a character spread over
     several byte tokens (an emoji) comes out once, complete. Each step decodes only a window that
     starts at the last emitted token boundary, so a step costs O(window), not O(sequence).
-    The concatenation of every `add` result and `flush()` equals `tokenizer.decode(all_ids)`.
+    The concatenation of every `add` result and `flush()` equals `tokenizer.decode(all_ids)`,
+    invalid byte sequences included: a sentencepiece byte-fallback vocabulary decodes a run of
+    byte tokens all at once (one bad byte turns the whole run into U+FFFD), so such a run is held
+    until a token that is not a byte ends it.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special: bool = True):
@@ -440,6 +451,7 @@ class StreamDecoder:
         self._ids: list[int] = []
         self._prefix = 0  # window start: first id of the last emitted chunk's window
         self._read = 0  # ids before this are fully emitted
+        self._last_visible: int | None = None  # last id that decode keeps
 
     @property
     def ids(self) -> list[int]:
@@ -450,7 +462,12 @@ class StreamDecoder:
 
     def add(self, token_id: int) -> str:
         """Add one id; return the text that became complete ("" while a character is still partial)."""
-        self._ids.append(int(token_id))
+        token_id = int(token_id)
+        self._ids.append(token_id)
+        if not (self._skip_special and token_id in self._tokenizer.special_ids):
+            self._last_visible = token_id
+        if self._last_visible in self._tokenizer.byte_fallback_ids:
+            return ""
         seen = self._window_text(self._prefix, self._read)
         text = self._window_text(self._prefix)
         if len(text) > len(seen) and not text.endswith("\ufffd"):

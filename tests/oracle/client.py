@@ -227,6 +227,16 @@ def oracle_save_pretrained(gguf_path: str | os.PathLike, dtype: str = "float32")
     )
 
 
+def oracle_save_tokenizer(model_path: str | os.PathLike) -> Path:
+    """Only the tokenizer transformers builds from a `.gguf` file (or checkpoint directory), saved
+    as a Hugging Face directory: tokenizer.json, tokenizer_config.json, chat_template.jinja when the
+    model has a template. The directory lives in the cache: do not modify it."""
+    key = _key("save-tokenizer", model_path, {})
+    return _cached_dir(
+        key, lambda work, out: _run(["save-tokenizer", "--model", Path(model_path).resolve(), "--out", out])
+    )
+
+
 def oracle_random_qwen2(
     seed: int = 0,
     *,

@@ -7,6 +7,7 @@ writes. Every subcommand writes one output file or directory (`--out`):
   tokenize         ids (with and without special tokens), decode round trips, rendered chat template -> json
   logits           float32 logits for prompts given as token ids, then greedy decode with a KV cache -> npz
   save-pretrained  a GGUF's weights, tokenizer and generation config as a plain safetensors checkpoint -> dir
+  save-tokenizer   only the tokenizer transformers builds from a model, as a Hugging Face directory -> dir
   random-qwen2     a small random-weight Qwen2 checkpoint with its own tiny byte-level tokenizer -> dir
   random-model     a small random-weight llama / mistral / qwen2 / gemma3_text checkpoint, any config -> dir
 
@@ -184,6 +185,14 @@ def cmd_save_pretrained(args) -> None:
     load_tokenizer(args.model).save_pretrained(out)
 
 
+def cmd_save_tokenizer(args) -> None:
+    """Only the tokenizer transformers builds from a model, saved as a Hugging Face directory
+    (tokenizer.json, tokenizer_config.json, chat_template.jinja when there is a template)."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    load_tokenizer(args.model).save_pretrained(out)
+
+
 # --- random-qwen2 -----------------------------------------------------------------------------
 
 # A few fixed merges so the tiny tokenizer is a real BPE (not only single bytes).
@@ -356,6 +365,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--out", required=True, help="output directory")
     s.set_defaults(run=cmd_save_pretrained)
+
+    st = sub.add_parser("save-tokenizer", help="only the tokenizer of a model, as a Hugging Face directory")
+    st.add_argument("--model", required=True)
+    st.add_argument("--out", required=True, help="output directory")
+    st.set_defaults(run=cmd_save_tokenizer)
 
     r = sub.add_parser("random-qwen2", help="a small random-weight Qwen2 checkpoint directory")
     r.add_argument("--out", required=True)
