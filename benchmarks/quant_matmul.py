@@ -35,7 +35,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
 from pallas_kernels.quant_matmul.gemm import gemm_config, qmatmul_gemm
-from pallas_kernels.quant_matmul.gemv import gemv_config, qmatmul_gemv
+from pallas_kernels.quant_matmul.gemv import default_gemv_config, gemv_config, qmatmul_gemv
 from pallas_kernels.quant_matmul.kernel import TileConfig, fused_qmatmul
 from pallas_kernels.quant_matmul.reference import dequantize_then_dot
 from rjax.quant import formats
@@ -96,7 +96,7 @@ class Job:
 
 
 def _copies(nbytes):
-    return int(min(16, max(2, math.ceil(3 * L2_BYTES / max(nbytes, 1)))))
+    return int(min(12, max(2, math.ceil(3 * L2_BYTES / max(nbytes, 1)))))
 
 
 def _batched(fn, n_copies):
@@ -119,7 +119,7 @@ def lower(job: Job):
     return _batched(job.fn, n_copies).trace(x_shape, [w_shape] * n_copies).lower()
 
 
-def time_compiled(compiled, x, ws, min_batch_s=0.03):
+def time_compiled(compiled, x, ws, min_batch_s=0.02):
     out = compiled(x, ws)
     jax.block_until_ready(out)
     t0 = time.perf_counter()
@@ -226,7 +226,7 @@ def full_jobs(types, shapes, ms):
                 mk = (lambda key, qt=qt, n=n, k=k: device_qtensor(qt, n, k, key))
                 nbytes = wbytes(qt, n, k)
                 if m <= 64:
-                    cfg = gemv_config(qt, m, n, k)
+                    cfg = default_gemv_config(qt, m, n, k)
                     jobs.append(Job(dict(kind="gemv", type=qt.name, N=n, K=k, M=m, config=str(cfg)),
                                     lambda x, w, cfg=cfg: fused_qmatmul(x, w, cfg), mk, nbytes, m, k))
                 else:
@@ -240,19 +240,12 @@ def full_jobs(types, shapes, ms):
 
 def sweep_configs(qt, m, n, k):
     bs = GGML_QUANT_SIZES[qt][0]
-    out = []
-    if m <= 64:
-        for bn in (64, 128):
-            for warps in (4, 8):
-                for vps in ((256, 512) if m == 1 else (256,)):
-                    for programs in (264, 528):
-                        out.append(gemv_config(qt, m, n, k, block_n=bn, num_warps=warps,
-                                               values_per_step=vps, programs=programs))
-        if m == 1:
-            for bn in (16, 32):
-                for warps in (4, 8):
-                    out.append(gemv_config(qt, m, n, k, method="fma", block_n=bn, num_warps=warps, programs=264))
-    else:
+    out = [default_gemv_config(qt, m, n, k)] if m <= 64 else []
+    if m == 1:
+        for bn in (8, 16):
+            for vps in (128, 256):
+                out.append(gemv_config(qt, m, n, k, method="fma", block_n=bn, values_per_step=vps, programs=264))
+    elif m > 64:
         bk = max(1, 64 // bs)
         for bm, bn, warps in ((128, 128, 8), (128, 128, 4), (128, 256, 8), (64, 128, 4)):
             out.append(TileConfig(bm, bn, bk, num_warps=warps, num_stages=3))

@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as QType
 
 from pallas_kernels.quant_matmul import qmatmul, supports
 from pallas_kernels.quant_matmul.gemm import gemm_config
-from pallas_kernels.quant_matmul.gemv import gemv_config
+from pallas_kernels.quant_matmul.gemv import default_gemv_config
 from pallas_kernels.quant_matmul.kernel import TileConfig, fused_qmatmul
 from pallas_kernels.quant_matmul.reference import dequantize_then_dot, qmatmul_reference
 from pallas_kernels.quant_matmul.testing import quantized_qtensor, random_qtensor, raw_bytes
@@ -163,7 +163,7 @@ def test_kernels_lower_to_triton_for_h100(qtype):
     n, k = 4096, 4096
     w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), random_qtensor(qtype, 1, k))
     w = type(w)(jax.tree.map(lambda a: jax.ShapeDtypeStruct((n,) + a.shape[1:], a.dtype), w.planes), qtype, (n, k))
-    for m, cfg in [(1, gemv_config(qtype, 1, n, k)), (64, gemv_config(qtype, 64, n, k)),
+    for m, cfg in [(1, default_gemv_config(qtype, 1, n, k)), (64, default_gemv_config(qtype, 64, n, k)),
                    (1, TileConfig(1, 32, 8 if _block(qtype) == 32 else 1, method="fma")),
                    (2048, gemm_config(qtype, 2048, n, k))]:
         x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)

@@ -15,17 +15,29 @@ from pallas_kernels.quant_matmul.kernel import TileConfig, fused_qmatmul
 from rjax.quant.qtensor import QTensor
 
 MAX_M = 64
-# Measured on the H100 (notes): 64-row tiles, 256 K values per step and about 320 programs
-# (2.4 per SM, 132 SMs) were the fastest decode tiles for Q4_K and Q8_0.
+# Measured on the H100 (notes). Tensor-core path: 64-row tiles, 256 K values per step, 4
+# warps and 320..528 programs (2.4..4 per SM) were fastest; larger tiles or 8 warps lost.
 BLOCK_N = 64
 VALUES_PER_STEP = 256
 PROGRAMS = 320
+PROGRAMS_BY_TYPE = {QType.Q4_K: 528}
+# At M = 1 the CUDA-core path with small 16-row tiles beat the tensor-core path for these
+# types (Q8_0 41 vs 47 us, Q6_K 48 vs 64 us at 4096x14336), and lost for Q4_K (92 vs 53 us).
+FMA_AT_M1 = {QType.Q8_0: dict(block_n=16, programs=264), QType.Q6_K: dict(block_n=16, programs=264)}
+
+
+def default_gemv_config(qtype: QType, m: int, n: int, k: int) -> TileConfig:
+    """The measured-best decode tiles for this type and M."""
+    if m == 1 and qtype in FMA_AT_M1:
+        return gemv_config(qtype, m, n, k, method="fma", **FMA_AT_M1[qtype])
+    return gemv_config(qtype, m, n, k, programs=PROGRAMS_BY_TYPE.get(qtype, PROGRAMS))
 
 
 def gemv_config(qtype: QType, m: int, n: int, k: int, *, method: str = "mma", block_n: int = BLOCK_N,
                 values_per_step: int = VALUES_PER_STEP, programs: int = PROGRAMS,
                 num_warps: int = 4, num_stages: int = 3) -> TileConfig:
-    """Tiles for an (m, k) @ (k, n) decode product with an m of at most MAX_M."""
+    """Tiles for an (m, k) @ (k, n) decode product with an m of at most MAX_M: `programs`
+    is the number of programs wanted (K is split until N's tiles times the splits reach it)."""
     if not 1 <= m <= MAX_M:
         raise ValueError(f"gemv: M={m} outside 1..{MAX_M}")
     block_size = GGML_QUANT_SIZES[qtype][0]
@@ -44,5 +56,5 @@ def gemv_config(qtype: QType, m: int, n: int, k: int, *, method: str = "mma", bl
 def qmatmul_gemv(x: jax.Array, w: QTensor, *, config: TileConfig | None = None,
                  interpret: bool = False) -> jax.Array:
     """x (M <= 64, K) @ dequantize(w).T -> (M, N) in x.dtype."""
-    cfg = config or gemv_config(w.qtype, x.shape[0], *w.shape)
+    cfg = config or default_gemv_config(w.qtype, x.shape[0], *w.shape)
     return fused_qmatmul(x, w, cfg, interpret=interpret)
