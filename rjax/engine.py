@@ -88,7 +88,9 @@ class DecodeState:
 
 
 def _is_stop(tokens, stop_ids):
-    return jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
+    """stop_ids: [K] shared by every slot, or [B, K] one row per slot (pad rows with -1)."""
+    stop = stop_ids if stop_ids.ndim == 2 else stop_ids[None, :]
+    return jnp.any(tokens[:, None] == stop, axis=-1)
 
 
 def initial_state(first_tokens, max_new_tokens, stop_ids, key, cache: KVCache, slots=None) -> DecodeState:

@@ -1,0 +1,179 @@
+"""The paged KV cache: a pool of fixed-size pages shared by all slots, plus a block table per slot.
+
+Layout: k, v [n_layers, n_pages, n_kv_heads, page_size, head_dim]; `block_tables[s, i]` is the
+page holding positions i * page_size .. (i + 1) * page_size - 1 of slot s, or -1 where slot s
+owns no page yet; `lengths[s]` counts the valid positions of slot s. The pytree has the same
+`write` / `attend` / `advance` methods as the contiguous `KVCache`, so the model runs on either.
+
+Which pages a slot owns is decided on the host by `PageAllocator` (a free list; pages are taken
+as sequences grow and returned when they finish) and copied into the device table by the pure
+`set_block_tables`. On the device a write whose position has no page in the slot's table is
+dropped, never redirected: no write can reach a page the slot does not own.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.attention import paged_attention
+from rjax.config import ModelConfig
+
+NO_PAGE = -1
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    k: jax.Array             # [L, n_pages, Hkv, page_size, D]
+    v: jax.Array
+    block_tables: jax.Array  # [n_slots, max_pages] int32, NO_PAGE where unallocated
+    lengths: jax.Array       # [n_slots] int32
+
+    @property
+    def n_slots(self) -> int:
+        return self.block_tables.shape[0]
+
+    @property
+    def n_pages(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def max_pages(self) -> int:
+        return self.block_tables.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        """Positions one slot can hold (when its whole table is allocated)."""
+        return self.max_pages * self.page_size
+
+    def _tables(self, slots):
+        return self.block_tables if slots is None else self.block_tables[slots]
+
+    def write(self, layer: int, k_new, v_new, pos, slots):
+        """k_new, v_new [B, T, Hkv, D] at positions pos [B, T] (-1: skip) of slots `slots` [B] (None: 0..B-1)."""
+        tables = self._tables(slots)
+        ps = self.page_size
+        col = jnp.where(pos >= 0, pos // ps, self.max_pages)
+        # Padding, positions past the table and unallocated pages all map to n_pages: dropped.
+        page = jnp.take_along_axis(tables, col, axis=1, mode="fill", fill_value=NO_PAGE)
+        page = jnp.where(page >= 0, page, self.n_pages)
+        off = jnp.where(pos >= 0, pos % ps, 0)
+        k = self.k.at[layer, page, :, off].set(k_new.astype(self.k.dtype), mode="drop")
+        v = self.v.at[layer, page, :, off].set(v_new.astype(self.v.dtype), mode="drop")
+        return dataclasses.replace(self, k=k, v=v)
+
+    def attend(self, layer: int, q, pos, slots, *, scale: float, window: int | None):
+        # Visible length: everything up to the newest query position of each sequence.
+        kv_len = jnp.max(pos, axis=1) + 1
+        return paged_attention(q, self.k[layer], self.v[layer], self._tables(slots), pos, kv_len,
+                               scale=scale, window=window)
+
+    def advance(self, slots, n_new):
+        """lengths[slots] += n_new (n_new [B] int32)."""
+        if slots is None:
+            return dataclasses.replace(self, lengths=self.lengths + n_new)
+        return dataclasses.replace(self, lengths=self.lengths.at[slots].add(n_new))
+
+    def reset(self, slots):
+        """Empty slots `slots` [B]: length 0 and no pages (indices >= n_slots are ignored)."""
+        return dataclasses.replace(
+            self, lengths=self.lengths.at[slots].set(0, mode="drop"),
+            block_tables=self.block_tables.at[slots].set(NO_PAGE, mode="drop"))
+
+
+def init_paged_cache(cfg: ModelConfig, n_slots: int, n_pages: int, page_size: int, max_len: int,
+                     dtype=jnp.float32) -> PagedKVCache:
+    """An empty paged cache: n_pages pages of page_size positions; each slot may grow to max_len
+    positions (a multiple of page_size) when the pool has pages for it."""
+    if max_len > cfg.context_length:
+        raise ValueError(f"cache length {max_len} exceeds the model's context length {cfg.context_length}")
+    if page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two, got {page_size}")
+    if max_len % page_size:
+        raise ValueError(f"cache length {max_len} is not a multiple of the page size {page_size}")
+    if n_slots < 1 or n_pages < 1:
+        raise ValueError(f"a paged cache needs at least one slot and one page (got {n_slots} slots, {n_pages} pages)")
+    shape = (cfg.n_layers, n_pages, cfg.n_kv_heads, page_size, cfg.head_dim)
+    return PagedKVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                        jnp.full((n_slots, max_len // page_size), NO_PAGE, jnp.int32),
+                        jnp.zeros((n_slots,), jnp.int32))
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def set_block_tables(cache: PagedKVCache, slots: jax.Array, tables: jax.Array) -> PagedKVCache:
+    """block_tables[slots] = tables ([B], [B, max_pages]); slots >= n_slots are ignored (padding)."""
+    return dataclasses.replace(cache, block_tables=cache.block_tables.at[slots].set(tables, mode="drop"))
+
+
+class PagesExhaustedError(RuntimeError):
+    pass
+
+
+class PageAllocator:
+    """Host-side page bookkeeping for a `PagedKVCache`: the free list, the pages each slot owns
+    (its block table, mirrored in `tables`), and per-slot reservations.
+
+    A reservation promises a slot that many pages in the future; `reserve` refuses what the pool
+    cannot promise, so a slot that grows within its reservation always finds free pages.
+    """
+
+    def __init__(self, n_pages: int, n_slots: int, max_pages: int, page_size: int):
+        self.n_pages, self.n_slots, self.max_pages, self.page_size = n_pages, n_slots, max_pages, page_size
+        self._free = list(range(n_pages - 1, -1, -1))  # a stack: low page numbers are used first
+        self.tables = np.full((n_slots, max_pages), NO_PAGE, np.int32)
+        self.owned = np.zeros(n_slots, np.int64)      # pages each slot holds
+        self.reserved = np.zeros(n_slots, np.int64)   # pages promised to each slot (>= owned)
+
+    @property
+    def n_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def unreserved(self) -> int:
+        """Pages nobody has been promised: what a new reservation can take."""
+        return self.n_pages - int(self.reserved.sum())
+
+    def pages_for(self, n_positions: int) -> int:
+        return -(-n_positions // self.page_size)
+
+    def reserve(self, slot: int, n_pages: int) -> None:
+        """Promise `slot` (holding nothing) n_pages pages, or raise PagesExhaustedError."""
+        if self.reserved[slot] or self.owned[slot]:
+            raise ValueError(f"slot {slot} already holds a reservation; release it first")
+        if n_pages > self.max_pages:
+            raise PagesExhaustedError(f"slot {slot}: {n_pages} pages requested, a slot's block table has "
+                                      f"{self.max_pages} ({self.max_pages * self.page_size} positions)")
+        if n_pages > self.unreserved:
+            raise PagesExhaustedError(f"slot {slot}: {n_pages} pages requested, {self.unreserved} of "
+                                      f"{self.n_pages} are unreserved")
+        self.reserved[slot] = n_pages
+
+    def grow(self, slot: int, n_positions: int) -> bool:
+        """Give `slot` pages for positions 0 .. n_positions - 1 (within its reservation).
+        -> whether its table changed. Raises PagesExhaustedError beyond the reservation."""
+        need = self.pages_for(n_positions)
+        if need <= self.owned[slot]:
+            return False
+        if need > self.reserved[slot]:
+            raise PagesExhaustedError(f"slot {slot}: {n_positions} positions need {need} pages, "
+                                      f"beyond its reservation of {int(self.reserved[slot])}")
+        for col in range(int(self.owned[slot]), need):
+            self.tables[slot, col] = self._free.pop()
+        self.owned[slot] = need
+        return True
+
+    def release(self, slot: int) -> None:
+        """Return every page of `slot` to the free list and drop its reservation."""
+        n = int(self.owned[slot])
+        self._free.extend(int(p) for p in self.tables[slot, :n][::-1])
+        self.tables[slot] = NO_PAGE
+        self.owned[slot] = 0
+        self.reserved[slot] = 0
