@@ -1,0 +1,90 @@
+"""The `rjax` command on the default model: generate (streamed and --json), chat, info, errors."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+import rjax
+from rjax.cli import main
+
+
+def test_generate_json_matches_the_python_api(smollm2_path, smollm2, capsys):
+    assert main(["generate", "-m", str(smollm2_path), "--raw", "--json", "--max-new-tokens", "12",
+                 "The capital of France is"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) >= {"prompt_tokens", "tokens", "text", "ttft_s", "decode_tokens_per_s", "finish_reason"}
+    ref = rjax.generate(smollm2, "The capital of France is", raw=True, max_new_tokens=12)
+    assert out["prompt_tokens"] == smollm2.tokenizer.encode("The capital of France is") == ref.prompt_tokens
+    assert out["tokens"] == ref.tokens and len(out["tokens"]) == 12
+    assert out["text"] == smollm2.tokenizer.decode(out["tokens"])
+    assert "Paris" in out["text"]
+    assert out["finish_reason"] == "length" and out["ttft_s"] > 0 and out["decode_tokens_per_s"] > 0
+
+
+def test_generate_streams_the_chat_reply(smollm2_path, smollm2, capsys):
+    assert main(["generate", "-m", str(smollm2_path), "--max-new-tokens", "24",
+                 "What is the capital of France?"]) == 0
+    streamed = capsys.readouterr().out
+    ref = rjax.generate(smollm2, "What is the capital of France?", max_new_tokens=24)
+    assert streamed == ref.text + "\n"
+    # The chat template was applied: the prompt starts with the template's system turn.
+    assert ref.prompt_tokens[:2] == smollm2.tokenizer.encode("<|im_start|>system", add_bos=False)
+    assert "Paris" in ref.text
+
+
+def test_chat_holds_a_conversation(smollm2_path, monkeypatch, capsys):
+    lines = iter(["My name is Ada.", "What is my name?"])
+
+    def fake_input(prompt=""):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    assert main(["chat", "-m", str(smollm2_path), "--max-new-tokens", "16"]) == 0
+    replies = [r for r in capsys.readouterr().out.split("\n") if r.strip()]
+    assert len(replies) >= 2
+
+
+def test_chat_session_feeds_the_whole_history_back(smollm2):
+    from rjax.chat import ChatSession
+    from rjax.generation import _visible, stream_ids
+
+    session = ChatSession(smollm2, max_new_tokens=12)
+    first = "".join(session.send("My name is Ada."))
+    second = "".join(session.send("What is my name?"))
+    assert [m["role"] for m in session.messages] == ["user", "assistant", "user", "assistant"]
+    assert session.messages[1]["content"] == first and session.messages[3]["content"] == second
+    # The second reply is what the model says to the whole conversation rendered by its template.
+    ids = smollm2.tokenizer.encode_chat(session.messages[:3])
+    assert smollm2.tokenizer.decode(smollm2.tokenizer.encode(first, add_bos=False)) in smollm2.tokenizer.decode(ids)
+    tokens = [t for step in stream_ids(smollm2, [ids], max_new_tokens=12, seed=session.seed + 3) for t in step[0]]
+    assert smollm2.tokenizer.decode(_visible(smollm2.tokenizer, tokens)) == second
+
+
+def test_info_counts_parameters_and_bytes(smollm2_path, capsys):
+    assert main(["info", str(smollm2_path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    reader = GGUFReader(smollm2_path)
+    assert info["architecture"] == "llama"
+    assert info["parameters"] == sum(int(np.prod(t.shape)) for t in reader.tensors) == 134_515_008
+    assert info["tensor_bytes"] == sum(int(t.n_bytes) for t in reader.tensors)
+    assert info["tensor_types"]["Q4_1"]["count"] == 210 and info["tensor_types"]["Q8_0"]["count"] == 1
+    assert info["config"]["n_kv_heads"] == 3 and info["config"]["head_dim"] == 64
+    assert main(["info", str(smollm2_path)]) == 0
+    assert "blk.29.ffn_down.weight" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "-m", "/nonexistent/model.gguf", "hi"], "/nonexistent/model.gguf"),
+    (["generate", "-m", "no-such-model", "hi"], "smollm2-135m-instruct"),
+    (["info", "/nonexistent.gguf"], "nonexistent.gguf"),
+])
+def test_bad_input_is_one_clear_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rjax: error:") and message in err and "Traceback" not in err

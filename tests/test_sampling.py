@@ -1,0 +1,78 @@
+"""On-device sampling: greedy, temperature, top-k and top-p against distributions computed by hand."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rjax.sampling import SamplingParams, sample
+
+LOGITS = np.log(np.array([0.05, 0.4, 0.1, 0.3, 0.15], np.float64)).astype(np.float32)
+
+
+def _draw(sp_kwargs, n=4000, seed=0):
+    batch = jnp.broadcast_to(jnp.asarray(LOGITS), (n, LOGITS.size))
+    tokens = jax.jit(sample)(batch, jax.random.key(seed), SamplingParams.make(n, **sp_kwargs))
+    return np.bincount(np.asarray(tokens), minlength=LOGITS.size) / n
+
+
+def _expected(keep, temperature=1.0):
+    p = np.exp(LOGITS.astype(np.float64) / temperature)
+    p[~keep] = 0
+    return p / p.sum()
+
+
+def _assert_matches(freq, expected, n=4000):
+    # Five standard errors of a binomial proportion, per token.
+    tol = 5 * np.sqrt(expected * (1 - expected) / n) + 1e-9
+    assert np.all(np.abs(freq - expected) <= tol), (freq, expected)
+
+
+def test_greedy_is_argmax_and_ignores_the_key():
+    logits = jax.random.normal(jax.random.key(1), (8, 1000))
+    sp = SamplingParams.make(8)
+    a = sample(logits, jax.random.key(2), sp)
+    b = sample(logits, jax.random.key(3), sp)
+    np.testing.assert_array_equal(a, jnp.argmax(logits, -1))
+    np.testing.assert_array_equal(a, b)
+
+
+def test_temperature_one_follows_the_softmax():
+    _assert_matches(_draw(dict(temperature=1.0)), _expected(np.ones(5, bool)))
+
+
+def test_temperature_sharpens():
+    _assert_matches(_draw(dict(temperature=0.5)), _expected(np.ones(5, bool), 0.5))
+
+
+def test_top_k_keeps_the_k_most_likely():
+    _assert_matches(_draw(dict(temperature=1.0, top_k=2)), _expected(np.array([0, 1, 0, 1, 0], bool)))
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    # Sorted: 0.4, 0.3, 0.15, 0.1, 0.05. p=0.75 needs 0.4+0.3+0.15 (0.7 < 0.75).
+    _assert_matches(_draw(dict(temperature=1.0, top_p=0.75)), _expected(np.array([0, 1, 0, 1, 1], bool)))
+    # p below the top probability keeps only the top token.
+    freq = _draw(dict(temperature=1.0, top_p=0.2))
+    np.testing.assert_array_equal(freq, [0, 1, 0, 0, 0])
+
+
+def test_seeded_sampling_is_reproducible_and_per_row_parameters_mix():
+    logits = jax.random.normal(jax.random.key(4), (4, 300)) * 3
+    sp = SamplingParams(jnp.asarray([0.0, 1.0, 1.0, 0.7]), jnp.asarray([0, 0, 1, 20], jnp.int32),
+                        jnp.asarray([1.0, 0.9, 1.0, 0.5]))
+    a = sample(logits, jax.random.key(7), sp)
+    b = sample(logits, jax.random.key(7), sp)
+    np.testing.assert_array_equal(a, b)
+    assert int(a[0]) == int(jnp.argmax(logits[0]))  # greedy row
+    assert int(a[2]) == int(jnp.argmax(logits[2]))  # top_k=1 row
+    top20 = set(np.argsort(-np.asarray(logits[3]))[:20].tolist())
+    assert int(a[3]) in top20
+
+
+@pytest.mark.parametrize("kw, msg", [(dict(temperature=-1.0), "temperature"), (dict(top_k=-2), "top_k"),
+                                     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p")])
+def test_invalid_parameters_are_named(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        SamplingParams.make(1, **kw)
