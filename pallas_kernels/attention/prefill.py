@@ -33,7 +33,7 @@ def default_tiles(head_dim: int) -> dict:
         return dict(block_q=128, block_k=64, num_warps=4, num_stages=3)
     if head_dim <= 128:
         return dict(block_q=128, block_k=64, num_warps=8, num_stages=3)
-    return dict(block_q=64, block_k=64, num_warps=4, num_stages=2)
+    return dict(block_q=128, block_k=64, num_warps=8, num_stages=3)
 
 
 def _kernel(kv_len_ref, q_pos_ref, q_ref, k_ref, v_ref, *rest, layout: CacheLayout, scale: float,

@@ -69,8 +69,9 @@ def tile_ranges(q_pos, kv_len, *, block_q: int, block_kv: int, window: int | Non
 
 def _kernel(kv_len_ref, ranges_ref, q_pos_ref, q_ref, k_ref, v_ref, o_ref, scoped, *, scale: float,
             window: int | None, block_q: int, block_kv: int, stages: int, num_programs: int, group: int,
-            interpret: bool):
-    (q_smem, pos_smem, k_smem, v_smem, *p_smem), (q_ready, pos_ready, k_ready, v_ready), (k_free, v_free) = scoped
+            interpret: bool, ping_pong: bool):
+    (q_smem, pos_smem, k_smem, v_smem, *p_smem), (q_ready, pos_ready, k_ready, v_ready), (k_free, v_free), \
+        turn = scoped
     seq = lax.axis_index("seq")
     head = lax.axis_index("head")
     program = num_programs - 1 - lax.axis_index("tile")  # last tiles (most keys) first
@@ -93,11 +94,24 @@ def _kernel(kv_len_ref, ranges_ref, q_pos_ref, q_ref, k_ref, v_ref, o_ref, scope
         qk_scale = scale * flash.LOG2E
         rows = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
 
-        def step_over(block, carry):
+        def meet():  # both compute warpgroups reach this point (see `ping_pong`)
+            if ping_pong:
+                plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(turn)
+
+        def softmax_done_then_wait_v(slot):
+            if ping_pong:
+                plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(v_ready.at[slot])
+            if ping_pong:
+                plgpu.barrier_wait(turn)
+
+        def step_over(block, carry):  # same barrier traffic as `attend`, no arithmetic
             slot = slot_of(block)
             plgpu.barrier_wait(k_ready.at[slot])
+            meet()
             plgpu.barrier_arrive(k_free.at[slot])
-            plgpu.barrier_wait(v_ready.at[slot])
+            softmax_done_then_wait_v(slot)
             plgpu.barrier_arrive(v_free.at[slot])
             return carry
 
@@ -108,6 +122,7 @@ def _kernel(kv_len_ref, ranges_ref, q_pos_ref, q_ref, k_ref, v_ref, o_ref, scope
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
+                meet()
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
@@ -130,7 +145,7 @@ def _kernel(kv_len_ref, ranges_ref, q_pos_ref, q_ref, k_ref, v_ref, o_ref, scope
             l = l * alpha + p.sum(axis=1)
             acc = acc * rows(alpha, acc.shape)
             p16 = p.astype(q_smem.dtype)
-            plgpu.barrier_wait(v_ready.at[slot])
+            softmax_done_then_wait_v(slot)
             if interpret:
                 # The GPU interpreter takes wgmma operands from shared memory and fresh accumulators only.
                 p_smem[0].at[wg][...] = p16
@@ -153,11 +168,13 @@ def _kernel(kv_len_ref, ranges_ref, q_pos_ref, q_ref, k_ref, v_ref, o_ref, scope
         carry = (acc, m, l)
         masked = functools.partial(attend, masked=True)
         unmasked = functools.partial(attend, masked=False)
+        pl.when(wg == 1)(meet)  # start half a step apart
         carry = lax.fori_loop(union_lo, lo, step_over, carry)
         carry = lax.fori_loop(lo, full_lo, masked, carry)
         carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
         carry = lax.fori_loop(full_hi, hi, masked, carry)
         acc, m, l = lax.fori_loop(hi, union_hi, step_over, carry)
+        pl.when(wg == 0)(meet)  # balance the extra meeting of warpgroup 1
 
         sees = (pos >= 0) & (kv_len > 0) & (l > 0)
         if window is not None:
@@ -204,11 +221,17 @@ def _pad_queries(q, q_pos, multiple):
     return q, q_pos
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "window", "block_q", "block_kv", "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "window", "block_q", "block_kv", "stages", "ping_pong",
+                                             "interpret"))
 def mgpu_prefill_attention(q, k, v, q_pos, kv_len, *, scale: float, window: int | None = None,
                            block_q: int | None = None, block_kv: int | None = None, stages: int | None = None,
-                           interpret: bool = False):
-    """Attention of q [B, T, Hq, D] over the contiguous cache k, v [B, Hkv, S, D] (see reference.py)."""
+                           ping_pong: bool = True, interpret: bool = False):
+    """Attention of q [B, T, Hq, D] over the contiguous cache k, v [B, Hkv, S, D] (see reference.py).
+
+    ping_pong: the two compute warpgroups take turns (a shared barrier met twice per key block, the
+    second warpgroup starting half a step late), so one's softmax overlaps the other's matrix products
+    instead of both contending for the tensor cores at once.
+    """
     B, T, Hq, Hkv, D = check_shapes(q, k, v, q_pos, kv_len)
     tiles = default_tiles(D)
     block_q = block_q or tiles["block_q"]
@@ -239,10 +262,11 @@ def mgpu_prefill_attention(q, k, v, q_pos, kv_len, *, scale: float, window: int 
          plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
         (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),
          plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages)),
+        plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
     )
     body = functools.partial(_kernel, scale=float(scale), window=window, block_q=block_q, block_kv=block_kv,
                              stages=stages, num_programs=num_programs, group=Hq // Hkv,
-                             interpret=interpret)
+                             interpret=interpret, ping_pong=ping_pong)
 
     def entry(*refs):
         pl.run_scoped(lambda *scoped: body(*refs, scoped), *scratch, collective_axes="wg")
