@@ -210,7 +210,7 @@ class Tokenizer:
 
             reader = gguf.GGUFReader(reader)
         meta = _GGUFMetadata(reader)
-        source = getattr(reader, "path", "<gguf>")
+        source = getattr(getattr(reader, "data", None), "filename", None) or "<gguf>"  # the memory-mapped file
         kind = meta.get("tokenizer.ggml.model")
         architecture = meta.get("general.architecture", "")
         tokens = meta.strings("tokenizer.ggml.tokens")
@@ -388,8 +388,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`. Special tokens written in the text (e.g. `<|im_start|>`) become
-        their ids. BOS (and EOS, where the file asks for it) is added per the model file when
-        `add_bos` is None, or as `add_bos` says."""
+        their ids. With `add_bos=None` the model file decides (BOS, and EOS where the file asks
+        for it: transformers' add_special_tokens=True); `add_bos=False` adds nothing
+        (add_special_tokens=False); `add_bos=True` adds BOS only."""
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id, *ids]

@@ -73,3 +73,13 @@ def test_random_qwen2_checkpoint(tie):
     assert result["all_logits"].shape == (len(tokens[0]), config["vocab_size"])
     assert np.isfinite(result["all_logits"]).all()
     assert np.array_equal(result["step_tokens"][1:], np.argmax(result["step_logits"][:-1], axis=-1))
+
+
+def test_missing_oracle_env_names_the_fix(monkeypatch, tmp_path):
+    import tests.oracle.client as client
+
+    monkeypatch.setattr(client, "ORACLE_PYTHON", tmp_path / "no-venv" / "bin" / "python")
+    monkeypatch.setattr(client, "CACHE_DIR", tmp_path / "cache")
+    (tmp_path / "model.gguf").write_bytes(b"not cached")
+    with pytest.raises(client.OracleUnavailable, match=r"scripts/bootstrap\.sh oracle"):
+        client.oracle_tokenize(tmp_path / "model.gguf", ["hi"])

@@ -277,3 +277,22 @@ def test_tiny_gguf_byte_level_tokenizer(tmp_path):
     assert tok.chat_template is None
     with pytest.raises(ValueError, match="no chat template"):
         tok.apply_chat_template(MESSAGES)
+
+
+def test_chat_template_environment_matches_hugging_face_conventions():
+    """The helpers and whitespace rules Hugging Face templates rely on."""
+    from rjax.tokenizer import compile_chat_template
+
+    source = (
+        "{% for m in messages %}\n"
+        "  {% if m.role == 'skip' %}{% continue %}{% endif %}\n"
+        "  {% generation %}{{ m.content | tojson }}{% endgeneration %};\n"
+        "{% endfor %}\n"
+        "{{ strftime_now('%Y') | length }}"
+    )
+    out = compile_chat_template(source).render(messages=[{"role": "user", "content": "é<>"}, {"role": "skip"}])
+    assert out == '"é<>";\n4'  # trim_blocks/lstrip_blocks, no HTML escaping, non-ASCII kept
+    with pytest.raises(jinja2.exceptions.TemplateError, match="nope"):
+        compile_chat_template("{{ raise_exception('nope') }}").render()
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        compile_chat_template("{{ messages.append(1) }}").render(messages=[])
