@@ -144,22 +144,49 @@ def stream(model: Model, prompt: str, *, raw: bool = False, stats: dict | None =
         yield tail
 
 
-def generate(model: Model, prompt: str | Sequence[str], *, raw: bool = False, **kw):
-    """Text in, text out. A list of prompts runs as one batch and returns a list of results.
+DEFAULT_SERVING_SLOTS = 32
 
-    Keyword arguments: max_new_tokens, temperature, top_k, top_p, seed, steps_per_dispatch.
-    Returns GenerationResult (or a list of them) with token ids, text, finish reason and timings.
+
+def serve_ids(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256, temperature: float = 0.0,
+              top_k: int = 0, top_p: float = 1.0, seed: int = 0, steps_per_dispatch: int = 8,
+              n_slots: int = DEFAULT_SERVING_SLOTS):
+    """Tokenized prompts through the continuous-batching engine (`rjax.serving`) with up to
+    `n_slots` running at once; more wait for a free slot. -> list of `serving.Completion`."""
+    from rjax.serving import ServingConfig, ServingEngine
+
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_prompt_lengths(model, prompts)
+    cfg, tok = model.config, model.tokenizer
+    S = cache_length(max(len(p) for p in prompts) + max_new_tokens, cfg.context_length)
+    stop_ids = sorted(tok.eos_ids)
+    config = ServingConfig(n_slots=max(1, min(len(prompts), n_slots)), max_len=S, page_size=16 if S % 16 == 0 else None,
+                           steps_per_dispatch=steps_per_dispatch, max_stop_ids=max(8, len(stop_ids)),
+                           kv_dtype=jnp.dtype(activation_dtype()).name)
+    eng = ServingEngine(cfg, model.params, config, stop_ids=stop_ids, seed=seed)
+    ids = [eng.submit(p, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
+           for p in prompts]
+    done = {e.request_id: e.completion for e in eng.run() if e.finished}
+    return [done[i] for i in ids]
+
+
+def generate(model: Model, prompt: str | Sequence[str], *, raw: bool = False, **kw):
+    """Text in, text out. A list of prompts runs through the continuous-batching engine (up to
+    `n_slots`, default 32, at once) and returns a list of results in prompt order.
+
+    Keyword arguments: max_new_tokens, temperature, top_k, top_p, seed, steps_per_dispatch
+    (and n_slots for a list). Returns GenerationResult (or a list of them) with token ids, text,
+    finish reason and timings (for a list: each request's own time to first token and decode rate).
     """
-    single = isinstance(prompt, str)
-    prompts = [prompt] if single else list(prompt)
-    ids = [encode_prompt(model, p, raw) for p in prompts]
-    stats: dict = {}
-    generated: list[list[int]] = [[] for _ in prompts]
-    for step in stream_ids(model, ids, stats=stats, **kw):
-        for g, r in zip(generated, step):
-            g.extend(r)
     tok = model.tokenizer
-    results = [GenerationResult(p, g, tok.decode(_visible(tok, g)), reason, stats["ttft_s"],
-                                stats["decode_tokens_per_s"])
-               for p, g, reason in zip(ids, generated, stats["finish_reasons"])]
-    return results[0] if single else results
+    if not isinstance(prompt, str):
+        ids = [encode_prompt(model, p, raw) for p in prompt]
+        return [GenerationResult(c.prompt, c.tokens, tok.decode(_visible(tok, c.tokens)), c.finish_reason, c.ttft_s,
+                                 c.decode_tokens_per_s) for c in serve_ids(model, ids, **kw)] if ids else []
+    ids = encode_prompt(model, prompt, raw)
+    stats: dict = {}
+    generated: list[int] = []
+    for step in stream_ids(model, [ids], stats=stats, **kw):
+        generated.extend(step[0])
+    return GenerationResult(ids, generated, tok.decode(_visible(tok, generated)), stats["finish_reasons"][0],
+                            stats["ttft_s"], stats["decode_tokens_per_s"])

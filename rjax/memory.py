@@ -1,0 +1,161 @@
+"""How many KV-cache pages and slots fit in the device's memory, decided before anything is allocated.
+
+Free memory is `bytes_limit - bytes_in_use` from the device's `memory_stats()` (GPUs), and on
+backends without statistics (the CPU) a configured budget, else the host's available physical
+memory. From it come, in this order: the params (when they are not resident yet), a reserve, the
+workspace of the largest dispatch (an estimate, see `workspace_bytes`), and what is left holds
+KV-cache pages. A configuration that does not fit is refused with `MemoryFitError`, naming the
+bytes needed and the bytes available, instead of an out-of-memory error on the first request.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import numpy as np
+
+from rjax.config import ModelConfig
+
+MiB = 1 << 20
+DEFAULT_MAX_SLOTS = 256
+
+
+class MemoryFitError(ValueError):
+    pass
+
+
+def available_bytes(device=None, budget_bytes: int | None = None) -> tuple[int, str]:
+    """(free bytes, where the number comes from) for `device` (default: the first device).
+    `budget_bytes` is used where the device keeps no memory statistics."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), f"{device} memory_stats"
+    if budget_bytes is not None:
+        return int(budget_bytes), f"the configured budget for {device}"
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), f"available host memory for {device}"
+
+
+def tree_bytes(tree) -> int:
+    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def kv_bytes_per_position(cfg: ModelConfig, dtype) -> int:
+    """K and V bytes of one position of one sequence, over all layers."""
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * np.dtype(dtype).itemsize
+
+
+def workspace_bytes(cfg: ModelConfig, *, n_slots: int, max_len: int, prefill_tokens: int, prefill_prompts: int,
+                    dtype, backend: str | None = None) -> int:
+    """An estimate of the temporary memory of the largest dispatch (decode of every slot, or one
+    prefill call), beyond the params and the cache: per-layer activations (float32 upper bound),
+    logits plus the sorted copies sampling makes, and where attention runs as the pure-JAX
+    reference (not on GPUs) the gathered cache and score matrices, plus a dequantized weight."""
+    backend = backend or jax.default_backend()
+    item = np.dtype(dtype).itemsize
+    per_token = 4 * (4 * cfg.d_model + 3 * cfg.d_ff + 2 * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim)
+    logits = 6 * 4 * cfg.vocab_size
+    decode = n_slots * (per_token + logits)
+    prefill = prefill_tokens * per_token + prefill_prompts * logits
+    if backend != "gpu":
+        gathered = 2 * cfg.n_kv_heads * max_len * cfg.head_dim * item
+        decode += n_slots * (gathered + 2 * 4 * cfg.n_heads * max_len)
+        prefill += prefill_prompts * gathered + 2 * 4 * prefill_tokens * cfg.n_heads * max_len
+        dequant = 2 * 4 * max(cfg.vocab_size, cfg.d_ff) * cfg.d_model
+        decode, prefill = decode + dequant, prefill + dequant
+    return int(max(decode, prefill))
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    n_slots: int
+    n_pages: int | None       # None: contiguous cache
+    page_size: int | None
+    max_len: int
+    kv_bytes: int
+    workspace_bytes: int
+    params_bytes: int
+    reserve_bytes: int
+    available_bytes: int
+    source: str
+
+    @property
+    def needed_bytes(self) -> int:
+        return self.kv_bytes + self.workspace_bytes + self.params_bytes + self.reserve_bytes
+
+
+def _refuse(what: str, kv: int, ws: int, params: int, reserve: int, avail: int, source: str):
+    need = kv + ws + params + reserve
+    raise MemoryFitError(
+        f"{what} does not fit: it needs {need:,} bytes (KV cache {kv:,} + workspace {ws:,} + params {params:,} "
+        f"+ reserve {reserve:,}); {source} has {avail:,} bytes available")
+
+
+def plan_memory(cfg: ModelConfig, *, max_len: int, page_size: int | None = 16, n_slots: int | None = None,
+                n_pages: int | None = None, tokens_per_slot: int | None = None, max_slots: int = DEFAULT_MAX_SLOTS,
+                prefill_tokens: int = 4096, prefill_prompts: int = 16, dtype=np.float32, params_bytes: int = 0,
+                reserve_bytes: int | None = None, available: int | None = None, budget_bytes: int | None = None,
+                device=None) -> MemoryPlan:
+    """The slots and pages that fit, or MemoryFitError.
+
+    max_len: positions per sequence. page_size None: a contiguous cache (every slot holds
+    max_len positions). n_slots / n_pages: given, they are checked; None, the largest that fit
+    are chosen (slots up to `max_slots`; with pages, enough slots that each can hold
+    `tokens_per_slot` positions, default max_len). params_bytes: params not yet on the device
+    (0 when they are: the free memory already excludes them). reserve_bytes: kept free (default
+    the larger of 256 MiB and 5% of the free memory). available: free bytes, else measured on
+    `device` (`budget_bytes` where the device has no statistics).
+    """
+    if available is None:
+        available, source = available_bytes(device, budget_bytes)
+    else:
+        source = "the given budget"
+    reserve = max(256 * MiB, available // 20) if reserve_bytes is None else int(reserve_bytes)
+    per_pos = kv_bytes_per_position(cfg, dtype)
+
+    def ws(n):
+        return workspace_bytes(cfg, n_slots=n, max_len=max_len, prefill_tokens=prefill_tokens,
+                               prefill_prompts=min(prefill_prompts, n), dtype=dtype)
+
+    fixed = params_bytes + reserve
+
+    def plan(n, pages, kv):
+        return MemoryPlan(n, pages, page_size, max_len, kv, ws(n), params_bytes, reserve, available, source)
+
+    if page_size is None:
+        def fits(n):
+            return n * max_len * per_pos + ws(n) + fixed <= available
+
+        if n_slots is None:
+            n_slots = max((n for n in range(1, max_slots + 1) if fits(n)), default=0)
+            if not n_slots:
+                _refuse(f"one slot of {max_len} positions", max_len * per_pos, ws(1), params_bytes, reserve,
+                        available, source)
+        elif not fits(n_slots):
+            _refuse(f"a contiguous KV cache of {n_slots} slots x {max_len} positions", n_slots * max_len * per_pos,
+                    ws(n_slots), params_bytes, reserve, available, source)
+        return plan(n_slots, None, n_slots * max_len * per_pos)
+
+    page_bytes = per_pos * page_size
+    max_pages = -(-max_len // page_size)
+    slot_pages = -(-(tokens_per_slot or max_len) // page_size)
+
+    def pages_that_fit(n):
+        return max(0, (available - fixed - ws(n)) // page_bytes)
+
+    if n_slots is None:
+        n_slots = max((n for n in range(1, max_slots + 1) if n * slot_pages <= pages_that_fit(n)), default=0)
+        if not n_slots:
+            _refuse(f"one slot of {tokens_per_slot or max_len} positions in pages of {page_size}",
+                    slot_pages * page_bytes, ws(1), params_bytes, reserve, available, source)
+    if n_pages is None:
+        # More pages than every slot at full length can use would be wasted.
+        n_pages = min(pages_that_fit(n_slots), n_slots * max_pages)
+        if n_pages < max_pages:
+            _refuse(f"{n_slots} slots with one sequence of {max_len} positions in pages of {page_size}",
+                    max_pages * page_bytes, ws(n_slots), params_bytes, reserve, available, source)
+    elif n_pages > pages_that_fit(n_slots):
+        _refuse(f"a paged KV cache of {n_pages} pages x {page_size} positions for {n_slots} slots",
+                n_pages * page_bytes, ws(n_slots), params_bytes, reserve, available, source)
+    return plan(n_slots, int(n_pages), int(n_pages) * page_bytes)
