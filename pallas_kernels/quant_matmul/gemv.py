@@ -21,9 +21,16 @@ BLOCK_N = 64
 VALUES_PER_STEP = 256
 PROGRAMS = 320
 PROGRAMS_BY_TYPE = {QType.Q4_K: 528}
-# At M = 1 the CUDA-core path with small 16-row tiles beat the tensor-core path for these
-# types (Q8_0 41 vs 47 us, Q6_K 48 vs 64 us at 4096x14336), and lost for Q4_K (92 vs 53 us).
-FMA_AT_M1 = {QType.Q8_0: dict(block_n=16, programs=264), QType.Q6_K: dict(block_n=16, programs=264)}
+# At M = 1 the CUDA-core path with small 8..16-row tiles beat the tensor-core path for these
+# types (14336x4096: Q8_0 40 vs 45 us, Q6_K 45 vs 64, Q4_0 37 vs 44, Q4_1 41 vs 47, Q5_0 45
+# vs 87), and lost for Q4_K (76 vs 53 us).
+FMA_AT_M1 = {
+    QType.Q8_0: dict(block_n=16, programs=264),
+    QType.Q6_K: dict(block_n=16, programs=264),
+    QType.Q4_0: dict(block_n=8, programs=264),
+    QType.Q4_1: dict(block_n=8, programs=264),
+    QType.Q5_0: dict(block_n=16, programs=264),
+}
 
 
 def default_gemv_config(qtype: QType, m: int, n: int, k: int) -> TileConfig:
