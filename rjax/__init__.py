@@ -3,6 +3,7 @@
 High level:  model = rjax.load("smollm2-135m-instruct"); rjax.generate(model, "Hello")
 Functional:  rjax.init_cache, rjax.prefill, rjax.decode_step, rjax.decode_loop, rjax.sample
              are pure jitted functions of (static config, params pytree, cache pytree, inputs).
+Scoring:     rjax.score, rjax.perplexity; rjax.token_logprobs is the jitted core.
 """
 from rjax.cache import KVCache, init_cache
 from rjax.catalog import DEFAULT_MODEL, pull
@@ -12,9 +13,10 @@ from rjax.generation import GenerationResult, generate, stream
 from rjax.loaders import Model, load
 from rjax.model import Params, forward
 from rjax.sampling import SamplingParams, sample
+from rjax.scoring import perplexity, score, token_logprobs
 
 __all__ = [
     "DEFAULT_MODEL", "GenerationResult", "KVCache", "Model", "ModelConfig", "Params", "SamplingParams",
     "decode_loop", "decode_step", "forward", "generate", "init_cache", "load", "pad_prompts", "prefill",
-    "prefill_and_sample", "prompt_bucket", "pull", "sample", "stream",
+    "perplexity", "prefill_and_sample", "prompt_bucket", "pull", "sample", "score", "stream", "token_logprobs",
 ]
