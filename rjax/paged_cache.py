@@ -73,8 +73,14 @@ class PagedKVCache:
     def attend(self, layer: int, q, pos, slots, *, scale: float, window: int | None):
         # Visible length: everything up to the newest query position of each sequence.
         kv_len = jnp.max(pos, axis=1) + 1
-        return paged_attention(q, self.k[layer], self.v[layer], self._tables(slots), pos, kv_len,
-                               scale=scale, window=window)
+        # The kernel gets all layers' pages as one pool [L * n_pages, ...] (a reshape: no copy) and
+        # tables pointing into this layer's part; slicing out one layer's pool would copy it.
+        L, P = self.k.shape[:2]
+        tables = self._tables(slots)
+        tables = jnp.where(tables >= 0, tables + layer * P, NO_PAGE)
+        k = self.k.reshape(L * P, *self.k.shape[2:])
+        v = self.v.reshape(L * P, *self.v.shape[2:])
+        return paged_attention(q, k, v, tables, pos, kv_len, scale=scale, window=window)
 
     def advance(self, slots, n_new):
         """lengths[slots] += n_new (n_new [B] int32)."""

@@ -181,3 +181,29 @@ def test_allocator_refuses_what_it_cannot_promise_and_changes_nothing():
     for x, y in zip(snapshot[:3], (a.tables, a.owned, a.reserved)):
         np.testing.assert_array_equal(x, y)
     assert a.n_free == snapshot[3]
+
+
+def test_attend_through_the_pallas_kernels_reads_the_right_layer(monkeypatch):
+    """On GPUs `attend` runs the Pallas kernels over all layers' pages at once with per-layer
+    table offsets; here they run in interpret mode against the reference on one layer's pool."""
+    import functools
+
+    import jax
+
+    from pallas_kernels.attention import paged_attention
+    from rjax import paged_cache
+
+    L, P, H, ps, D = 3, 8, 2, 16, 32
+    k = jax.random.normal(jax.random.key(0), (L, P, H, ps, D))
+    v = jax.random.normal(jax.random.key(1), (L, P, H, ps, D))
+    tables = jnp.asarray([[3, 1, NO_PAGE, NO_PAGE], [0, 5, 6, NO_PAGE]], jnp.int32)
+    cache = paged_cache.PagedKVCache(k, v, tables, jnp.asarray([21, 41], jnp.int32))
+    monkeypatch.setattr(paged_cache, "paged_attention", functools.partial(paged_attention, implementation="interpret"))
+    for T, first in ((1, [20, 40]), (12, [9, 29])):  # the decode kernel, then the prefill kernel
+        q = jax.random.normal(jax.random.key(T), (2, T, 4, D))
+        pos = jnp.asarray([[f + t for t in range(T)] for f in first], jnp.int32)
+        for layer in (0, 2):
+            got = cache.attend(layer, q, pos, None, scale=0.125, window=None)
+            want = paged_attention(q, k[layer], v[layer], tables, pos, pos[:, -1] + 1, scale=0.125,
+                                   implementation="reference")
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
