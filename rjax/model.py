@@ -48,10 +48,10 @@ class Params:
     lm_head: Weight | None       # (vocab, d_model); None: tied to `embed`
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, out_dtype=None) -> jax.Array:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * w.astype(jnp.float32)).astype(x.dtype)
+    return (xf * w.astype(jnp.float32)).astype(out_dtype or x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig, theta: float, linear: float = 1.0) -> jax.Array:
@@ -113,25 +113,26 @@ def _attention_block(cfg: ModelConfig, i: int, p: LayerParams, x, cache: KVCache
     return matmul(out.reshape(B, T, cfg.n_heads * cfg.head_dim), p.wo), cache
 
 
-def _layer(cfg: ModelConfig, i: int, p: LayerParams, x, cache, pos, slots):
-    h = rms_norm(x, p.attn_norm, cfg.rms_eps)
+def _layer(cfg: ModelConfig, i: int, p: LayerParams, x, cache, pos, slots, dtype):
+    """x is the float32 residual stream; the blocks compute in `dtype` (bfloat16 on GPU)."""
+    h = rms_norm(x, p.attn_norm, cfg.rms_eps, dtype)
     h, cache = _attention_block(cfg, i, p, h, cache, pos, slots)
     if p.post_attn_norm is not None:
-        h = rms_norm(h, p.post_attn_norm, cfg.rms_eps)
-    x = x + h
-    h = rms_norm(x, p.ffn_norm, cfg.rms_eps)
+        h = rms_norm(h, p.post_attn_norm, cfg.rms_eps, jnp.float32)
+    x = x + h.astype(jnp.float32)
+    h = rms_norm(x, p.ffn_norm, cfg.rms_eps, dtype)
     h = matmul(_activation(cfg, matmul(h, p.w_gate)) * matmul(h, p.w_up), p.w_down)
     if p.post_ffn_norm is not None:
-        h = rms_norm(h, p.post_ffn_norm, cfg.rms_eps)
-    return x + h, cache
+        h = rms_norm(h, p.post_ffn_norm, cfg.rms_eps, jnp.float32)
+    return x + h.astype(jnp.float32), cache
 
 
-def embed(cfg: ModelConfig, params: Params, tokens: jax.Array, dtype) -> jax.Array:
+def embed(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
+    """Token embeddings as the float32 residual stream (Gemma's scale included)."""
     x = take_rows(params.embed, tokens, jnp.float32)
     if cfg.embed_scale != 1.0:
-        # Gemma scales in the activation dtype, as its reference implementations do.
-        x = x.astype(dtype) * jnp.asarray(cfg.embed_scale, dtype)
-    return x.astype(dtype)
+        x = x * jnp.float32(cfg.embed_scale)
+    return x
 
 
 def hidden_states(cfg: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
@@ -140,12 +141,13 @@ def hidden_states(cfg: ModelConfig, params: Params, cache: KVCache, tokens: jax.
 
     tokens, pos: [B, T]; pos[b, t] is the absolute position of token t of sequence b, or -1 for
     padding (its K/V is not written and it attends to nothing). slots: [B] cache rows that the
-    B sequences live in, or None for rows 0..B-1.
+    B sequences live in, or None for rows 0..B-1. The residual stream stays float32 whatever
+    `dtype` the blocks compute in, as llama.cpp and the reference implementations keep it.
     """
-    x = embed(cfg, params, jnp.where(pos >= 0, tokens, 0), dtype)
+    x = embed(cfg, params, jnp.where(pos >= 0, tokens, 0))
     for i, p in enumerate(params.layers):
-        x, cache = _layer(cfg, i, p, x, cache, pos, slots)
-    return rms_norm(x, params.final_norm, cfg.rms_eps), cache
+        x, cache = _layer(cfg, i, p, x, cache, pos, slots, dtype)
+    return rms_norm(x, params.final_norm, cfg.rms_eps, dtype), cache
 
 
 def logits_from_hidden(params: Params, h: jax.Array) -> jax.Array:
