@@ -234,7 +234,7 @@ PREFILL_SWEEP = {
 }
 MOSAIC_SWEEP = {128: [dict(ping_pong=False)], 256: [dict(ping_pong=False)]}
 PAGED_SWEEP = [dict(block_k=64), dict(block_k=64, num_stages=4)]
-DECODE_SWEEP = [dict(block_k=64, num_stages=3), dict(block_k=128, num_stages=2), dict(block_k=256, num_stages=2)]
+DECODE_SWEEP = [dict(block_k=128, num_stages=2)]
 
 
 def main(argv=None):
@@ -264,11 +264,11 @@ def main(argv=None):
     if args.only != "decode":
         for S, D in prefill_shapes:
             prefill_case(rows, S, D, sweep=PREFILL_SWEEP[D] if args.prefill_sweep and S == 2048 else (),
-                         mosaic_sweep=MOSAIC_SWEEP[D] if args.sweep else ())
+                         mosaic_sweep=MOSAIC_SWEEP[D] if args.sweep and S == 2048 else ())
             save()
     if args.only != "prefill":
         for B, S in decode_shapes:
-            sweep = DECODE_SWEEP if args.sweep and (B, S) in ((8, 8192), (1, 32768)) else ()
+            sweep = DECODE_SWEEP if args.sweep and (B, S) == (8, 8192) else ()
             decode_case(rows, B, S, sweep=sweep, paged_sweep=PAGED_SWEEP if sweep else ())
             save()
     copy_bw = save()
