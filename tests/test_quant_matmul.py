@@ -111,7 +111,7 @@ def test_gguf_quantized_gaussian_weights(qtype):
 
 
 @pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q8_0], ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 16, 64, 80])
+@pytest.mark.parametrize("m", [1, 16, 80])
 def test_qmatmul_dispatch_interpret(qtype, m):
     """The public entry with the production tile choices (GEMV up to 64 rows, GEMM above)."""
     k = 2 * _block(qtype)
