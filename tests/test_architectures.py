@@ -40,7 +40,7 @@ LONG_PROMPT = " ".join(
     for i, (w, a, p) in enumerate(zip(
         ["quick", "brown", "red", "sly", "old", "young", "grey", "tiny", "giant", "swift"] * 4,
         ["fox", "bear", "crow", "hare", "wolf", "deer", "owl", "mole"] * 5,
-        ["river", "mill", "harbour", "forest", "tower"] * 8)))
+        ["river", "mill", "harbour", "forest", "tower"] * 8)) if i < 28)
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,14 @@ weights without the +1 its RMSNorm adds (x * (1 + w)), which is added at load.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes  # noqa: F401 - registers numpy's "bfloat16" dtype, which safe_open needs for BF16
 import numpy as np
 from gguf import GGML_QUANT_SIZES
@@ -84,9 +86,12 @@ QUANTIZE_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k")
 # (llama.cpp's choice for Q4_K); a row length that splits into no 32-blocks stays dense.
 _QUANTIZE_FALLBACK = {QType.Q4_K: QType.Q5_0}
 
-# Re-open a file after reading this many bytes from it: unmapping drops the file pages that
-# reading touched from this process's resident set, which would otherwise grow to the file size.
-_REMAP_BYTES = 256 << 20
+# Host memory bounds while loading: a tensor is read this many bytes of rows at a time, and a
+# file's memory map is re-opened after this many bytes (see _FileReader).
+_CHUNK_BYTES = 64 << 20
+_REMAP_BYTES = 64 << 20
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4,
+             "I64": 8, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 # --- config ------------------------------------------------------------------------------------
@@ -401,25 +406,67 @@ def _quantize_type(quantize: str | None) -> QType | None:
     return QType[str(quantize).upper()]
 
 
-def _matrix(w: np.ndarray, qtype: QType | None, name: str):
-    """A 2-D weight on the device: as stored, or quantized to qtype (or its fallback) when its rows fit."""
+class _FileReader:
+    """Row ranges of one safetensors file's tensors, through a memory map that is re-opened after
+    every _REMAP_BYTES read: unmapping drops the file pages reading touched from this process's
+    resident set, which would otherwise grow to the size of the file."""
+
+    def __init__(self, file: Path):
+        self.file, self.handle, self.read = file, None, 0
+
+    def rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        if self.handle is None or self.read >= _REMAP_BYTES:
+            self.handle, self.read = _open(self.file), 0
+        out = self.handle.get_slice(name)[start:stop]
+        self.read += out.nbytes
+        return out
+
+    def close(self):
+        self.handle = None
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_rows(buffer: jax.Array, rows: jax.Array, start) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(buffer, rows, start, axis=0)
+
+
+def _convert(host: np.ndarray, field: str, gemma: bool, qtype: QType | None, name: str):
+    """Host rows of one tensor -> what the params hold (on host still): float32 norms (+1 for
+    Gemma) and biases; matrices as stored, or quantized when their rows fit the type's blocks."""
+    if field in _NORMS:
+        w = host.astype(np.float32)
+        return w + 1.0 if gemma else w  # Gemma's RMSNorm multiplies by (1 + w)
+    if field in _BIASES:
+        return host.astype(np.float32)
     if qtype is not None:
         from rjax.quant.quantize import quantize
 
         for t in (qtype, _QUANTIZE_FALLBACK.get(qtype)):
-            if t is not None and w.shape[-1] % GGML_QUANT_SIZES[t][0] == 0:
-                q = quantize(w, t, name)
-                return QTensor(jax.tree.map(jax.device_put, q.planes), q.qtype, q.shape)
-    return jax.device_put(w)
+            if t is not None and host.shape[-1] % GGML_QUANT_SIZES[t][0] == 0:
+                return quantize(host, t, name)
+    return host
 
 
-def _to_param(w: np.ndarray, field: str, gemma: bool, qtype: QType | None, name: str):
-    if field in _NORMS:
-        w = w.astype(np.float32)
-        return jax.device_put(w + 1.0 if gemma else w)  # Gemma's RMSNorm multiplies by (1 + w)
-    if field in _BIASES:
-        return jax.device_put(w.astype(np.float32))
-    return _matrix(w, qtype, name)
+def _load_tensor(reader: _FileReader, name: str, shape: tuple[int, ...], itemsize: int, convert):
+    """One tensor onto the device, read _CHUNK_BYTES of rows at a time into a preallocated device
+    buffer that each write donates, so the host holds one chunk at a time and the device never
+    holds two copies of the tensor."""
+    step = max(1, _CHUNK_BYTES // max(1, math.prod(shape[1:]) * itemsize))
+    if step >= shape[0]:
+        part = convert(reader.rows(name, 0, shape[0]))
+        if isinstance(part, QTensor):
+            return QTensor(jax.tree.map(jax.device_put, part.planes), part.qtype, part.shape)
+        return jax.device_put(part)
+    planes = qtype = None
+    for start in range(0, shape[0], step):
+        part = convert(reader.rows(name, start, min(start + step, shape[0])))
+        leaves = part.planes if isinstance(part, QTensor) else part
+        if planes is None:
+            qtype = part.qtype if isinstance(part, QTensor) else None
+            planes = jax.tree.map(lambda a: jnp.zeros((shape[0], *a.shape[1:]), a.dtype), leaves)
+        planes = jax.tree.map(lambda buf, a: _write_rows(buf, jax.device_put(a), start), planes, leaves)
+        del part, leaves
+    return planes if qtype is None else QTensor(planes, qtype, shape)
 
 
 def load_hf_dir(path: str | os.PathLike, *, progress: bool = True, quantize: str | None = None
@@ -443,22 +490,16 @@ def load_hf_dir(path: str | os.PathLike, *, progress: bool = True, quantize: str
     top: dict = {}
     bar = tqdm(total=len(plan), desc="loading tensors", unit="tensor", disable=not progress, leave=False)
     for file in files:
-        names = [n for n, (f, _, _) in tensors.items() if f == file and n in plan]
-        batch_start = 0
-        while batch_start < len(names):
-            # read the file in stretches of about _REMAP_BYTES, re-opening (re-mapping) it for each
-            with _open(file) as f:
-                read = 0
-                while batch_start < len(names) and (read == 0 or read < _REMAP_BYTES):
-                    name = names[batch_start]
-                    batch_start += 1
-                    layer, field = plan[name]
-                    host = f.get_tensor(name)
-                    read += host.nbytes
-                    w = _to_param(host, field, gemma, qtype, name)
-                    del host
-                    (top if layer is None else layers[layer])[field] = w
-                    bar.update()
+        reader = _FileReader(file)
+        for name, (f, dtype, shape) in tensors.items():  # in file order
+            if f != file or name not in plan:
+                continue
+            layer, field = plan[name]
+            convert = functools.partial(_convert, field=field, gemma=gemma, qtype=qtype, name=name)
+            w = _load_tensor(reader, name, shape, _ITEMSIZE[dtype], convert)
+            (top if layer is None else layers[layer])[field] = w
+            bar.update()
+        reader.close()
     bar.close()
     params = Params(embed=top["embed"], layers=tuple(LayerParams(**l) for l in layers),
                     final_norm=top["final_norm"], lm_head=None if cfg.tie_embeddings else top["lm_head"])
@@ -479,8 +520,7 @@ def describe_hf_dir(path: str | os.PathLike) -> dict:
     files = weight_files(path)
     headers = _headers(files)
     _plan(cfg, model_type, headers, path)
-    itemsize = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8, "BOOL": 1}
-    tensors = [dict(name=n, type=dtype, shape=list(shape), bytes=math.prod(shape) * itemsize.get(dtype, 0))
+    tensors = [dict(name=n, type=dtype, shape=list(shape), bytes=math.prod(shape) * _ITEMSIZE.get(dtype, 0))
                for n, (_, dtype, shape) in headers.items()]
     count, size = collections.Counter(), collections.Counter()
     for t in tensors:
