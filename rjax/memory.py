@@ -34,7 +34,19 @@ def available_bytes(device=None, budget_bytes: int | None = None) -> tuple[int, 
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), f"{device} memory_stats"
     if budget_bytes is not None:
         return int(budget_bytes), f"the configured budget for {device}"
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), f"available host memory for {device}"
+    return _host_available_bytes(), f"available host memory for {device}"
+
+
+def _host_available_bytes() -> int:
+    # MemAvailable counts reclaimable page cache too; free pages alone would understate it.
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def tree_bytes(tree) -> int:

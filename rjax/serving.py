@@ -15,8 +15,9 @@ admitting a request with other settings into any slot reuses the compiled progra
 counts and lengths are padded to buckets, which bounds the number of programs.
 
 Limits (`ServingConfig`), and what happens beyond them:
-- a request whose prompt does not leave one free position in `max_len`, or that could never get
-  its pages even from an empty pool, is refused by `submit` with a ValueError;
+- a request whose prompt does not leave one free position in `max_len` (or with an empty prompt,
+  token ids outside the vocabulary, too many stop ids, bad sampling settings) is refused by
+  `submit` with a ValueError, and nothing changes;
 - more requests than free slots, or than free pages, wait in the queue (admission reserves the
   pages a request may need at most, so a running sequence never runs out of pages and no
   sequence is ever evicted);
@@ -311,7 +312,8 @@ class ServingEngine:
 
     def _take_admissible(self) -> list[_Request]:
         c, batch = self.config, []
-        while self._queue and len(batch) < min(len(self._free), c.max_prefill_prompts):
+        room = min(len(self._free), c.max_prefill_prompts)
+        while self._queue and len(batch) < room:
             req = self._queue[0]
             longest = max([len(r.prompt) for r in batch] + [len(req.prompt)])
             if batch and c.prefill_bucket(len(batch) + 1) * engine.prompt_bucket(longest) \

@@ -106,11 +106,31 @@ def test_32_prompts_through_8_slots_equal_each_prompt_alone(tiny, alone):
                 completions[e.request_id] = e.completion
         running.append(eng.n_running)
         slots_used |= set(eng._running)
+        # The host's view of each running sequence matches the device cache, page for page.
+        lengths, tables = np.asarray(eng.cache.lengths), np.asarray(eng.cache.block_tables)
+        for s, r in eng._running.items():
+            assert lengths[s] == r.length and (tables[s] == eng.pages.tables[s]).all()
     assert max(running) <= CONFIG.n_slots and slots_used <= set(range(CONFIG.n_slots))
     for rid, p, b in zip(ids, prompts, budgets):
         c = completions[rid]
         assert c.tokens == alone(p, b), f"request {rid} (prompt of {len(p)}, budget {b})"
         assert streamed[rid] == c.tokens and c.finish_reason == "length" and c.prompt == p
+    _check_idle(eng)
+
+
+def test_256_slots(tiny, alone):
+    cfg, params = tiny
+    config = ServingConfig(n_slots=256, max_len=32, page_size=8, steps_per_dispatch=2, prefill_buckets=(128,),
+                           max_prefill_tokens=128 * 16)
+    prompts = _prompts(6, 270, cfg.vocab_size, lo=1, hi=12)
+    eng = ServingEngine(cfg, params, config)
+    ids = [eng.submit(p, max_new_tokens=6 + i % 3) for i, p in enumerate(prompts)]
+    done, _, most = _drain(eng)
+    assert most == 256  # two prefill calls of 128 fill every slot; the last 14 requests reuse slots
+    assert all(len(done[rid].tokens) == 6 + i % 3 for i, rid in enumerate(ids))
+    # Every 4th request and every one that reused a slot, against the prompt alone.
+    for i in [*range(0, 256, 4), *range(256, 270)]:
+        assert done[ids[i]].tokens == alone(prompts[i], 6 + i % 3), f"request {ids[i]}"
     _check_idle(eng)
 
 
