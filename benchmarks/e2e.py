@@ -68,12 +68,13 @@ def compact_row(shape: str, mix: str, bench: dict | None, status: str) -> dict:
             "b32": b32.get("tokens_per_s"), "b32_llama_cpp": ref.get("b32"),
             "tg_roofline": s.get("roofline_tg"), "tg_roofline_fraction": s.get("roofline_fraction_tg"),
             "compile_s": s.get("compile_s_total"), "bandwidth_gb_per_s": s.get("bandwidth_gb_per_s"),
-            "load_s": ((bench or {}).get("model") or {}).get("load_s")}
+            "load_s": ((bench or {}).get("model") or {}).get("load_s"),
+            "peak_gib": None if s.get("peak_bytes_in_use") is None else s["peak_bytes_in_use"] / 2**30}
 
 
 def format_rows(rows: list[dict], pp_label: str = "pp512", tg_label: str = "tg128") -> str:
     head = (f"{'model':18} {pp_label:>8} {'llama.cpp':>9} {tg_label:>7} {'N':>3} {'llama.cpp':>9} {'target':>6} "
-            f"{'B=32':>7} {'llama.cpp':>9} {'roofline':>8} {'frac':>5} {'compile':>7} {'GB/s':>6}  status")
+            f"{'B=32':>7} {'llama.cpp':>9} {'roofline':>8} {'frac':>5} {'compile':>7} {'GB/s':>6} {'GiB':>5}  status")
     lines = [head, "-" * len(head)]
     for r in rows:
         frac = "-" if r["tg_roofline_fraction"] is None else f"{r['tg_roofline_fraction']:.0%}"
@@ -81,11 +82,12 @@ def format_rows(rows: list[dict], pp_label: str = "pp512", tg_label: str = "tg12
             f"{r['model']:18} {_fmt(r['pp']):>8} {_fmt(r['pp_llama_cpp']):>9} {_fmt(r['tg']):>7} "
             f"{_fmt(r['tg_n'], 'd'):>3} {_fmt(r['tg_llama_cpp']):>9} {_fmt(r['tg_target']):>6} "
             f"{_fmt(r['b32']):>7} {_fmt(r['b32_llama_cpp']):>9} {_fmt(r['tg_roofline']):>8} {frac:>5} "
-            f"{_fmt(r['compile_s'], '.1f'):>7} {_fmt(r['bandwidth_gb_per_s']):>6}  {r['status']}")
+            f"{_fmt(r['compile_s'], '.1f'):>7} {_fmt(r['bandwidth_gb_per_s']):>6} {_fmt(r['peak_gib'], '.1f'):>5}"
+            f"  {r['status']}")
     lines.append(f"{pp_label} = prefill tokens/s (batch 1); {tg_label} = decode tokens/s at batch 1 (best N steps per "
                  f"dispatch); B=32 = decode tokens/s over 32 sequences; roofline = batch-1 decode ceiling at the "
                  f"measured copy bandwidth (llama.cpp's device copy: {LLAMA_CPP_COPY_GB_S:,} GB/s); compile = "
-                 f"seconds compiling, all programs. Targets: llama-8b q4_k tg >= 370, pp512 >= 15,000; "
+                 f"seconds compiling, all programs; GiB = peak device memory. Targets: llama-8b q4_k tg >= 370, pp512 >= 15,000; "
                  f"llama-1b q4_k tg >= 2,000; smollm2-135m tg >= 1,400.")
     return "\n".join(lines)
 

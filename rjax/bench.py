@@ -459,6 +459,8 @@ def summarize(result: dict) -> dict:
     comp = result.get("compile", {})
     times = [v for prog in comp.values() for v in prog.values()]
     out["compile_s_total"] = float(sum(times)) if times else None
+    end = (result.get("memory") or {}).get("end") or {}
+    out["peak_bytes_in_use"] = end.get("peak_bytes_in_use")  # process-wide, bandwidth probe included
     out["label"] = f"pp{s['prompt_len']} / tg{s['gen']}"
     return out
 
