@@ -242,6 +242,7 @@ class ServingEngine:
         self._free = list(range(config.n_slots))  # a heap: the lowest free slot is taken first
         self._running: dict[int, _Request] = {}                # slot -> request
         self._ids = itertools.count()
+        self._live_ids: set = set()                           # ids of queued and running requests
         self.kv_bytes = (config.pool_pages * config.page_size if config.paged else config.n_slots * config.max_len) \
             * kv_bytes_per_position(cfg, dtype)
 
@@ -275,7 +276,14 @@ class ServingEngine:
         self._check_stop_ids(stops)
         # Never more than one slot's table, which the config guarantees the pool can hold.
         limit = min(len(prompt) + max_new_tokens - 1, c.max_len)
-        rid = next(self._ids) if request_id is None else request_id
+        if request_id is None:
+            request_id = next(self._ids)
+            while request_id in self._live_ids:
+                request_id = next(self._ids)
+        elif request_id in self._live_ids:
+            raise ValueError(f"request id {request_id!r} is already queued or running")
+        rid = request_id
+        self._live_ids.add(rid)
         self._queue.append(_Request(rid, prompt, int(max_new_tokens), float(temperature), int(top_k), float(top_p),
                                     stops, time.perf_counter(), length_limit=limit))
         return rid
@@ -426,7 +434,7 @@ class ServingEngine:
             return
         slots = [r.slot for r in finished]
         for s in slots:
-            del self._running[s]
+            self._live_ids.discard(self._running.pop(s).request_id)
             if self.pages is not None:
                 self.pages.release(s)
         self.cache = free_slots(self.cache, jnp.asarray(self._slot_rows(slots)))

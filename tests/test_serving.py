@@ -249,6 +249,10 @@ def test_bad_requests_are_refused_and_change_nothing(tiny):
         with pytest.raises(ValueError, match=msg):
             eng.submit(**kw)
     assert eng.n_queued == 0 and not eng.has_work and eng.step() == []
+    eng.submit([1, 2], request_id="a")
+    with pytest.raises(ValueError, match="request id 'a' is already queued or running"):
+        eng.submit([3], request_id="a")
+    assert eng.n_queued == 1
 
 
 def test_config_limits_are_checked():
