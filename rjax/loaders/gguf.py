@@ -116,15 +116,25 @@ def config_from_metadata(meta: dict, path: str | os.PathLike = "<gguf>") -> Mode
     if arch == "qwen2":
         return ModelConfig(**common, rope_pairing="halves", qkv_bias=True, layer_rope_linear=(linear,) * n_layers,
                            layer_windows=(int(window) or None,) * n_layers if window else ())
-    # gemma3: five sliding-window layers (rope base 10k) then one global layer (rope base from the file)
-    is_global = tuple((i + 1) % 6 == 0 for i in range(n_layers))
+    # gemma3: five sliding-window layers (rope base 10k) then one global layer (rope base from the file),
+    # unless the file says otherwise: a pattern n (every n-th layer global) or one flag per layer
+    # (true: sliding window), and the sliding layers' rope base
+    pattern = get("attention.sliding_window_pattern", 6, required=False)
+    if isinstance(pattern, list):
+        if len(pattern) != n_layers:
+            raise ModelFileError(f"{path}: {arch}.attention.sliding_window_pattern has {len(pattern)} entries "
+                                 f"for {n_layers} layers")
+        is_global = tuple(not bool(p) for p in pattern)
+    else:
+        is_global = tuple(int(pattern) > 0 and (i + 1) % int(pattern) == 0 for i in range(n_layers))  # 0: none
+    local_theta = float(get("rope.freq_base_swa", 10000.0, required=False))
     # llama.cpp's rule: the 62-layer (27B) model scales queries by its d_model / n_heads (Gemma's
     # query_pre_attn_scalar), the others by head_dim.
     attn_scale = (d_model / n_heads) ** -0.5 if n_layers == 62 else 0.0
     return ModelConfig(**common, rope_pairing="halves", qk_norm=True, post_norms=True,
                        activation="gelu_tanh", embed_scale=math.sqrt(d_model), attn_scale=attn_scale,
                        layer_windows=tuple(None if g else int(window) for g in is_global),
-                       layer_rope_theta=tuple(rope_theta if g else 10000.0 for g in is_global),
+                       layer_rope_theta=tuple(rope_theta if g else local_theta for g in is_global),
                        layer_rope_linear=tuple(linear if g else 1.0 for g in is_global))
 
 
@@ -187,6 +197,9 @@ def config_from_reader(reader: GGUFReader, path: str | os.PathLike = "<gguf>") -
         if emb is None:
             raise ModelFileError(f"{path}: missing tensor 'token_embd.weight'")
         cfg = dataclasses.replace(cfg, vocab_size=int(emb.shape[1]))
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    if tied != cfg.tie_embeddings:  # the file says it by having (or not) a separate head
+        cfg = dataclasses.replace(cfg, tie_embeddings=tied)
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None:  # llama.cpp's form of Llama-3 rope scaling: per-frequency divisors
         factors = np.asarray(freqs.data, np.float32).reshape(-1)
