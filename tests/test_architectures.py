@@ -154,11 +154,34 @@ def _to_pairs(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_llama_gguf(directory, out_path):
+_GGUF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GGUF_NORM_NAMES = {  # the norm around the MLP is named differently in llama-style and gemma models
+    "llama": {"post_attention_layernorm.weight": "ffn_norm.weight"},
+    "qwen2": {"post_attention_layernorm.weight": "ffn_norm.weight"},
+    "gemma3": {"post_attention_layernorm.weight": "post_attention_norm.weight",
+               "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+               "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
+}
+
+
+def _write_gguf(directory, out_path, arch: str, metadata=(), tensors=()):
+    """A checkpoint directory as llama.cpp's converter would write it (float32): tensor names, Q/K
+    rows reordered for llama's adjacent-pair rope, gemma norm weights with their +1 folded in.
+    `metadata`: extra (writer method, value) pairs; `tensors`: extra (name, array) pairs."""
     hf = json.loads((directory / "config.json").read_text())
     w = load_file(directory / "model.safetensors")
-    n_heads, n_kv, hd = hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
-    writer = gguf.GGUFWriter(out_path, "llama")
+    n_heads, n_kv = hf["num_attention_heads"], hf["num_key_value_heads"]
+    hd = hf.get("head_dim") or hf["hidden_size"] // n_heads
+    rope = hf["rope_parameters"]
+    writer = gguf.GGUFWriter(out_path, arch)
     writer.add_block_count(hf["num_hidden_layers"])
     writer.add_context_length(hf["max_position_embeddings"])
     writer.add_embedding_length(hf["hidden_size"])
@@ -167,40 +190,79 @@ def _write_llama_gguf(directory, out_path):
     writer.add_head_count_kv(n_kv)
     writer.add_key_length(hd)
     writer.add_value_length(hd)
-    writer.add_rope_freq_base(hf["rope_parameters"]["rope_theta"])
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
     writer.add_layer_norm_rms_eps(hf["rms_norm_eps"])
     writer.add_vocab_size(hf["vocab_size"])
-    writer.add_tensor("rope_freqs.weight", _llama3_freq_factors(hd, hf["rope_parameters"]))
+    for method, value in metadata:
+        getattr(writer, method)(value)
+    for name, value in tensors:
+        writer.add_tensor(name, value)
+    plus = 1.0 if arch == "gemma3" else 0.0
     writer.add_tensor("token_embd.weight", w["model.embed_tokens.weight"])
-    writer.add_tensor("output_norm.weight", w["model.norm.weight"])
-    writer.add_tensor("output.weight", w["lm_head.weight"])
-    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    writer.add_tensor("output_norm.weight", w["model.norm.weight"] + plus)
+    if not hf["tie_word_embeddings"]:
+        writer.add_tensor("output.weight", w["lm_head.weight"])
+    names = {**_GGUF_LAYER_NAMES, **_GGUF_NORM_NAMES[arch]}
     for i in range(hf["num_hidden_layers"]):
         for src, dst in names.items():
-            t = w[f"model.layers.{i}.{src}.weight"]
-            if dst == "attn_q":
+            t = w.get(f"model.layers.{i}.{src}")
+            if t is None:
+                continue
+            if arch == "llama" and dst == "attn_q.weight":
                 t = _to_pairs(t, n_heads)
-            elif dst == "attn_k":
+            elif arch == "llama" and dst == "attn_k.weight":
                 t = _to_pairs(t, n_kv)
-            writer.add_tensor(f"blk.{i}.{dst}.weight", t)
+            elif "norm" in dst:
+                t = t + plus
+            writer.add_tensor(f"blk.{i}.{dst}", t)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
 
+def _check_gguf_against_dir(gguf_path, directory, lengths):
+    cfg, params, _ = load_gguf(gguf_path, progress=False)
+    ids = _random_prompts(cfg.vocab_size, lengths)
+    ref = oracle_logits(directory, ids, DECODE_STEPS, greedy_tokens=GREEDY)
+    return cfg, check_against_oracle(cfg, params, ids, ref, max_len=256, decode_steps=DECODE_STEPS, greedy=GREEDY)
+
+
 @pytest.mark.oracle
 def test_llama3_gguf_rope_freqs_matches_transformers(llama3_dir, tmp_path):
     path = tmp_path / "llama3-random.gguf"
-    _write_llama_gguf(llama3_dir, path)
-    cfg, params, _ = load_gguf(path, progress=False)
+    _write_gguf(llama3_dir, path, "llama", tensors=[("rope_freqs.weight", _llama3_freq_factors(16, LLAMA3_ROPE))])
+    cfg, err = _check_gguf_against_dir(path, llama3_dir, [9, 70, 150])
     assert cfg.rope_pairing == "pairs" and cfg.rope_scaling is None and len(cfg.rope_freq_factors) == 8
-    ids = _random_prompts(cfg.vocab_size, [9, 70, 150])
-    ref = oracle_logits(llama3_dir, ids, DECODE_STEPS, greedy_tokens=GREEDY)
-    err = check_against_oracle(cfg, params, ids, ref, max_len=256, decode_steps=DECODE_STEPS, greedy=GREEDY)
     print(f"random llama as GGUF with rope_freqs: max relative logit error {err:.2e}")
+
+
+@pytest.mark.oracle
+def test_qwen2_gguf_matches_transformers(tmp_path):
+    directory = oracle_random_qwen2(seed=3, tie_word_embeddings=False)
+    path = tmp_path / "qwen2-random.gguf"
+    _write_gguf(directory, path, "qwen2")
+    cfg, err = _check_gguf_against_dir(path, directory, [7, 19, 40])
+    assert cfg.qkv_bias and cfg.rope_pairing == "halves" and not cfg.tie_embeddings
+    print(f"random qwen2 as GGUF: max relative logit error {err:.2e}")
+
+
+@pytest.mark.oracle
+def test_gemma3_gguf_pattern_local_base_and_linear_rope_match_transformers(tmp_path):
+    # GGUF has no query_pre_attn_scalar: llama.cpp scales by head_dim, so the model uses that
+    directory = oracle_random_model(
+        "gemma3_text", seed=13, num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 20_000.0}})
+    path = tmp_path / "gemma3-random.gguf"
+    _write_gguf(directory, path, "gemma3", metadata=[
+        ("add_sliding_window", 8), ("add_sliding_window_pattern", 3), ("add_rope_freq_base_swa", 20_000.0),
+        ("add_rope_scaling_type", gguf.RopeScalingType.LINEAR), ("add_rope_scaling_factor", 4.0)])
+    cfg, err = _check_gguf_against_dir(path, directory, [6, 17, 33])
+    assert cfg.layer_windows == (8, 8, None) and cfg.layer_rope_theta == (2e4, 2e4, 1e6)
+    assert cfg.layer_rope_linear == (1.0, 1.0, 4.0)
+    print(f"random gemma3 as GGUF (pattern 3, local base 2e4, linear x4): max relative logit error {err:.2e}")
 
 
 # --- GGUF metadata -> config ----------------------------------------------------------------------
@@ -234,3 +296,11 @@ def test_gguf_gemma3_27b_scales_queries_by_hidden_over_heads():
 def test_gguf_unsupported_rope_scaling_type_is_an_error():
     with pytest.raises(ModelFileError, match="rope scaling type 'yarn'.*supported: none, linear, llama3"):
         config_from_metadata(_gemma3_meta(**{"gemma3.rope.scaling.type": "yarn"}), "x.gguf")
+
+
+def test_gguf_gemma3_per_layer_sliding_window_flags():
+    flags = [True, True, False] * 4  # true: a sliding-window layer
+    cfg = config_from_metadata(_gemma3_meta(**{"gemma3.attention.sliding_window_pattern": flags}))
+    assert cfg.layer_windows == (512, 512, None) * 4
+    with pytest.raises(ModelFileError, match="sliding_window_pattern has 3 entries for 12 layers"):
+        config_from_metadata(_gemma3_meta(**{"gemma3.attention.sliding_window_pattern": flags[:3]}), "x.gguf")

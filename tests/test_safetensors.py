@@ -290,6 +290,10 @@ def test_ckpt_copy_loads(ckpt):
     (dict(final_logit_softcapping=30.0), r"final_logit_softcapping = 30.0 is not supported"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
      r"rope type 'yarn' is not supported here; supported: default, linear, llama3"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4}), r"linear rope scaling lacks 'factor'"),
+    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}),
+     r"llama3 rope scaling lacks 'low_freq_factor'"),
+    (dict(partial_rotary_factor=0.5), r"partial_rotary_factor 0.5 is not supported"),
     (dict(hidden_act="relu"), r"hidden_act 'relu' is not supported"),
     (dict(num_key_value_heads=3), r"num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
     (dict(intermediate_size=96), r"tensor 'model\.layers\.\d\.mlp\.(down|gate|up)_proj\.weight' has shape \[.*\], "

@@ -169,20 +169,23 @@ class _Keys:
 
 def _rope(keys: _Keys, params: dict, theta_default: float, context: int, allowed: tuple[str, ...]):
     """One rope parameter dict -> (theta, RopeScaling | None, linear factor)."""
+    if not isinstance(params, dict):
+        keys.fail(f"rope parameters must be an object, got {params!r}")
     kind = params.get("rope_type", params.get("type", "default"))
     theta = float(params.get("rope_theta") or theta_default)
     if kind not in allowed:
         keys.fail(f"rope type {kind!r} is not supported here; supported: {', '.join(allowed)}")
-    if kind == "linear":
-        return theta, None, float(params["factor"])
-    if kind == "llama3":
-        try:
-            scaling = RopeScaling(float(params["factor"]), float(params["low_freq_factor"]),
-                                  float(params["high_freq_factor"]),
-                                  int(params.get("original_max_position_embeddings") or context))
-        except KeyError as e:
-            keys.fail(f"llama3 rope scaling lacks {e.args[0]!r}")
-        return theta, scaling, 1.0
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        keys.fail(f"partial_rotary_factor {params['partial_rotary_factor']!r} is not supported (only 1)")
+    try:
+        if kind == "linear":
+            return theta, None, float(params["factor"])
+        if kind == "llama3":
+            return theta, RopeScaling(float(params["factor"]), float(params["low_freq_factor"]),
+                                      float(params["high_freq_factor"]),
+                                      int(params.get("original_max_position_embeddings") or context)), 1.0
+    except KeyError as e:
+        keys.fail(f"{kind} rope scaling lacks {e.args[0]!r}")
     return theta, None, 1.0
 
 
@@ -246,6 +249,8 @@ def config_from_hf(model_type: str, hf: dict, where: str | os.PathLike = CONFIG_
                            layer_rope_linear=tuple(l_linear if s else g_linear for s in local))
 
     rp = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if hf.get("partial_rotary_factor") is not None:
+        rp = {**rp, "partial_rotary_factor": hf["partial_rotary_factor"]}
     theta, scaling, linear = _rope(keys, rp, keys.float("rope_theta"), context, ("default", "linear", "llama3"))
     if model_type == "mistral":  # one window for every layer, when the config sets one
         windows = (keys.window(),) * n_layers
