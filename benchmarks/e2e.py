@@ -15,6 +15,7 @@ rewritten after each model; the last thing printed is a table beside llama.cpp's
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -129,6 +130,8 @@ def main(argv=None) -> int:
 
     from rjax.synth import write_synthetic
 
+    plotting = importlib.util.find_spec("matplotlib") is not None
+
     summary: dict = {"budget_s": a.budget, "llama_cpp": {f"{s} {m}": v for (s, m), v in LLAMA_CPP.items()},
                      "llama_cpp_copy_gb_per_s": LLAMA_CPP_COPY_GB_S, "models": {}, "rows": []}
     summary_path = out / "e2e.json"
@@ -169,6 +172,8 @@ def main(argv=None) -> int:
                    "--repeats", str(a.repeats), "--json", str(bench_json), "--time-budget", f"{bench_budget:.0f}"]
             if a.copy_mib:
                 cmd += ["--copy-mib", str(a.copy_mib)]
+            if plotting:
+                cmd += ["--plot", str(out / f"bench-{shape}-{mix}.png")]
             hard_limit = max(15.0, min(deadline - time.perf_counter(), share - (time.perf_counter() - t0) + 60))
             say(f"{key}: bench (measurement budget {bench_budget:.0f} s, killed after {hard_limit:.0f} s)")
             try:

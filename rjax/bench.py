@@ -482,15 +482,23 @@ def write_json(result: dict, path: str | os.PathLike) -> None:
     os.replace(tmp, path)
 
 
-def plot(result: dict, path: str | os.PathLike) -> Path:
-    """tokens/s against batch size, one line per steps-per-dispatch, with the roofline."""
+MATPLOTLIB_MISSING = "plotting needs matplotlib: pip install matplotlib (or rjax[plot])"
+
+
+def _pyplot():
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise RuntimeError("plotting needs matplotlib: pip install matplotlib (or rjax[plot])") from None
+        raise RuntimeError(MATPLOTLIB_MISSING) from None
+    return plt
+
+
+def plot(result: dict, path: str | os.PathLike) -> Path:
+    """tokens/s against batch size, one line per steps-per-dispatch, with the roofline."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     by_n: dict[int, list] = {}
     for d in result["decode"]:
@@ -556,6 +564,12 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def cmd_bench(a) -> int:
+    if a.plot:  # before minutes of measuring, not after
+        try:
+            _pyplot()
+        except RuntimeError as e:
+            print(f"rjax: error: {e}", file=sys.stderr)
+            return 2
     # Compile times are part of what is measured: leave the command's persistent compilation
     # cache off unless asked (with it, "compile" is the time to load a cached program).
     jax.config.update("jax_enable_compilation_cache", bool(a.compilation_cache))

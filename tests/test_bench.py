@@ -176,6 +176,10 @@ def test_table_plot_and_missing_matplotlib(cli_run, result, monkeypatch, tmp_pat
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(RuntimeError, match="matplotlib"):
         plot(result, tmp_path / "x.png")
+    from rjax.cli import main
+
+    # asked for a plot without matplotlib: refused up front, before any measuring
+    assert main(["bench", "-m", str(tmp_path / "absent.gguf"), "--plot", str(tmp_path / "x.png")]) == 2
 
 
 def test_e2e_table_beside_llama_cpp(result):
