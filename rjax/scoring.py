@@ -181,6 +181,8 @@ def score(model, context: str, continuations: Sequence[str] | str) -> list[Conti
     """
     if isinstance(continuations, str):
         continuations = [continuations]
+    if not continuations:
+        raise ValueError("no continuations to score")
     pairs = [split_pair(model.tokenizer, context, c) for c in continuations]
     for c, (_, ids) in zip(continuations, pairs):
         if not ids:
@@ -316,7 +318,7 @@ def perplexity_of_ids(cfg: ModelConfig, params: Params, tokens: Sequence[int], *
                       progress: bool = True) -> PerplexityResult:
     """Perplexity of a token list; see `perplexity` (bos_id: the BOS that replaces the first token
     of every llama.cpp chunk, None when the tokenizer adds no BOS)."""
-    ctx = min(ctx, cfg.context_length)
+    _check_fits(cfg, ctx, f"a perplexity window (ctx={ctx})")
     windows = llama_cpp_windows(tokens, ctx, bos_id) if stride is None else strided_windows(tokens, ctx, stride)
     nll = window_nll(cfg, params, windows, batch=batch, dtype=dtype, progress=progress)
     ppl, std, mean = _ppl_stats(nll)
