@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rjax import engine
-from rjax.cache import KVCache, init_cache
+from rjax.cache import init_cache
 from rjax.config import ModelConfig
 from rjax.engine import DecodeState
 from rjax.memory import kv_bytes_per_position, plan_memory

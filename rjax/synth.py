@@ -49,6 +49,7 @@ from gguf import GGMLQuantizationType as QType
 from tqdm.auto import tqdm
 
 from rjax.quant import formats
+from rjax.tokenizer import byte_alphabet
 
 log = logging.getLogger(__name__)
 
@@ -274,26 +275,12 @@ def random_tensor(spec: TensorSpec, seed: int, index: int) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # tokenizer metadata
 
-def _byte_level_alphabet() -> list[str]:
-    """GPT-2's byte-to-character map: printable bytes stand for themselves, the rest are
-    shifted to code points from 256 up, so every byte is one visible character."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
-
-
 BUILTIN_TOKENIZER = "builtin"
 
 
 def _builtin_tokenizer() -> dict[str, tuple]:
     """A minimal byte-level BPE tokenizer: the 256 bytes, one merge, one end-of-text token."""
-    tokens = _byte_level_alphabet() + ["Ġt", "<|endoftext|>"]
+    tokens = list(byte_alphabet().values()) + ["Ġt", "<|endoftext|>"]
     types = [int(TokenType.NORMAL)] * 257 + [int(TokenType.CONTROL)]
     eot = len(tokens) - 1
     S, A, U32, I32, B = (GGUFValueType.STRING, GGUFValueType.ARRAY, GGUFValueType.UINT32,

@@ -86,7 +86,7 @@ _END_OF_TURN_TOKENS = (
 
 
 @lru_cache(maxsize=1)
-def _byte_alphabet() -> dict[int, str]:
+def byte_alphabet() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map, as byte-level BPE vocabularies spell bytes."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     mapping, extra = {}, 0
@@ -520,7 +520,7 @@ def _byte_level_backend(
     tokens: list[str], token_types: np.ndarray, merges: list[str], split: str | None
 ) -> tokenizers.Tokenizer:
     """GPT-2 style byte-level BPE with the file's merges."""
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     spelled = set(alphabet.values())
     # Tokens written with characters outside the byte alphabet are respelled byte by byte.
     vocab = {

@@ -1,7 +1,6 @@
 """Shared fixtures: the real catalog models (pulled into the cache on first use) and the oracle."""
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -42,3 +41,23 @@ def smollm2(smollm2_path):
     import rjax
 
     return rjax.load(smollm2_path, progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory) -> Path:
+    """A small synthetic llama GGUF (2 layers of the default model's shape, vocabulary 512,
+    a built-in byte-level tokenizer): fast to load and compile."""
+    from rjax.synth import write_synthetic
+
+    path = tmp_path_factory.mktemp("synth") / "tiny.gguf"
+    return write_synthetic(path, "smollm2-135m", "q8_0", seed=3, n_layers=2, vocab_size=512,
+                           tokenizer_from="builtin")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_path):
+    """(config, params) of `tiny_path`."""
+    from rjax.loaders.gguf import load_gguf
+
+    cfg, params, _ = load_gguf(tiny_path, progress=False)
+    return cfg, params

@@ -7,7 +7,6 @@ test_llama_oracle.py.
 from __future__ import annotations
 
 import dataclasses
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -23,20 +22,6 @@ from rjax.generation import PromptTooLongError, check_prompt_lengths
 from rjax.loaders.gguf import ModelFileError, load_gguf
 from rjax.quant.formats import TensorFormatError
 from rjax.sampling import SamplingParams
-from rjax.synth import write_synthetic
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("synth") / "tiny.gguf"
-    return write_synthetic(path, "smollm2-135m", "q8_0", seed=3, n_layers=2, vocab_size=512,
-                           tokenizer_from="builtin")
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_path):
-    cfg, params, _ = load_gguf(tiny_path, progress=False)
-    return cfg, params
 
 
 def _prompts(seed, lengths, vocab):

@@ -17,27 +17,12 @@ import pytest
 import rjax
 from rjax import engine, serving
 from rjax.cache import init_cache
-from rjax.loaders.gguf import load_gguf
 from rjax.memory import MemoryFitError, kv_bytes_per_position, plan_memory
 from rjax.serving import ServingConfig, ServingEngine, fit_config, free_slots
-from rjax.synth import write_synthetic
 
 # One engine geometry for most tests, so they share compiled programs: 8 slots of 64 positions
 # over a pool of 24 pages of 8 (fewer than 8 full slots need: long requests wait for pages).
 CONFIG = ServingConfig(n_slots=8, max_len=64, page_size=8, n_pages=24, steps_per_dispatch=4, prefill_buckets=(4,))
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("synth") / "tiny.gguf"
-    return write_synthetic(path, "smollm2-135m", "q8_0", seed=3, n_layers=2, vocab_size=512,
-                           tokenizer_from="builtin")
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_path):
-    cfg, params, _ = load_gguf(tiny_path, progress=False)
-    return cfg, params
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ import dataclasses
 import os
 from pathlib import Path
 
-import jax
 
 from rjax.config import ModelConfig
 from rjax.model import Params

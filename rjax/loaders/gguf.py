@@ -13,7 +13,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader
 from tqdm.auto import tqdm
 
@@ -170,7 +169,7 @@ def load_params(reader: GGUFReader, cfg: ModelConfig, progress: bool = True) -> 
             layers[int(parts[1])][field] = w
         else:
             top[t.name] = w
-    missing = [f"token_embd.weight"] if "token_embd.weight" not in top else []
+    missing = ["token_embd.weight"] if "token_embd.weight" not in top else []
     if "output_norm.weight" not in top:
         missing.append("output_norm.weight")
     required = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down"]
