@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as QType
+from gguf import quants
 from safetensors.numpy import load_file, save_file
 
 from rjax import engine
@@ -95,22 +97,32 @@ def test_describe_matches_gguf_info(real):
 
 @pytest.mark.slow
 def test_quantize_q8_0_on_load_stays_close(smollm2_path):
+    """Q8_0 at load: exactly the dense model with every matrix put through gguf's Q8_0 round trip,
+    and within a stated bound of the dense model's logits."""
     directory = oracle_save_pretrained(smollm2_path)
     ids = oracle_tokenize(directory, PROMPTS)["ids_with_special"]
     cfg, dense = load_hf_dir(directory, progress=False)
     want = _prefill_logits(cfg, dense, ids)
+
+    def round_trip(w):
+        if w.ndim != 2:
+            return w
+        host = np.asarray(w)
+        return jnp.asarray(quants.dequantize(quants.quantize(host, QType.Q8_0), QType.Q8_0).reshape(host.shape))
+
+    simulated = _prefill_logits(cfg, jax.tree.map(round_trip, dense), ids)
     del dense
     qcfg, quant = load_hf_dir(directory, progress=False, quantize="q8_0")
     assert qcfg == cfg
     layer = quant.layers[0]
-    assert all(isinstance(w, QTensor) and w.qtype.name == "Q8_0"
+    assert all(isinstance(w, QTensor) and w.qtype == QType.Q8_0
                for w in (quant.embed, layer.wq, layer.wk, layer.wv, layer.wo, layer.w_gate, layer.w_up, layer.w_down))
     assert layer.attn_norm.dtype == jnp.float32
     got = _prefill_logits(qcfg, quant, ids)
+    assert relative_error(got, simulated) < 1e-5
     err = relative_error(got, want)
-    # measured 6.4e-3 on these prompts; Q8_0 keeps every weight within half a step of 1/127 of its block's max
-    assert err < 1.5e-2, err
-    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+    # measured 2.75e-2 (0.63 of a max logit 23; per prompt 1.3e-2 .. 3.2e-2): 8-bit weights over 30 layers
+    assert err < 4e-2, err
     print(f"smollm2 quantized to Q8_0 at load: max relative logit error vs dense {err:.2e}")
 
 
