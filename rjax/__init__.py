@@ -4,6 +4,7 @@ High level:  model = rjax.load("smollm2-135m-instruct"); rjax.generate(model, "H
 Functional:  rjax.init_cache, rjax.prefill, rjax.decode_step, rjax.decode_loop, rjax.sample
              are pure jitted functions of (static config, params pytree, cache pytree, inputs).
 Scoring:     rjax.score, rjax.perplexity; rjax.token_logprobs is the jitted core.
+Serving:     rjax.ServingEngine (continuous batching over slots of a paged KV cache).
 """
 from rjax.cache import KVCache, init_cache
 from rjax.catalog import DEFAULT_MODEL, pull
@@ -12,11 +13,15 @@ from rjax.engine import decode_loop, decode_step, pad_prompts, prefill, prefill_
 from rjax.generation import GenerationResult, generate, stream
 from rjax.loaders import Model, load
 from rjax.model import Params, forward
+from rjax.paged_cache import PagedKVCache, init_paged_cache
 from rjax.sampling import SamplingParams, sample
 from rjax.scoring import perplexity, score, token_logprobs
+from rjax.serving import ServingConfig, ServingEngine
 
 __all__ = [
-    "DEFAULT_MODEL", "GenerationResult", "KVCache", "Model", "ModelConfig", "Params", "SamplingParams",
-    "decode_loop", "decode_step", "forward", "generate", "init_cache", "load", "pad_prompts", "prefill",
+    "DEFAULT_MODEL", "GenerationResult", "KVCache", "Model", "ModelConfig", "PagedKVCache", "Params",
+    "SamplingParams", "ServingConfig", "ServingEngine",
+    "decode_loop", "decode_step", "forward", "generate", "init_cache", "init_paged_cache", "load", "pad_prompts",
+    "prefill",
     "perplexity", "prefill_and_sample", "prompt_bucket", "pull", "sample", "score", "stream", "token_logprobs",
 ]
