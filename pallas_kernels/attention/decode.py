@@ -180,5 +180,10 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, q_pos, kv_len, *, 
         raise ValueError(f"paged_decode_attention: block_tables must be [B={q.shape[0]}, max_pages], "
                          f"got {block_tables.shape}")
     layout = CacheLayout(num_keys=block_tables.shape[1] * page_size, page_size=page_size, num_pages=P)
+    tiles = _tiles(D, block_k, num_warps, num_stages)
+    if block_k is None and 64 <= page_size < tiles["block_k"]:
+        # One page per block reads a plain slice instead of gathering rows from several pages:
+        # 103 us vs 109 us at B=8, ctx 8k, page_size 64 on the H100.
+        tiles["block_k"] = page_size
     return _call(q, k_pages, v_pages, block_tables, q_pos, kv_len, layout, scale=scale, window=window,
-                 num_splits=num_splits, interpret=interpret, **_tiles(D, block_k, num_warps, num_stages))
+                 num_splits=num_splits, interpret=interpret, **tiles)
