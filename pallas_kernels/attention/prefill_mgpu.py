@@ -15,7 +15,14 @@ Structure of one program (CTA), which owns two tiles of `block_q` query rows of 
   XLA before the launch; the copy warpgroup streams the union of the two tiles' ranges, each
   compute warpgroup masks only its edge blocks and steps over blocks outside its own range while
   still taking part in the barrier protocol;
-- programs of the last query tiles (most keys) are launched first.
+- programs of the last query tiles (most keys) are launched first;
+- the two compute warpgroups take turns (`ping_pong`), so one's softmax overlaps the other's
+  matrix products.
+
+Lowering: Mosaic GPU, chosen over the Triton-lowered kernel because it measured 0.94-1.02x cuDNN
+on the H100 where that one reached 0.79-0.84x (benchmarks/NOTES-attention.md). On the CPU it runs in
+the Mosaic GPU interpreter (`interpret=True`), where the P @ V product is staged through shared
+memory because the interpreter takes wgmma operands from shared memory and fresh accumulators only.
 """
 from __future__ import annotations
 
@@ -279,6 +286,6 @@ def mgpu_prefill_attention(q, k, v, q_pos, kv_len, *, scale: float, window: int 
         num_threads=_COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams(uninitialized_memory="zero") if interpret else None,
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(kv_len, ranges, pos_pad, q_pad, k, v)
     return out[:, :T] if out.shape[1] != T else out
