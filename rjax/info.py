@@ -24,7 +24,8 @@ def model_info(model: str) -> dict:
     bytes_by_type = collections.Counter()
     for t in tensors:
         bytes_by_type[t["type"]] += t["bytes"]
-    config = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("layer_windows", "layer_rope_theta")}
+    per_layer = ("layer_windows", "layer_rope_theta", "layer_rope_linear", "rope_freq_factors")
+    config = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in per_layer}
     config["layer_windows"] = sorted({w for w in cfg.layer_windows if w}) or None
     return dict(path=str(path), file_bytes=path.stat().st_size, architecture=cfg.arch, config=config,
                 parameters=sum(math.prod(t["shape"]) for t in tensors),
