@@ -42,10 +42,11 @@ _WG_ROWS = plgpu.Layout.WGMMA.reduce(1)  # layout of a per-row vector of a [rows
 
 
 def default_tiles(head_dim: int) -> dict:
-    """block_kv and ring depth that fit the 227 KB of shared memory per SM."""
+    """block_kv and ring depth that fit the 227 KB of shared memory per SM. Ping-pong measured no
+    gain at head dim 256 (161 vs 162 us) and was only checked on the GPU up to 128: off there."""
     if head_dim <= 128:
-        return dict(block_q=64, block_kv=128, stages=2)
-    return dict(block_q=64, block_kv=64, stages=2)
+        return dict(block_q=64, block_kv=128, stages=2, ping_pong=True)
+    return dict(block_q=64, block_kv=64, stages=2, ping_pong=False)
 
 
 def supports(q, k, *, block_kv: int | None = None) -> bool:
@@ -232,7 +233,7 @@ def _pad_queries(q, q_pos, multiple):
                                              "interpret"))
 def mgpu_prefill_attention(q, k, v, q_pos, kv_len, *, scale: float, window: int | None = None,
                            block_q: int | None = None, block_kv: int | None = None, stages: int | None = None,
-                           ping_pong: bool = True, interpret: bool = False):
+                           ping_pong: bool | None = None, interpret: bool = False):
     """Attention of q [B, T, Hq, D] over the contiguous cache k, v [B, Hkv, S, D] (see reference.py).
 
     ping_pong: the two compute warpgroups take turns (a shared barrier met twice per key block, the
@@ -244,6 +245,7 @@ def mgpu_prefill_attention(q, k, v, q_pos, kv_len, *, scale: float, window: int 
     block_q = block_q or tiles["block_q"]
     block_kv = block_kv or tiles["block_kv"]
     stages = stages or tiles["stages"]
+    ping_pong = tiles["ping_pong"] if ping_pong is None else ping_pong
     if not supports(q, k, block_kv=block_kv):
         raise ValueError(f"mgpu_prefill_attention: needs bf16/f16 q and k, head dim a multiple of 64 up to 256 "
                          f"and cache length a multiple of block_kv={block_kv}; got q {q.dtype} {q.shape}, "
