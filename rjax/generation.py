@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rjax import engine
-from rjax.cache import init_cache
+from rjax.cache import KVCache, init_cache
 from rjax.loaders import Model
 from rjax.sampling import SamplingParams
 
@@ -66,39 +66,43 @@ def check_prompt_lengths(model: Model, prompts: Sequence[Sequence[int]]) -> None
                                      f"is {ctx} tokens and generation needs at least one free position")
 
 
-@dataclasses.dataclass
-class TokenEvent:
-    """One step of a stream: new token ids per prompt (possibly empty) and their text."""
-
-    tokens: list[list[int]]
-    texts: list[str]
-
-
 def stream_ids(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-               steps_per_dispatch: int = 8, stats: dict | None = None) -> Iterator[list[list[int]]]:
+               steps_per_dispatch: int = 8, stats: dict | None = None,
+               cache: KVCache | None = None) -> Iterator[list[list[int]]]:
     """Generate for several tokenized prompts at once (one cache slot each), yielding the new
-    token ids of every prompt after each device dispatch. `stats` (optional) receives timings
-    and each prompt's finish reason."""
+    token ids of every prompt after each device dispatch.
+
+    `cache` (optional, one slot per prompt): continue sequences it already holds, the prompts
+    being appended after each slot's length (a conversation's new turn over its cached prefix).
+    `stats` (optional) receives timings, each prompt's finish reason and the final `cache`,
+    which holds every prompt and generated token but the last one generated."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     check_prompt_lengths(model, prompts)
     cfg, tok = model.config, model.tokenizer
     B = len(prompts)
-    longest = max(len(p) for p in prompts)
-    S = cache_length(longest + max_new_tokens, cfg.context_length)
     tokens, lengths = engine.pad_prompts([list(p) for p in prompts])
+    if cache is None:
+        cache = init_cache(cfg, B, cache_length(int(lengths.max()) + max_new_tokens, cfg.context_length),
+                           activation_dtype())
+    elif cache.n_slots != B:
+        raise ValueError(f"the cache has {cache.n_slots} slots for {B} prompts")
+    S = cache.max_len
+    end = np.asarray(cache.lengths) + lengths  # each slot's length after the prompt
+    if (end >= S).any():
+        raise PromptTooLongError(f"a prompt of {int(end.max())} tokens in all leaves no room to generate "
+                                 f"in a cache of {S} positions")
     sp = SamplingParams.make(B, temperature, top_k, top_p)
     stop_ids = jnp.asarray(sorted(tok.eos_ids) or [-1], jnp.int32)
     key, sub = jax.random.split(jax.random.key(seed))
-    cache = init_cache(cfg, B, S, activation_dtype())
 
     t0 = time.perf_counter()
     first, cache = engine.prefill_and_sample(cfg, model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
                                              None, sub, sp)
     first_host = np.asarray(first)
     ttft = time.perf_counter() - t0
-    budget = np.minimum(max_new_tokens, S - lengths).astype(np.int32)
+    budget = np.minimum(max_new_tokens, S - end).astype(np.int32)
     state = engine.initial_state(first, jnp.asarray(budget), stop_ids, key, cache)
     generated = [[int(t)] for t in first_host]
     yield [[int(t)] for t in first_host]
@@ -121,7 +125,8 @@ def stream_ids(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens
     decode_s = sum(d for d, _ in steady)
     if stats is not None:
         eos = set(tok.eos_ids)
-        stats.update(ttft_s=ttft, decode_s=decode_s, first_dispatch_s=dispatches[0][0] if dispatches else 0.0,
+        stats.update(cache=cache, ttft_s=ttft, decode_s=decode_s,
+                     first_dispatch_s=dispatches[0][0] if dispatches else 0.0,
                      decode_tokens_per_s=(sum(n for _, n in steady) / decode_s) if decode_s > 0 else 0.0,
                      finish_reasons=["stop" if g and g[-1] in eos else
                                      "length" if len(g) >= max_new_tokens else "context" for g in generated])

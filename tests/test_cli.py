@@ -57,13 +57,19 @@ def test_chat_session_feeds_the_whole_history_back(smollm2):
     session = ChatSession(smollm2, max_new_tokens=12)
     first = "".join(session.send("My name is Ada."))
     second = "".join(session.send("What is my name?"))
+    # The second turn prefilled only what follows the cached conversation.
+    assert session.reused_tokens >= len(smollm2.tokenizer.encode_chat(session.messages[:1])) - 1
+    assert int(session.cache.lengths[0]) == len(session.cached_ids)
     assert [m["role"] for m in session.messages] == ["user", "assistant", "user", "assistant"]
     assert session.messages[1]["content"] == first and session.messages[3]["content"] == second
     # The second reply is what the model says to the whole conversation rendered by its template.
     ids = smollm2.tokenizer.encode_chat(session.messages[:3])
     assert smollm2.tokenizer.decode(smollm2.tokenizer.encode(first, add_bos=False)) in smollm2.tokenizer.decode(ids)
+    # ... and says what the model says to the whole conversation prefilled from scratch.
     tokens = [t for step in stream_ids(smollm2, [ids], max_new_tokens=12, seed=session.seed + 3) for t in step[0]]
     assert smollm2.tokenizer.decode(_visible(smollm2.tokenizer, tokens)) == second
+    # A reset session starts over with an empty cache.
+    assert session.reset().cache is None and session.reset().messages == []
 
 
 def test_info_counts_parameters_and_bytes(smollm2_path, capsys):
