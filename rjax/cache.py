@@ -1,7 +1,9 @@
 """The KV cache: an immutable pytree with one row ("slot") per sequence and a length per slot.
 
-Layout: k, v [n_layers, n_slots, n_kv_heads, max_len, head_dim], so that each (slot, head)
-is one contiguous run of positions, which is what the attention kernels stream. `lengths[s]`
+Layout: k and v are tuples with one array per layer, each [n_slots, n_kv_heads, max_len,
+head_dim], so that each (slot, head) is one contiguous run of positions, which is what the
+attention kernels stream, and a layer's cache reaches its kernel as a whole buffer (a slice of
+one stacked array would be copied for the kernel at every layer of every step). `lengths[s]`
 counts the valid positions of slot s. Writes go through `write`, which scatters new entries
 at their absolute positions and drops padding (position -1), so no write can land in another
 slot or past the end. Jitted callers donate the cache and XLA updates it in place.
@@ -20,17 +22,21 @@ from rjax.config import ModelConfig
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]  # per layer [n_slots, n_kv_heads, max_len, head_dim]
+    v: tuple[jax.Array, ...]
     lengths: jax.Array  # [n_slots] int32
 
     @property
     def n_slots(self) -> int:
-        return self.k.shape[1]
+        return self.k[0].shape[0]
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2]
+
+    @property
+    def dtype(self):
+        return self.k[0].dtype
 
     def write(self, layer: int, k_new, v_new, pos, slots):
         """k_new, v_new [B, T, Hkv, D] at positions pos [B, T] (-1: skip) of cache rows `slots`."""
@@ -39,9 +45,9 @@ class KVCache:
         rows = jnp.broadcast_to(rows[:, None], (B, T))
         # Out-of-range positions are dropped by the scatter: padding maps to max_len.
         where = jnp.where(pos >= 0, pos, self.max_len)
-        k = self.k.at[layer, rows, :, where].set(k_new.astype(self.k.dtype), mode="drop")
-        v = self.v.at[layer, rows, :, where].set(v_new.astype(self.v.dtype), mode="drop")
-        return dataclasses.replace(self, k=k, v=v)
+        k = self.k[layer].at[rows, :, where].set(k_new.astype(self.dtype), mode="drop")
+        v = self.v[layer].at[rows, :, where].set(v_new.astype(self.dtype), mode="drop")
+        return dataclasses.replace(self, k=_replace(self.k, layer, k), v=_replace(self.v, layer, v))
 
     def attend(self, layer: int, q, pos, slots, *, scale: float, window: int | None):
         k, v = self.k[layer], self.v[layer]
@@ -58,8 +64,13 @@ class KVCache:
         return dataclasses.replace(self, lengths=self.lengths.at[slots].add(n_new))
 
 
+def _replace(arrays: tuple, i: int, new) -> tuple:
+    return arrays[:i] + (new,) + arrays[i + 1:]
+
+
 def init_cache(cfg: ModelConfig, n_slots: int, max_len: int, dtype=jnp.float32) -> KVCache:
     if max_len > cfg.context_length:
         raise ValueError(f"cache length {max_len} exceeds the model's context length {cfg.context_length}")
-    shape = (cfg.n_layers, n_slots, cfg.n_kv_heads, max_len, cfg.head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((n_slots,), jnp.int32))
+    shape = (n_slots, cfg.n_kv_heads, max_len, cfg.head_dim)
+    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))  # noqa: E731
+    return KVCache(zeros(), zeros(), jnp.zeros((n_slots,), jnp.int32))

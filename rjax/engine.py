@@ -40,7 +40,7 @@ def _prefill_logits(cfg: ModelConfig, params: Params, cache: KVCache, tokens, le
     start = _rows(cache, slots)
     t = jnp.arange(T, dtype=jnp.int32)[None, :]
     pos = jnp.where(t < lengths[:, None], start[:, None] + t, -1)
-    h, cache = hidden_states(cfg, params, cache, tokens, pos, slots, cache.k.dtype)
+    h, cache = hidden_states(cfg, params, cache, tokens, pos, slots, cache.dtype)
     last = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
     return logits_from_hidden(params, last), cache.advance(slots, lengths)
 
@@ -56,7 +56,7 @@ def prefill(cfg: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
 
 def _decode_logits(cfg, params, cache: KVCache, tokens, active):
     pos = jnp.where(active, cache.lengths, -1)[:, None]
-    h, cache = hidden_states(cfg, params, cache, tokens[:, None], pos, None, cache.k.dtype)
+    h, cache = hidden_states(cfg, params, cache, tokens[:, None], pos, None, cache.dtype)
     return logits_from_hidden(params, h[:, 0]), cache.advance(None, active.astype(jnp.int32))
 
 

@@ -54,6 +54,10 @@ class PagedKVCache:
         """Positions one slot can hold (when its whole table is allocated)."""
         return self.max_pages * self.page_size
 
+    @property
+    def dtype(self):
+        return self.k.dtype
+
     def _tables(self, slots):
         return self.block_tables if slots is None else self.block_tables[slots]
 

@@ -60,7 +60,8 @@ def test_batched_prefill_equals_each_prompt_alone(tiny):
 def test_prefill_into_one_slot_leaves_the_others_untouched(tiny):
     cfg, params = tiny
     cache = init_cache(cfg, 3, 32)
-    cache = dataclasses.replace(cache, k=cache.k + 7.0, v=cache.v - 3.0)  # recognisable contents
+    cache = dataclasses.replace(cache, k=jax.tree.map(lambda a: a + 7.0, cache.k),
+                                v=jax.tree.map(lambda a: a - 3.0, cache.v))  # recognisable contents
     before_k, before_v = np.asarray(cache.k), np.asarray(cache.v)
     t, l = engine.pad_prompts(_prompts(2, [5], cfg.vocab_size))
     _, cache = engine.prefill(cfg, params, cache, jnp.asarray(t), jnp.asarray(l), jnp.asarray([1], jnp.int32))
