@@ -130,20 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extensions():
-    """Subcommands that live beside the modules they drive (bench, synth, perplexity, serve)."""
-    import importlib
+    """Subcommands that live beside the modules they drive."""
+    from rjax import bench, scoring, synth
 
-    out = []
-    for mod in ("rjax.bench", "rjax.synth", "rjax.scoring"):
-        try:
-            m = importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
-            continue
-        if hasattr(m, "register_cli"):
-            out.append(m.register_cli)
-    return out
+    return (bench.register_cli, synth.register_cli, scoring.register_cli)
 
 
 def enable_compilation_cache() -> None:
