@@ -36,6 +36,7 @@ from gguf import GGMLQuantizationType as QType
 
 from pallas_kernels.quant_matmul.gemm import gemm_config, qmatmul_gemm
 from pallas_kernels.quant_matmul.gemv import default_gemv_config, gemv_config, qmatmul_gemv
+from pallas_kernels.quant_matmul.int8_gemv import Int8GemvConfig, int8_gemv
 from pallas_kernels.quant_matmul.kernel import TileConfig, fused_qmatmul
 from pallas_kernels.quant_matmul.reference import dequantize_then_dot
 from rjax.quant import formats
@@ -211,15 +212,18 @@ def valid(qtype, k):
     return k % GGML_QUANT_SIZES[qtype][0] == 0
 
 
+def bf16_job(n, k, m):
+    """XLA's bf16 dot on a dense weight of the same shape: the plain baseline."""
+    return Job(dict(kind="xla_bf16", type="bf16", N=n, K=k, M=m),
+               lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(x.dtype),
+               lambda key: jax.random.normal(key, (n, k), jnp.bfloat16), 2 * n * k, m, k, check=False)
+
+
 def full_jobs(types, shapes, ms):
     jobs = []
     for (n, k) in shapes:
         for m in ms:
-            dense_bytes = 2 * n * k
-            jobs.append(Job(dict(kind="xla_bf16", type="bf16", N=n, K=k, M=m),
-                            lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(x.dtype),
-                            lambda key, n=n, k=k: jax.random.normal(key, (n, k), jnp.bfloat16),
-                            dense_bytes, m, k, check=False))
+            jobs.append(bf16_job(n, k, m))
             for qt in types:
                 if not valid(qt, k) or ((n, k) == LM_HEAD and qt != QType.Q8_0):
                     continue
@@ -271,6 +275,46 @@ def sweep_jobs(types, shapes, ms):
     return jobs
 
 
+INT8_TYPES = (QType.Q4_K, QType.Q8_0, QType.Q6_K, QType.Q4_1, QType.Q4_0)
+
+
+def int8_configs(qt, m, n, k):
+    """Candidate tiles for the int8 GEMV: rows per program, blocks per step and warps; K is
+    split until there are about 264 programs (2 per SM)."""
+    bs = GGML_QUANT_SIZES[qt][0]
+    out = []
+    for bn in (16, 32, 64):
+        for vps in ((256, 512, 1024) if bs == 256 else (256, 512)):
+            for warps in (4, 8):
+                bk = max(1, vps // bs)
+                n_tiles = -(-n // bn)
+                split = max(1, min(-(-264 // n_tiles), k // bs // bk))
+                out.append(Int8GemvConfig(block_n=bn, block_k=bk, split_k=split, num_warps=warps))
+    return list(dict.fromkeys(out))
+
+
+def int8_jobs(types, shapes, ms):
+    """The int8 GEMV's tile sweep on the byte planes (the model's layout), beside the float
+    kernel's default and XLA's bf16 dot."""
+    jobs = []
+    for (n, k) in shapes:
+        for m in ms:
+            jobs.append(bf16_job(n, k, m))
+        for qt in types:
+            if not valid(qt, k) or qt not in INT8_TYPES:
+                continue
+            mk = (lambda key, qt=qt, n=n, k=k: device_qtensor(qt, n, k, key))
+            nbytes = wbytes(qt, n, k)
+            for m in ms:
+                cfg = default_gemv_config(qt, m, n, k)
+                jobs.append(Job(dict(kind="float_gemv", type=qt.name, N=n, K=k, M=m, config=str(cfg)),
+                                lambda x, w, cfg=cfg: fused_qmatmul(x, w, cfg), mk, nbytes, m, k))
+                for c in int8_configs(qt, m, n, k):
+                    jobs.append(Job(dict(kind="int8_bytes", type=qt.name, N=n, K=k, M=m, config=str(c)),
+                                    lambda x, w, c=c: int8_gemv(x, w, c), mk, nbytes, m, k))
+    return jobs
+
+
 def compile_all(jobs, workers):
     t0 = time.perf_counter()
     lowered = []
@@ -308,14 +352,14 @@ def fmt_row(r, hbm):
         s += " L2"
     if "vs_bf16" in r:
         s += f" {r['vs_bf16']:.2f}x_bf16"
-    if "config" in r and r["kind"] in ("sweep", "gemv", "gemm_fused"):
-        s += " " + r["config"].replace("TileConfig", "")
+    if "config" in r and r["kind"] in ("sweep", "gemv", "gemm_fused", "float_gemv", "int8_words", "int8_bytes"):
+        s += " " + r["config"].replace("TileConfig", "").replace("Int8GemvConfig", "")
     return s
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("full", "sweep"), default="full")
+    ap.add_argument("--mode", choices=("full", "sweep", "int8"), default="full")
     ap.add_argument("--types", default=",".join(t.name for t in TYPES))
     ap.add_argument("--shapes", default="")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
@@ -332,7 +376,7 @@ def main():
     log(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
     hbm, peak = measure_ceilings()
     log(f"HBM copy bandwidth: {hbm:.0f} GB/s (read+write); bf16 jnp.dot 8192^3: {peak:.0f} TFLOP/s")
-    jobs = full_jobs(types, shapes, ms) if a.mode == "full" else sweep_jobs(types, shapes, ms)
+    jobs = {"full": full_jobs, "sweep": sweep_jobs, "int8": int8_jobs}[a.mode](types, shapes, ms)
     compile_all(jobs, a.workers)
     rows = []
     for i, j in enumerate(jobs):
@@ -347,7 +391,7 @@ def main():
         j.row["error"] = j.error
         j.compiled = None
         rows.append(j.row)
-        if a.mode == "sweep":
+        if a.mode != "full":
             log(fmt_row(j.row, hbm))
     # Derived columns: per-shape bf16 baseline, M=16 / M=1 ratio.
     base = {(r["N"], r["K"], r["M"]): r for r in rows if r["kind"] == "xla_bf16" and not r.get("error")}

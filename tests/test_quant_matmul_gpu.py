@@ -69,3 +69,28 @@ def test_fused_kernel_gpu_f32(qtype, cfg, m):
     w = _dev(random_qtensor(qtype, n, k, seed=7))
     x = jnp.asarray(np.random.default_rng(8).standard_normal((m, k)), jnp.float32)
     assert _rel(fused_qmatmul(x, w, cfg), _ref(x, w)) < 1e-5
+
+
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q6_K],
+                         ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 3])
+def test_int8_gemv_gpu(qtype, m):
+    """The int8 kernel with its dp4a PTX: exact against the rounded activations it multiplies
+    (edge tiles, split K), and through qmatmul at a production shape with production tiles."""
+    from pallas_kernels.quant_matmul import gemv
+    from pallas_kernels.quant_matmul.int8_gemv import Int8GemvConfig, dequantize_x, int8_gemv, quantize_x
+
+    bs = gguf.GGML_QUANT_SIZES[qtype][0]
+    k = 3 * bs if bs == 256 else 9 * bs
+    w = _dev(random_qtensor(qtype, 40, k, seed=m))
+    x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.float32)
+    out = int8_gemv(x, w, Int8GemvConfig(16, 2, split_k=2))
+    assert _rel(out, _ref(dequantize_x(quantize_x(x)), w)) < 1e-6
+    if qtype in gemv.INT8_TILES and m <= gemv.INT8_MAX_M[qtype]:
+        n, k = 4096, 4096
+        w = _dev(random_qtensor(qtype, n, k, seed=m))
+        xb = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
+        assert gemv.uses_int8(qtype, m, n, k, xb.dtype)
+        out = jax.jit(qmatmul)(xb, w)
+        assert _rel(out, _ref(dequantize_x(quantize_x(xb)), w)) < 5e-3   # bf16 output rounding
+        assert _rel(out, _ref(xb, w)) < 1.5e-2

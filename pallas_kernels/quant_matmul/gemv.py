@@ -1,16 +1,23 @@
-"""Decode GEMV / skinny GEMM (M = 1..64): the fused kernel with one M tile, so each weight
-byte is read from HBM once per call and dequantized in registers.
+"""Decode GEMV / skinny GEMM (M = 1..64): each weight byte is read from HBM once per call and
+dequantized on chip, by one of two kernels:
 
-Tiles come from `gemv_config`; the measured choices and their numbers are in
-benchmarks/NOTES-quant_matmul.md. Small N gets split along K (partial sums added by XLA)
-so that every SM has weight to stream.
+- int8_gemv.py: int8-quantized activations and dp4a integer dot products, for half-precision
+  activations, the types and row counts where it measured faster (`uses_int8`);
+- kernel.py: the float kernel with one M tile (CUDA-core FMAs or tensor-core MMAs), for
+  everything else, and for float32 activations, where it is exact.
+
+Tiles come from `default_int8_config` / `gemv_config`; the measured choices and their
+numbers are in benchmarks/NOTES-quant_matmul.md. Small N gets split along K (partial sums
+added by XLA) so that every SM has weight to stream.
 """
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
+from pallas_kernels.quant_matmul import int8_gemv as int8
 from pallas_kernels.quant_matmul.kernel import TileConfig, fused_qmatmul
 from rjax.quant.qtensor import QTensor
 
@@ -31,6 +38,42 @@ FMA_AT_M1 = {
     QType.Q4_1: dict(block_n=8, programs=264),
     QType.Q5_0: dict(block_n=16, programs=264),
 }
+
+
+# The int8 kernel (int8_gemv.py) against the float kernel, bf16 activations, on the H100
+# (notes): 14336x4096 M=1 Q8_0 30 vs 41 us, Q4_K 27.5 vs 54, Q4_1 28 vs 42; smollm2's tied
+# head 49152x576 Q8_0 16 vs 31. At 2048-wide and smaller shapes both sit at the same
+# per-kernel floor, and the int8 path adds an activation-quantizing fusion, so it is used
+# from 2**24 weight values up. Q6_K measured no faster (46 vs 45 us; 358 vs 306 at the 8B
+# output layer) and stays on the float kernel. Per x row the int8 kernel repeats its dot
+# products, so the float kernel's tensor-core path wins from M=4 for Q4_K (72 vs 54 us;
+# M=2: 44.5 vs 54) and beyond M=8 for Q8_0 (M=8: 37 vs 45).
+INT8_MAX_M = {QType.Q8_0: 8, QType.Q4_K: 2, QType.Q4_1: 4, QType.Q4_0: 4}
+INT8_MIN_VALUES = 2**24
+INT8_TILES = {  # block_n, values per step, warps (measured best at the 8B shapes)
+    QType.Q8_0: (16, 512, 4),
+    QType.Q4_K: (16, 512, 4),
+    QType.Q4_1: (32, 256, 4),
+    QType.Q4_0: (32, 256, 4),
+}
+INT8_PROGRAMS = 264
+
+
+def uses_int8(qtype: QType, m: int, n: int, k: int, dtype) -> bool:
+    """Whether the decode product goes to the int8 kernel: half-precision activations (f32 ones
+    keep the exact float kernel), a type and M it wins at, and a weight large enough."""
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and m <= INT8_MAX_M.get(qtype, 0) and n * k >= INT8_MIN_VALUES)
+
+
+def default_int8_config(qtype: QType, m: int, n: int, k: int) -> int8.Int8GemvConfig:
+    """The int8 kernel's measured tiles; K is split until there are about INT8_PROGRAMS programs."""
+    block_n, values, warps = INT8_TILES[qtype]
+    block_size = GGML_QUANT_SIZES[qtype][0]
+    block_k = max(1, values // block_size)
+    n_tiles = -(-n // block_n)
+    split = max(1, min(-(-INT8_PROGRAMS // n_tiles), k // block_size // block_k))
+    return int8.Int8GemvConfig(block_n=block_n, block_k=block_k, split_k=split, num_warps=warps)
 
 
 def default_gemv_config(qtype: QType, m: int, n: int, k: int) -> TileConfig:
@@ -62,6 +105,10 @@ def gemv_config(qtype: QType, m: int, n: int, k: int, *, method: str = "mma", bl
 
 def qmatmul_gemv(x: jax.Array, w: QTensor, *, config: TileConfig | None = None,
                  interpret: bool = False) -> jax.Array:
-    """x (M <= 64, K) @ dequantize(w).T -> (M, N) in x.dtype."""
-    cfg = config or default_gemv_config(w.qtype, x.shape[0], *w.shape)
+    """x (M <= 64, K) @ dequantize(w).T -> (M, N) in x.dtype: the int8 kernel where
+    `uses_int8` says so (and no float tiles are given), the float kernel otherwise."""
+    m, (n, k) = x.shape[0], w.shape
+    if config is None and uses_int8(w.qtype, m, n, k, x.dtype):
+        return int8.int8_gemv(x, w, default_int8_config(w.qtype, m, n, k), interpret=interpret)
+    cfg = config or default_gemv_config(w.qtype, m, n, k)
     return fused_qmatmul(x, w, cfg, interpret=interpret)
