@@ -14,21 +14,25 @@ import jax.numpy as jnp
 
 from rjax.cache import KVCache
 from rjax.config import ModelConfig
-from rjax.quant.qtensor import Weight, matmul, take_rows
+from rjax.quant.qtensor import QTensor, Weight, matmul, take_rows
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerParams:
     attn_norm: jax.Array
-    wq: Weight
-    wk: Weight
-    wv: Weight
+    wq: Weight | None            # None when fused into `wqkv`
+    wk: Weight | None
+    wv: Weight | None
     wo: Weight
     ffn_norm: jax.Array
-    w_gate: Weight
-    w_up: Weight
+    w_gate: Weight | None        # None when fused into `w_gate_up`
+    w_up: Weight | None
     w_down: Weight
+    # q, k, v (gate, up) stacked along the output rows: one matmul instead of three (two);
+    # see `fuse_projections`.
+    wqkv: Weight | None = None
+    w_gate_up: Weight | None = None
     # Architecture-specific pieces; None where the architecture has none.
     bq: jax.Array | None = None
     bk: jax.Array | None = None
@@ -46,6 +50,34 @@ class Params:
     layers: tuple[LayerParams, ...]
     final_norm: jax.Array
     lm_head: Weight | None       # (vocab, d_model); None: tied to `embed`
+
+
+def _stack_rows(ws: list[Weight]) -> Weight | None:
+    """Weights (n_i, K) of one type -> one weight (sum n_i, K); None if their types differ."""
+    if all(isinstance(w, QTensor) for w in ws):
+        if len({(w.qtype, w.shape[1]) for w in ws}) != 1:
+            return None
+        planes = jax.tree.map(lambda *p: jnp.concatenate(p, axis=0), *[w.planes for w in ws])
+        return QTensor(planes, ws[0].qtype, (sum(w.shape[0] for w in ws), ws[0].shape[1]))
+    if any(isinstance(w, QTensor) for w in ws) or len({(w.dtype, w.shape[1]) for w in ws}) != 1:
+        return None
+    return jnp.concatenate(ws, axis=0)
+
+
+def fuse_projections(params: Params) -> Params:
+    """Stack each layer's q, k, v weights into `wqkv` and gate, up into `w_gate_up` where they
+    share a type (a Q4_K_M file's Q6_K v stays apart): the same products in fewer, larger
+    matmuls, which is what decoding small batches on a GPU is bound by (one kernel launch and
+    one pass over the activations per matmul). Layer by layer, so the extra memory while
+    fusing is one layer's projections."""
+    layers = []
+    for p in params.layers:
+        if p.wqkv is None and (qkv := _stack_rows([p.wq, p.wk, p.wv])) is not None:
+            p = dataclasses.replace(p, wqkv=qkv, wq=None, wk=None, wv=None)
+        if p.w_gate_up is None and (gu := _stack_rows([p.w_gate, p.w_up])) is not None:
+            p = dataclasses.replace(p, w_gate_up=gu, w_gate=None, w_up=None)
+        layers.append(p)
+    return dataclasses.replace(params, layers=tuple(layers))
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, out_dtype=None) -> jax.Array:
@@ -94,9 +126,12 @@ def _activation(cfg: ModelConfig, x: jax.Array) -> jax.Array:
 
 def _attention_block(cfg: ModelConfig, i: int, p: LayerParams, x, cache: KVCache, pos, slots):
     B, T, _ = x.shape
-    q = matmul(x, p.wq)
-    k = matmul(x, p.wk)
-    v = matmul(x, p.wv)
+    if p.wqkv is not None:
+        nq, nkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        qkv = matmul(x, p.wqkv)
+        q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
+    else:
+        q, k, v = matmul(x, p.wq), matmul(x, p.wk), matmul(x, p.wv)
     if p.bq is not None:
         q, k, v = q + p.bq, k + p.bk, v + p.bv
     q = q.reshape(B, T, cfg.n_heads, cfg.head_dim)
@@ -121,7 +156,12 @@ def _layer(cfg: ModelConfig, i: int, p: LayerParams, x, cache, pos, slots, dtype
         h = rms_norm(h, p.post_attn_norm, cfg.rms_eps, jnp.float32)
     x = x + h.astype(jnp.float32)
     h = rms_norm(x, p.ffn_norm, cfg.rms_eps, dtype)
-    h = matmul(_activation(cfg, matmul(h, p.w_gate)) * matmul(h, p.w_up), p.w_down)
+    if p.w_gate_up is not None:
+        gate_up = matmul(h, p.w_gate_up)
+        gate, up = gate_up[..., :cfg.d_ff], gate_up[..., cfg.d_ff:]
+    else:
+        gate, up = matmul(h, p.w_gate), matmul(h, p.w_up)
+    h = matmul(_activation(cfg, gate) * up, p.w_down)
     if p.post_ffn_norm is not None:
         h = rms_norm(h, p.post_ffn_norm, cfg.rms_eps, jnp.float32)
     return x + h.astype(jnp.float32), cache

@@ -235,3 +235,30 @@ def test_cache_longer_than_the_context(tiny):
     cfg, _ = tiny
     with pytest.raises(ValueError, match="exceeds the model's context length"):
         init_cache(cfg, 1, cfg.context_length + 1)
+
+
+@pytest.mark.parametrize("model", ["smollm2_path", "gemma3_path"])
+def test_fused_projections_give_the_same_logits(model, request):
+    """`fuse_projections` stacks q/k/v and gate/up where their types agree (smollm2: all;
+    gemma3's Q4_K_M: gate/up only, its v is another type) and changes no logit beyond
+    float32 summation order."""
+    from rjax.loaders.gguf import load_gguf
+    from rjax.model import fuse_projections
+
+    cfg, params, _ = load_gguf(request.getfixturevalue(model), progress=False)
+    fused = fuse_projections(params)
+    layer = fused.layers[0]
+    assert layer.w_gate_up is not None and layer.w_gate is None and layer.w_up is None
+    types = {w.qtype for w in (params.layers[0].wq, params.layers[0].wk, params.layers[0].wv)}
+    assert (layer.wqkv is not None) == (len(types) == 1)
+    if layer.wqkv is not None:
+        assert layer.wqkv.shape == (cfg.head_dim * (cfg.n_heads + 2 * cfg.n_kv_heads), cfg.d_model)
+    ids = _prompts(1, [9, 5], cfg.vocab_size)
+    t, l = engine.pad_prompts(ids)
+    outs = []
+    for p in (params, fused):
+        logits, cache = engine.prefill(cfg, p, init_cache(cfg, 2, 32), jnp.asarray(t), jnp.asarray(l))
+        step, _ = engine.decode_step(cfg, p, cache, jnp.asarray([3, 4], jnp.int32))
+        outs.append((np.asarray(logits), np.asarray(step)))
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(np.abs(a).max()))

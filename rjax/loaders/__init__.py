@@ -24,8 +24,17 @@ class Model:
         return self.source.name
 
 
-def load(model: str | os.PathLike, *, progress: bool = True, home: str | os.PathLike | None = None) -> Model:
-    """Load a catalog name (pulled if missing), a `.gguf` file, or a Hugging Face directory."""
+def load(model: str | os.PathLike, *, progress: bool = True, home: str | os.PathLike | None = None,
+         fuse: bool | None = None) -> Model:
+    """Load a catalog name (pulled if missing), a `.gguf` file, or a Hugging Face directory.
+
+    `fuse`: stack q/k/v and gate/up weights (`rjax.model.fuse_projections`). The default
+    fuses on a GPU backend, where fewer and larger decode matmuls are faster, and keeps the
+    file's separate weights elsewhere."""
+    import jax
+
+    from rjax.model import fuse_projections
+
     from rjax.catalog import resolve_model
     from rjax.tokenizer import Tokenizer
 
@@ -40,4 +49,6 @@ def load(model: str | os.PathLike, *, progress: bool = True, home: str | os.Path
 
         cfg, params, reader = load_gguf(path, progress=progress)
         tokenizer = Tokenizer.from_gguf(reader)
+    if fuse if fuse is not None else jax.default_backend() == "gpu":
+        params = fuse_projections(params)
     return Model(cfg, params, tokenizer, path)
