@@ -9,7 +9,10 @@ distinct weight copies (together at least 3x the 50 MB L2, so weights stream fro
 shapes hit the cap of 16 copies and are marked L2-resident), dispatched `reps` times back to
 back and timed on the host clock around the batch after a warm-up; the median of 3 batches
 per call is reported. This is the time of the kernel as it runs in a jitted model step,
-launch gaps included. All compiles run first, in parallel threads.
+launch gaps included. All compiles run first, in parallel threads. With `--timing kernels`
+the batch is traced instead and the time is the GPU kernels' summed durations per call (no
+launch gaps, no host dispatch): the measure for small shapes, where the host-clocked batch
+times the host's dispatch rather than the GPU.
 
 Ceilings measured in the same run: HBM bandwidth by a 2 GiB device-to-device elementwise
 copy (bytes read + written), bf16 TFLOP/s by jnp.dot at 8192^3 and by jnp.dot at each row's
@@ -35,7 +38,8 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
 from pallas_kernels.quant_matmul.gemm import gemm_config, qmatmul_gemm
-from pallas_kernels.quant_matmul.gemv import default_gemv_config, gemv_config, qmatmul_gemv
+from pallas_kernels.quant_matmul import qmatmul
+from pallas_kernels.quant_matmul.gemv import default_gemv_config, gemv_config, qmatmul_gemv, uses_int8
 from pallas_kernels.quant_matmul.int8_gemv import Int8GemvConfig, int8_gemv
 from pallas_kernels.quant_matmul.kernel import TileConfig, fused_qmatmul
 from pallas_kernels.quant_matmul.reference import dequantize_then_dot
@@ -162,13 +166,32 @@ def _ref_for(job: Job, w0, x_full):
     return _REF_CACHE[key]
 
 
-def run_job(job: Job, m_max: int):
+def kernel_time(compiled, x, ws, trace_dir="/tmp/qmm-trace"):
+    """GPU time per call: the summed durations of every kernel of one traced batch (the
+    product's own kernels and its small XLA fusions: activation quantizing, split-K sums),
+    divided by the calls in it. Launch gaps are left out: small shapes are otherwise timed
+    as the host's dispatch of the batch."""
+    import shutil
+
+    from benchmarks.profile_decode import kernel_times
+
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    jax.block_until_ready(compiled(x, ws))
+    with jax.profiler.trace(trace_dir):
+        out = compiled(x, ws)
+        jax.block_until_ready(out)
+    total, _ = kernel_times(trace_dir)
+    return sum(total.values()) / 1e9 / len(ws), out
+
+
+def run_job(job: Job, m_max: int, timing: str = "host"):
     r = job.row
     base = jax.random.key(hash((r["type"], r["N"], job.k)) % 2**31)
     ws = [job.make_w(jax.random.fold_in(base, i)) for i in range(r["copies"])]
     x_full = _x_for(job.k, m_max)
     x = x_full[: job.m]
-    t, outs = time_compiled(job.compiled, x, ws)
+    t, outs = (kernel_time if timing == "kernels" else time_compiled)(job.compiled, x, ws)
+    r["timing"] = timing
     r["time_us"] = t * 1e6
     r["weight_GBps"] = job.w_nbytes / t / 1e9
     r["TFLOPs"] = 2 * job.m * job.k * r["N"] / t / 1e12
@@ -284,8 +307,8 @@ def int8_configs(qt, m, n, k):
     bs = GGML_QUANT_SIZES[qt][0]
     out = []
     for bn in (16, 32, 64):
-        for vps in ((256, 512, 1024) if bs == 256 else (256, 512)):
-            for warps in (4, 8):
+        for vps in ((512, 1024) if bs == 256 else (256, 512)):
+            for warps in (4,):
                 bk = max(1, vps // bs)
                 n_tiles = -(-n // bn)
                 split = max(1, min(-(-264 // n_tiles), k // bs // bk))
@@ -293,7 +316,7 @@ def int8_configs(qt, m, n, k):
     return list(dict.fromkeys(out))
 
 
-def int8_jobs(types, shapes, ms):
+def int8_jobs(types, shapes, ms, sweep_int8=True):
     """The int8 GEMV's tile sweep on the byte planes (the model's layout), beside the float
     kernel's default and XLA's bf16 dot."""
     jobs = []
@@ -309,6 +332,11 @@ def int8_jobs(types, shapes, ms):
                 cfg = default_gemv_config(qt, m, n, k)
                 jobs.append(Job(dict(kind="float_gemv", type=qt.name, N=n, K=k, M=m, config=str(cfg)),
                                 lambda x, w, cfg=cfg: fused_qmatmul(x, w, cfg), mk, nbytes, m, k))
+                jobs.append(Job(dict(kind="qmatmul", type=qt.name, N=n, K=k, M=m,
+                                     config="int8" if uses_int8(qt, m, n, k, jnp.bfloat16) else "float"),
+                                qmatmul, mk, nbytes, m, k))
+                if not sweep_int8:
+                    continue
                 for c in int8_configs(qt, m, n, k):
                     jobs.append(Job(dict(kind="int8_bytes", type=qt.name, N=n, K=k, M=m, config=str(c)),
                                     lambda x, w, c=c: int8_gemv(x, w, c), mk, nbytes, m, k))
@@ -352,18 +380,21 @@ def fmt_row(r, hbm):
         s += " L2"
     if "vs_bf16" in r:
         s += f" {r['vs_bf16']:.2f}x_bf16"
-    if "config" in r and r["kind"] in ("sweep", "gemv", "gemm_fused", "float_gemv", "int8_words", "int8_bytes"):
+    if "config" in r and r["kind"] in ("sweep", "gemv", "gemm_fused", "float_gemv", "int8_words", "int8_bytes",
+                                       "qmatmul"):
         s += " " + r["config"].replace("TileConfig", "").replace("Int8GemvConfig", "")
     return s
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("full", "sweep", "int8"), default="full")
+    ap.add_argument("--mode", choices=("full", "sweep", "int8", "decode"), default="full")
     ap.add_argument("--types", default=",".join(t.name for t in TYPES))
     ap.add_argument("--shapes", default="")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--workers", type=int, default=14)
+    ap.add_argument("--timing", choices=("host", "kernels"), default="host",
+                    help="host: wall clock around batches of calls; kernels: summed GPU kernel time from a trace")
     ap.add_argument("--out", default="quant_matmul.json")
     ap.add_argument("--time-budget", type=float, default=1e9, help="stop timing rows after this many seconds")
     a = ap.parse_args()
@@ -376,7 +407,8 @@ def main():
     log(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
     hbm, peak = measure_ceilings()
     log(f"HBM copy bandwidth: {hbm:.0f} GB/s (read+write); bf16 jnp.dot 8192^3: {peak:.0f} TFLOP/s")
-    jobs = {"full": full_jobs, "sweep": sweep_jobs, "int8": int8_jobs}[a.mode](types, shapes, ms)
+    jobs = {"full": full_jobs, "sweep": sweep_jobs, "int8": int8_jobs,
+            "decode": lambda *args: int8_jobs(*args, sweep_int8=False)}[a.mode](types, shapes, ms)
     compile_all(jobs, a.workers)
     rows = []
     for i, j in enumerate(jobs):
@@ -385,7 +417,7 @@ def main():
             break
         if j.error is None:
             try:
-                run_job(j, m_max=max(ms))
+                run_job(j, m_max=max(ms), timing=a.timing)
             except Exception as e:  # noqa: BLE001
                 j.error = f"run: {type(e).__name__}: {str(e)[:300]}"
         j.row["error"] = j.error
