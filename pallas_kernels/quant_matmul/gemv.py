@@ -42,15 +42,16 @@ FMA_AT_M1 = {
 
 # The int8 kernel (int8_gemv.py) against the float kernel, bf16 activations, M=1, GPU kernel
 # time on the H100 (notes; activation-quantizing fusion included): Q4_K 25 vs 52 us at
-# 14336x4096, 4.7 vs 6.4 at 2048x2048; Q8_0 28 vs 39 and 6.4 vs 7.4. It wins at every shape
-# measured from 2048x2048 (2**22 values) up; below that (smollm2's 576-wide layers) it was not
-# measured on kernel time and the extra fusion launch weighs more, so those keep the float
-# kernel. Q6_K measured no faster (24.8 vs 24.6 us at 16384x2048; 350 vs 301 at the 8B output
-# layer) and stays on the float kernel. Per x row the int8 kernel repeats its dot products, so
-# the float kernel's tensor-core path wins from M=4 for Q4_K (72 vs 54 us at 14336x4096; M=2:
-# 44.5 vs 54) and beyond M=8 for Q8_0 (M=8: 37 vs 45).
+# 14336x4096, 4.7 vs 6.4 at 2048x2048; Q8_0 28 vs 39 and 6.4 vs 7.4. Kernel time favours it
+# from 2048x2048 up, but the extra fusion launch it brings costs more than that at llama-1b's
+# attention shapes: end to end, llama-1b decoded 3-7% faster with the int8 kernel only from
+# 2**24 values (Q4_K 683 vs 665 tokens/s, Q8_0 740 vs 659). Q6_K measured no faster (24.8 vs
+# 24.6 us at 16384x2048; 350 vs 301 at the 8B output layer) and stays on the float kernel.
+# Per x row the int8 kernel repeats its dot products, so the float kernel's tensor-core path
+# wins from M=4 for Q4_K (72 vs 54 us at 14336x4096; M=2: 44.5 vs 54) and beyond M=8 for
+# Q8_0 (M=8: 37 vs 45).
 INT8_MAX_M = {QType.Q8_0: 8, QType.Q4_K: 2, QType.Q4_1: 4, QType.Q4_0: 4}
-INT8_MIN_VALUES = 2**22
+INT8_MIN_VALUES = 2**24
 INT8_TILES = {  # block_n, values per step, warps (measured best at the 8B and 1B shapes)
     QType.Q8_0: (16, 512, 4),
     QType.Q4_K: (16, 1024, 4),
