@@ -35,6 +35,7 @@ from gguf import GGMLQuantizationType as QType
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.quant_matmul.tiles import index, load_masked
 from rjax.quant.qtensor import QTensor
 
 _I32, _F32 = jnp.int32, jnp.float32
@@ -97,23 +98,12 @@ def as_words(w: QTensor) -> QTensor:
 
 # --- in-kernel helpers -----------------------------------------------------------------------
 
-def _idx(i):
-    return jnp.int32(i) if isinstance(i, int) else i
-
-
-def _load(ref, idx, mask, other=0):
-    view = ref.at[tuple(_idx(i) for i in idx)]
-    extra = len(view.shape) - mask.ndim
-    m = mask.reshape(mask.shape + (1,) * extra) if extra else mask
-    return plgpu.load(view, mask=m, other=other)
-
-
 def _load_words(ref, idx, mask):
     """int32 words at ref[idx]: a word plane directly, a byte plane (trailing axis of 4 bytes)
     assembled little-endian."""
     if ref.dtype == jnp.int32:
-        return _load(ref, idx, mask)
-    b = _load(ref, tuple(idx) + (slice(None),), mask).astype(_I32) & 0xFF
+        return load_masked(ref, idx, mask)
+    b = load_masked(ref, tuple(idx) + (slice(None),), mask).astype(_I32) & 0xFF
     shifts = 8 * jax.lax.broadcasted_iota(_I32, b.shape, b.ndim - 1)
     return jnp.sum(b << shifts, axis=-1)
 
@@ -140,20 +130,20 @@ def dp4a(a, b, c, interpret: bool):
 def _step_q8_0(w_refs, x_refs, rows, blocks, wmask, bmask, ms, ip):
     d_ref, qs_ref = w_refs
     xw_ref, xd_ref, _ = x_refs                 # xw (M, nb, 8), xd (M, nb)
-    d = _f(_load(d_ref, (rows, blocks), wmask))
+    d = _f(load_masked(d_ref, (rows, blocks), wmask))
     w = _load_words(qs_ref, (rows, blocks, slice(None)), wmask)            # (BN, BKB, 8)
     out = []
     for m in ms:
-        xw = _load(xw_ref, (m, blocks, slice(None)), bmask)[None]
+        xw = load_masked(xw_ref, (m, blocks, slice(None)), bmask)[None]
         s = jnp.sum(dp4a(w, xw, 0, ip), axis=-1)
-        out.append(d * _f(s) * _load(xd_ref, (m, blocks), bmask)[None])
+        out.append(d * _f(s) * load_masked(xd_ref, (m, blocks), bmask)[None])
     return out
 
 
 def _q4_sums(w, xw_ref, m, blocks, bmask, ip):
     """sum of q * xq over a 32-block of 4-bit quants (low nibbles values 0..15, high 16..31)."""
-    x0 = _load(xw_ref, (m, blocks, 0, slice(None)), bmask)[None]
-    x1 = _load(xw_ref, (m, blocks, 1, slice(None)), bmask)[None]
+    x0 = load_masked(xw_ref, (m, blocks, 0, slice(None)), bmask)[None]
+    x1 = load_masked(xw_ref, (m, blocks, 1, slice(None)), bmask)[None]
     lo = dp4a(w & LOW_NIBBLES, x0, 0, ip)
     return _f(jnp.sum(dp4a((w >> 4) & LOW_NIBBLES, x1, lo, ip), axis=-1))
 
@@ -161,13 +151,13 @@ def _q4_sums(w, xw_ref, m, blocks, bmask, ip):
 def _step_q4_0(w_refs, x_refs, rows, blocks, wmask, bmask, ms, ip):
     d_ref, qs_ref = w_refs
     xw_ref, xd_ref, xs_ref = x_refs            # xw (M, nb, 2, 4), xd (M, nb), xs = dsum32 (M, nb)
-    d = _f(_load(d_ref, (rows, blocks), wmask))
+    d = _f(load_masked(d_ref, (rows, blocks), wmask))
     w = _load_words(qs_ref, (rows, blocks, slice(None)), wmask)            # (BN, BKB, 4)
     out = []
     for m in ms:
         s = _q4_sums(w, xw_ref, m, blocks, bmask, ip)
-        xd = _load(xd_ref, (m, blocks), bmask)[None]
-        xs = _load(xs_ref, (m, blocks), bmask)[None]
+        xd = load_masked(xd_ref, (m, blocks), bmask)[None]
+        xs = load_masked(xs_ref, (m, blocks), bmask)[None]
         out.append(d * (s * xd - 8.0 * xs))
     return out
 
@@ -175,14 +165,14 @@ def _step_q4_0(w_refs, x_refs, rows, blocks, wmask, bmask, ms, ip):
 def _step_q4_1(w_refs, x_refs, rows, blocks, wmask, bmask, ms, ip):
     d_ref, m_ref, qs_ref = w_refs
     xw_ref, xd_ref, xs_ref = x_refs
-    d = _f(_load(d_ref, (rows, blocks), wmask))
-    mn = _f(_load(m_ref, (rows, blocks), wmask))
+    d = _f(load_masked(d_ref, (rows, blocks), wmask))
+    mn = _f(load_masked(m_ref, (rows, blocks), wmask))
     w = _load_words(qs_ref, (rows, blocks, slice(None)), wmask)
     out = []
     for m in ms:
         s = _q4_sums(w, xw_ref, m, blocks, bmask, ip)
-        xd = _load(xd_ref, (m, blocks), bmask)[None]
-        xs = _load(xs_ref, (m, blocks), bmask)[None]
+        xd = load_masked(xd_ref, (m, blocks), bmask)[None]
+        xs = load_masked(xs_ref, (m, blocks), bmask)[None]
         out.append(d * s * xd + mn * xs)
     return out
 
@@ -192,8 +182,8 @@ def _step_q4_k(w_refs, x_refs, rows, blocks, wmask, bmask, ms, ip):
     chunk c; each half is handled for all four chunks at once, as (BN, BKB, 4) tensors."""
     d_ref, dmin_ref, sc_ref, qs_ref = w_refs    # scales as 3 words, qs words viewed (N, nb, 4, 8)
     xw_ref, xd_ref, xs_ref = x_refs            # xw (M, nb, 4, 2, 8), xd and xs = dsum32 (M, nb, 4, 2)
-    d = _f(_load(d_ref, (rows, blocks), wmask))[..., None]
-    dmin = _f(_load(dmin_ref, (rows, blocks), wmask))[..., None]
+    d = _f(load_masked(d_ref, (rows, blocks), wmask))[..., None]
+    dmin = _f(load_masked(dmin_ref, (rows, blocks), wmask))[..., None]
     w0, w1, w2 = (_load_words(sc_ref, (rows, blocks, i), wmask)[..., None] for i in range(3))
     w = _load_words(qs_ref, (rows, blocks, slice(None), slice(None)), wmask)   # (BN, BKB, 4, 8)
     chunk = jax.lax.broadcasted_iota(_I32, (1, 1, 4), 2)
@@ -208,10 +198,10 @@ def _step_q4_k(w_refs, x_refs, rows, blocks, wmask, bmask, ms, ip):
         dsc, dmn = d * _f(sc), dmin * _f(mn)                                      # (BN, BKB, 4)
         q = (w >> (4 * h)) & LOW_NIBBLES
         for i, m in enumerate(ms):
-            xw = _load(xw_ref, (m, blocks, slice(None), h, slice(None)), bmask)[None]   # (1, BKB, 4, 8)
+            xw = load_masked(xw_ref, (m, blocks, slice(None), h, slice(None)), bmask)[None]   # (1, BKB, 4, 8)
             s = _f(jnp.sum(dp4a(q, xw, 0, ip), axis=-1))
-            xd = _load(xd_ref, (m, blocks, slice(None), h), bmask)[None]
-            xs = _load(xs_ref, (m, blocks, slice(None), h), bmask)[None]
+            xd = load_masked(xd_ref, (m, blocks, slice(None), h), bmask)[None]
+            xs = load_masked(xs_ref, (m, blocks, slice(None), h), bmask)[None]
             out[i] = out[i] + jnp.sum(dsc * s * xd - dmn * xs, axis=-1)
     return out
 
@@ -219,7 +209,7 @@ def _step_q4_k(w_refs, x_refs, rows, blocks, wmask, bmask, ms, ip):
 def _step_q6_k(w_refs, x_refs, rows, blocks, wmask, bmask, ms, ip):
     ql_ref, qh_ref, sc_ref, d_ref = w_refs     # ql words (N, nb, 2, 2, 2, 4), qh words (N, nb, 2, 2, 4)
     xw_ref, xd_ref, xs_ref = x_refs            # xw (M, nb, 2, 4, 2, 4), xd (M, nb, 2, 4), xs = dsum16 (M, nb, 2, 4, 2)
-    d = _f(_load(d_ref, (rows, blocks), wmask))
+    d = _f(load_masked(d_ref, (rows, blocks), wmask))
     out = [0.0] * len(ms)
     # Value 128h + 32j + 16t + l: low 4 bits in ql byte 64h + 32(j%2) + 16t + l (nibble j//2),
     # high 2 bits in qh byte 32h + 16t + l (bits 2j, 2j+1), scale 8h + 2j + t.
@@ -229,12 +219,12 @@ def _step_q6_k(w_refs, x_refs, rows, blocks, wmask, bmask, ms, ip):
             ql = [_load_words(ql_ref, (rows, blocks, h, jm, t, slice(None)), wmask) for jm in range(2)]
             for j in range(4):
                 q = ((ql[j % 2] >> (4 * (j // 2))) & LOW_NIBBLES) | (((qh >> (2 * j)) & 0x03030303) << 4)
-                sc = _f(_load(sc_ref, (rows, blocks, 8 * h + 2 * j + t), wmask))
+                sc = _f(load_masked(sc_ref, (rows, blocks, 8 * h + 2 * j + t), wmask))
                 for i, m in enumerate(ms):
-                    xw = _load(xw_ref, (m, blocks, h, j, t, slice(None)), bmask)[None]
+                    xw = load_masked(xw_ref, (m, blocks, h, j, t, slice(None)), bmask)[None]
                     s = _f(jnp.sum(dp4a(q, xw, 0, ip), axis=-1))
-                    xd = _load(xd_ref, (m, blocks, h, j), bmask)[None]
-                    xs = _load(xs_ref, (m, blocks, h, j, t), bmask)[None]
+                    xd = load_masked(xd_ref, (m, blocks, h, j), bmask)[None]
+                    xs = load_masked(xs_ref, (m, blocks, h, j, t), bmask)[None]
                     out[i] = out[i] + sc * (s * xd - 32.0 * xs)
     return [d * o for o in out]
 
@@ -336,7 +326,7 @@ def _kernel(*refs, fmt, cfg, m_rows, n_rows, n_blocks, blocks_per_split, n_w, in
     accs = jax.lax.fori_loop(0, blocks_per_split // bkb, step,
                              tuple(jnp.zeros((bn, bkb), _F32) for _ in ms))
     for m, acc in enumerate(accs):
-        idx = (_idx(m), rows) if cfg.split_k == 1 else (pid_s, _idx(m), rows)
+        idx = (index(m), rows) if cfg.split_k == 1 else (pid_s, index(m), rows)
         plgpu.store(o_ref.at[idx], jnp.sum(acc, axis=1).astype(o_ref.dtype), mask=rmask)
 
 

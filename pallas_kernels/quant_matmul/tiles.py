@@ -62,8 +62,8 @@ def index(i):
     return jnp.int32(i) if isinstance(i, int) else i
 
 
-def _load(ref, idx, mask):
-    """Masked load of ref[idx]; `mask` has the leading (BN, BKB) dims, broadcast over the rest."""
+def load_masked(ref, idx, mask):
+    """Masked load of ref[idx]; `mask` has the leading dims of the result, broadcast over the rest."""
     view = ref.at[tuple(index(i) for i in idx)]
     extra = len(view.shape) - mask.ndim
     m = mask.reshape(mask.shape + (1,) * extra) if extra else mask
@@ -88,8 +88,8 @@ def _col(v):
 
 def _q8_0_parts(refs, rows, blocks, mask):
     d_ref, qs_ref = refs
-    d = _f(_load(d_ref, (rows, blocks), mask))
-    qs = _load(qs_ref, (rows, blocks, slice(None)), mask)           # int8 (BN, BKB, 32)
+    d = _f(load_masked(d_ref, (rows, blocks), mask))
+    qs = load_masked(qs_ref, (rows, blocks, slice(None)), mask)           # int8 (BN, BKB, 32)
     q = int_to_f32(qs.astype(jnp.int32) + 128, zero=128)
     return [Part(0, _run(q), _col(d), None)]
 
@@ -102,24 +102,24 @@ def _nibble_parts(qs, scale, bias, zero):
 
 def _q4_0_parts(refs, rows, blocks, mask):
     d_ref, qs_ref = refs
-    d = _f(_load(d_ref, (rows, blocks), mask))
-    qs = _load(qs_ref, (rows, blocks, slice(None)), mask)           # uint8 (BN, BKB, 16)
+    d = _f(load_masked(d_ref, (rows, blocks), mask))
+    qs = load_masked(qs_ref, (rows, blocks, slice(None)), mask)           # uint8 (BN, BKB, 16)
     return _nibble_parts(qs, _col(d), None, zero=8)
 
 
 def _q4_1_parts(refs, rows, blocks, mask):
     d_ref, m_ref, qs_ref = refs
-    d = _f(_load(d_ref, (rows, blocks), mask))
-    m = _f(_load(m_ref, (rows, blocks), mask))
-    qs = _load(qs_ref, (rows, blocks, slice(None)), mask)
+    d = _f(load_masked(d_ref, (rows, blocks), mask))
+    m = _f(load_masked(m_ref, (rows, blocks), mask))
+    qs = load_masked(qs_ref, (rows, blocks, slice(None)), mask)
     return _nibble_parts(qs, _col(d), _col(m), zero=0)
 
 
 def _q5_0_parts(refs, rows, blocks, mask):
     d_ref, qh_ref, qs_ref = refs
-    d = _f(_load(d_ref, (rows, blocks), mask))
-    qs = _load(qs_ref, (rows, blocks, slice(None)), mask)
-    qh = [_load(qh_ref, (rows, blocks, i), mask).astype(jnp.int32) for i in range(4)]
+    d = _f(load_masked(d_ref, (rows, blocks), mask))
+    qs = load_masked(qs_ref, (rows, blocks, slice(None)), mask)
+    qh = [load_masked(qh_ref, (rows, blocks, i), mask).astype(jnp.int32) for i in range(4)]
     shifts = jax.lax.broadcasted_iota(jnp.int32, (1, 1, 16), 2)
     parts = []
     for seg, (nib, h16) in enumerate(((qs & 0x0F, qh[0] | (qh[1] << 8)),
@@ -134,9 +134,9 @@ def _q5_0_parts(refs, rows, blocks, mask):
 
 def _q4_k_parts(refs, rows, blocks, mask):
     d_ref, dmin_ref, sc_ref, qs_ref = refs                          # qs viewed (N, nb, 4, 32)
-    d = _f(_load(d_ref, (rows, blocks), mask))
-    dmin = _f(_load(dmin_ref, (rows, blocks), mask))
-    b = [_load(sc_ref, (rows, blocks, i), mask).astype(jnp.int32) for i in range(12)]
+    d = _f(load_masked(d_ref, (rows, blocks), mask))
+    dmin = _f(load_masked(dmin_ref, (rows, blocks), mask))
+    b = [load_masked(sc_ref, (rows, blocks, i), mask).astype(jnp.int32) for i in range(12)]
 
     def scale_min(s):   # ggml's get_scale_min_k4
         if s < 4:
@@ -145,7 +145,7 @@ def _q4_k_parts(refs, rows, blocks, mask):
 
     parts = []
     for c in range(4):  # 32 quant bytes: low nibbles are run 2c, high nibbles run 2c + 1
-        qs = _load(qs_ref, (rows, blocks, c, slice(None)), mask)    # (BN, BKB, 32)
+        qs = load_masked(qs_ref, (rows, blocks, c, slice(None)), mask)    # (BN, BKB, 32)
         for h, nib in enumerate((qs & 0x0F, qs >> 4)):
             sc, mn = scale_min(2 * c + h)
             parts.append(Part(2 * c + h, _run(int_to_f32(nib)),
@@ -155,7 +155,7 @@ def _q4_k_parts(refs, rows, blocks, mask):
 
 def _q6_k_parts(refs, rows, blocks, mask):
     ql_ref, qh_ref, sc_ref, d_ref = refs        # ql (N, nb, 8, 16), qh (N, nb, 4, 16)
-    d = _f(_load(d_ref, (rows, blocks), mask))
+    d = _f(load_masked(d_ref, (rows, blocks), mask))
     ql_cache, qh_cache = {}, {}
     parts = []
     # Value 128h + 32j + 16t + l: low 4 bits in ql byte 64h + 32(j%2) + 16t + l (nibble j//2),
@@ -164,13 +164,13 @@ def _q6_k_parts(refs, rows, blocks, mask):
         for j in range(4):
             key = (h, j % 2)
             if key not in ql_cache:
-                ql_cache[key] = _load(ql_ref, (rows, blocks, pl.ds(4 * h + 2 * (j % 2), 2), slice(None)), mask)
+                ql_cache[key] = load_masked(ql_ref, (rows, blocks, pl.ds(4 * h + 2 * (j % 2), 2), slice(None)), mask)
             if h not in qh_cache:
-                qh_cache[h] = _load(qh_ref, (rows, blocks, pl.ds(2 * h, 2), slice(None)), mask)
+                qh_cache[h] = load_masked(qh_ref, (rows, blocks, pl.ds(2 * h, 2), slice(None)), mask)
             low = (ql_cache[key] >> (4 * (j // 2))) & 0x0F
             high = (qh_cache[h] >> (2 * j)) & 0x03
             q = int_to_f32(low.astype(jnp.int32) | (high.astype(jnp.int32) << 4), zero=32)
-            sc = _f(_load(sc_ref, (rows, blocks, pl.ds(8 * h + 2 * j, 2)), mask))   # (BN, BKB, 2)
+            sc = _f(load_masked(sc_ref, (rows, blocks, pl.ds(8 * h + 2 * j, 2)), mask))   # (BN, BKB, 2)
             parts.append(Part(4 * h + j, q, sc * _col(d), None))
     return parts
 
