@@ -45,7 +45,7 @@ from pallas_kernels.quant_matmul.kernel import TileConfig, fused_qmatmul
 from pallas_kernels.quant_matmul.reference import dequantize_then_dot
 from rjax.quant import formats
 from rjax.quant.qtensor import QTensor
-from rjax.quant.reference import dequantize
+from rjax.quant.reference import dequantize, q4_k_chunks
 
 warnings.simplefilter("ignore", DeprecationWarning)
 
@@ -65,8 +65,9 @@ def log(*a):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def device_qtensor(qtype: QType, n: int, k: int, key) -> QTensor:
-    """Random valid blocks generated on the device (random bytes, random-sign f16 scales)."""
+def device_qtensor(qtype: QType, n: int, k: int, key, model_layout: bool = True) -> QTensor:
+    """Random valid blocks generated on the device (random bytes, random-sign f16 scales), in
+    the layout `rjax.load` gives a GPU model (Q4_K: Q4_KChunks) unless `model_layout` is off."""
     cls, fields = formats.LAYOUTS[qtype]
     nb = k // GGML_QUANT_SIZES[qtype][0]
     planes = []
@@ -80,7 +81,8 @@ def device_qtensor(qtype: QType, n: int, k: int, key) -> QTensor:
         else:
             bits = jax.random.bits(kk, shape, jnp.uint8)
             planes.append(jax.lax.bitcast_convert_type(bits, f.dtype) if f.dtype != np.uint8 else bits)
-    return QTensor(cls(*planes), qtype, (n, k))
+    w = QTensor(cls(*planes), qtype, (n, k))
+    return q4_k_chunks(w) if model_layout else w
 
 
 def wbytes(qtype, n, k):
@@ -181,6 +183,8 @@ def kernel_time(compiled, x, ws, trace_dir="/tmp/qmm-trace"):
         out = compiled(x, ws)
         jax.block_until_ready(out)
     total, _ = kernel_times(trace_dir)
+    own = sum(t for name, t in total.items() if "qmatmul" in name or "int8_gemv" in name)
+    kernel_time.own_us = own / 1e3 / len(ws)  # the Pallas kernel alone, without the fusions
     return sum(total.values()) / 1e9 / len(ws), out
 
 
@@ -192,6 +196,9 @@ def run_job(job: Job, m_max: int, timing: str = "host"):
     x = x_full[: job.m]
     t, outs = (kernel_time if timing == "kernels" else time_compiled)(job.compiled, x, ws)
     r["timing"] = timing
+    if timing == "kernels" and getattr(kernel_time, "own_us", 0):
+        r["pallas_us"] = kernel_time.own_us
+        kernel_time.own_us = 0
     r["time_us"] = t * 1e6
     r["weight_GBps"] = job.w_nbytes / t / 1e9
     r["TFLOPs"] = 2 * job.m * job.k * r["N"] / t / 1e12
@@ -301,18 +308,26 @@ def sweep_jobs(types, shapes, ms):
 INT8_TYPES = (QType.Q4_K, QType.Q8_0, QType.Q6_K, QType.Q4_1, QType.Q4_0)
 
 
-def int8_configs(qt, m, n, k):
-    """Candidate tiles for the int8 GEMV: rows per program, blocks per step and warps; K is
-    split until there are about 264 programs (2 per SM)."""
+INT8_GRID = dict(block_n=(16, 32, 64), values=None, warps=(4,), stages=(3,), programs=(264,), prefetch=(1,))
+
+
+def int8_configs(qt, m, n, k, grid=None):
+    """Candidate tiles for the int8 GEMV: rows per program, values per step, warps, pipeline
+    stages, prefetch; K is split until there are about `programs` programs (264: 2 per SM)."""
+    g = grid or INT8_GRID
     bs = GGML_QUANT_SIZES[qt][0]
     out = []
-    for bn in (16, 32, 64):
-        for vps in ((512, 1024) if bs == 256 else (256, 512)):
-            for warps in (4,):
-                bk = max(1, vps // bs)
-                n_tiles = -(-n // bn)
-                split = max(1, min(-(-264 // n_tiles), k // bs // bk))
-                out.append(Int8GemvConfig(block_n=bn, block_k=bk, split_k=split, num_warps=warps))
+    for bn in g["block_n"]:
+        for vps in g["values"] or ((512, 1024) if bs == 256 else (256, 512)):
+            for warps in g["warps"]:
+                for stages in g["stages"]:
+                    for programs in g["programs"]:
+                        for prefetch in g["prefetch"]:
+                            bk = max(1, vps // bs)
+                            n_tiles = -(-n // bn)
+                            split = max(1, min(-(-programs // n_tiles), k // bs // bk))
+                            out.append(Int8GemvConfig(block_n=bn, block_k=bk, split_k=split, num_warps=warps,
+                                                      num_stages=stages, prefetch=bool(prefetch)))
     return list(dict.fromkeys(out))
 
 
@@ -337,9 +352,14 @@ def int8_jobs(types, shapes, ms, sweep_int8=True):
                                 qmatmul, mk, nbytes, m, k))
                 if not sweep_int8:
                     continue
-                for c in int8_configs(qt, m, n, k):
+                for c in int8_configs(qt, m, n, k, INT8_GRID):
                     jobs.append(Job(dict(kind="int8_bytes", type=qt.name, N=n, K=k, M=m, config=str(c)),
                                     lambda x, w, c=c: int8_gemv(x, w, c), mk, nbytes, m, k))
+                    if qt == QType.Q4_K:  # the file's packed scales (the model uses Q4_KChunks)
+                        jobs.append(Job(dict(kind="int8_packed", type=qt.name, N=n, K=k, M=m, config=str(c)),
+                                        lambda x, w, c=c: int8_gemv(x, w, c),
+                                        lambda key, qt=qt, n=n, k=k: device_qtensor(qt, n, k, key, model_layout=False),
+                                        nbytes, m, k))
     return jobs
 
 
@@ -374,13 +394,15 @@ def fmt_row(r, hbm):
     pct = 100 * r["weight_GBps"] / hbm
     s = (f"{r['kind']:17s} {r['type']:5s} {r['N']:6d}x{r['K']:<6d} M={r['M']:<5d} {r['time_us']:9.1f}us "
          f"{r['weight_GBps']:7.0f}GB/s {pct:5.1f}%HBM {r['TFLOPs']:7.1f}TF")
+    if r.get("pallas_us"):
+        s += f" (pallas {r['pallas_us']:.1f}us)"
     if "rel_err" in r:
         s += f" err={r['rel_err']:.1e}"
     if r.get("l2_resident"):
         s += " L2"
     if "vs_bf16" in r:
         s += f" {r['vs_bf16']:.2f}x_bf16"
-    if "config" in r and r["kind"] in ("sweep", "gemv", "gemm_fused", "float_gemv", "int8_words", "int8_bytes",
+    if "config" in r and r["kind"] in ("sweep", "gemv", "gemm_fused", "float_gemv", "int8_words", "int8_bytes", "int8_packed",
                                        "qmatmul"):
         s += " " + r["config"].replace("TileConfig", "").replace("Int8GemvConfig", "")
     return s
@@ -397,7 +419,14 @@ def main():
                     help="host: wall clock around batches of calls; kernels: summed GPU kernel time from a trace")
     ap.add_argument("--out", default="quant_matmul.json")
     ap.add_argument("--time-budget", type=float, default=1e9, help="stop timing rows after this many seconds")
+    for name in INT8_GRID:
+        ap.add_argument(f"--int8-{name.replace('_', '-')}", default=None,
+                        help=f"int8 sweep: comma-separated {name} values")
     a = ap.parse_args()
+    for name in INT8_GRID:
+        given = getattr(a, f"int8_{name}")
+        if given:
+            INT8_GRID[name] = tuple(int(v) for v in given.split(","))
     t_start = time.perf_counter()
     types = [QType[t] for t in a.types.split(",") if t]
     shapes = ([tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")] if a.shapes

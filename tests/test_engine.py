@@ -21,6 +21,7 @@ from rjax.cache import init_cache
 from rjax.generation import PromptTooLongError, check_prompt_lengths
 from rjax.loaders.gguf import ModelFileError, load_gguf
 from rjax.quant.formats import TensorFormatError
+from rjax.quant.qtensor import QTensor
 from rjax.sampling import SamplingParams
 
 
@@ -238,15 +239,21 @@ def test_cache_longer_than_the_context(tiny):
 
 
 @pytest.mark.parametrize("model", ["smollm2_path", "gemma3_path"])
-def test_fused_projections_give_the_same_logits(model, request):
-    """`fuse_projections` stacks q/k/v and gate/up where their types agree (smollm2: all;
-    gemma3's Q4_K_M: gate/up only, its v is another type) and changes no logit beyond
-    float32 summation order."""
+def test_gpu_weight_layout_gives_the_same_logits(model, request):
+    """What `rjax.load` does on a GPU: `fuse_projections` stacks q/k/v and gate/up where their
+    types agree (smollm2: all; gemma3's Q4_K_M: gate/up only, its v is another type), and
+    `chunk_q4_k_scales` re-encodes Q4_K scales. No logit changes beyond float32 summation
+    order."""
     from rjax.loaders.gguf import load_gguf
-    from rjax.model import fuse_projections
+    from rjax.model import chunk_q4_k_scales, fuse_projections
+    from rjax.quant.formats import Q4_KChunks
 
     cfg, params, _ = load_gguf(request.getfixturevalue(model), progress=False)
-    fused = fuse_projections(params)
+    fused = chunk_q4_k_scales(fuse_projections(params))
+    q4_k = [w for w in jax.tree.leaves(fused, is_leaf=lambda x: isinstance(x, QTensor))
+            if isinstance(w, QTensor) and w.qtype == QType.Q4_K]
+    assert all(isinstance(w.planes, Q4_KChunks) for w in q4_k)
+    assert bool(q4_k) == (model == "gemma3_path")
     layer = fused.layers[0]
     assert layer.w_gate_up is not None and layer.w_gate is None and layer.w_up is None
     types = {w.qtype for w in (params.layers[0].wq, params.layers[0].wk, params.layers[0].wv)}

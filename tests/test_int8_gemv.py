@@ -21,6 +21,7 @@ from pallas_kernels.quant_matmul import gemv, int8_gemv, qmatmul
 from pallas_kernels.quant_matmul.int8_gemv import (Int8GemvConfig, as_words, dequantize_x, dp4a,
                                                    quantize_x)
 from pallas_kernels.quant_matmul.testing import random_qtensor, raw_bytes
+from rjax.quant.reference import q4_k_chunks
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 TYPES = list(int8_gemv.FORMATS)
@@ -57,6 +58,17 @@ def test_int8_gemv_matches_rounded_activations(qtype, layout, m, cfg):
     out32 = int8_gemv.int8_gemv(x.astype(jnp.float32), w, cfg, interpret=True)
     assert _rel(out32, _oracle(dequantize_x(quantize_x(x)), w)) < ROUNDED_TOL
     assert _rel(out, _oracle(x, w)) < EXACT_TOL
+
+
+@pytest.mark.parametrize("m,cfg", [(1, Int8GemvConfig(16, 2)), (2, Int8GemvConfig(8, 1, split_k=3, prefetch=False))])
+def test_int8_gemv_q4_k_chunks_equals_packed_scales(m, cfg):
+    """The GPU layout of Q4_K (scales per quant chunk) gives the same sums, bit for bit."""
+    w = jax.tree.map(jnp.asarray, random_qtensor(QType.Q4_K, 40, 3 * 256, seed=m))
+    x = _x(m, 3 * 256, seed=m + 20)
+    got = int8_gemv.int8_gemv(x.astype(jnp.float32), q4_k_chunks(w), cfg, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(int8_gemv.int8_gemv(
+        x.astype(jnp.float32), w, cfg, interpret=True)))
+    assert _rel(got, _oracle(dequantize_x(quantize_x(x)), w)) < ROUNDED_TOL
 
 
 def test_quantize_x_round_trip_and_zero_rows():
@@ -103,14 +115,16 @@ def test_qmatmul_routes_to_int8_kernel():
     np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_int8_gemv_lowers_to_triton_for_h100(qtype):
+@pytest.mark.parametrize("qtype,chunks", [(t, False) for t in TYPES] + [(QType.Q4_K, True)],
+                         ids=lambda v: v.name if isinstance(v, QType) else ("chunks" if v else "file"))
+def test_int8_gemv_lowers_to_triton_for_h100(qtype, chunks):
     """The production tiles lower to a Triton module with the dp4a PTX, without a GPU."""
     from jax._src.pallas.triton import gpu_info
 
     h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
     n, k = 4096, 4096
     w = random_qtensor(qtype, 1, k)
+    w = q4_k_chunks(jax.tree.map(jnp.asarray, w)) if chunks else w
     w = type(w)(jax.tree.map(lambda a: jax.ShapeDtypeStruct((n,) + a.shape[1:], a.dtype), w.planes), qtype, (n, k))
     cfg = gemv.default_int8_config(qtype, 1, n, k) if qtype in gemv.INT8_TILES else Int8GemvConfig(32, 2)
     x = jax.ShapeDtypeStruct((1, k), jnp.bfloat16)

@@ -24,7 +24,7 @@ from pallas_kernels.quant_matmul.gemv import default_gemv_config
 from pallas_kernels.quant_matmul.kernel import TileConfig, fused_qmatmul
 from pallas_kernels.quant_matmul.reference import dequantize_then_dot, qmatmul_reference
 from pallas_kernels.quant_matmul.testing import quantized_qtensor, random_qtensor, raw_bytes
-from rjax.quant.reference import dequantize
+from rjax.quant.reference import dequantize, q4_k_chunks
 
 TYPES = [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q4_K, QType.Q6_K]
 F32_TOL, BF16_TOL = 1e-5, 1e-2
@@ -87,6 +87,29 @@ def test_fused_kernel_f32(qtype, method, bm, bn, bk, split, m, n):
     cfg = TileConfig(bm, bn, bk, split_k=split, method=method)
     out = fused_qmatmul(x, w, cfg, interpret=True)
     assert out.shape == (m, n) and out.dtype == jnp.float32
+    assert _rel(out, _oracle(x, w)) < F32_TOL
+
+
+def _chunks(w):
+    return q4_k_chunks(jax.tree.map(jnp.asarray, w))
+
+
+def test_q4_k_chunks_dequantize_as_the_file():
+    """The GPU layout (scales re-encoded per quant chunk) holds the same values, bit for bit."""
+    w = random_qtensor(QType.Q4_K, 7, 3 * 256, seed=3)
+    want = gguf.quants.dequantize(raw_bytes(w), QType.Q4_K).reshape(w.shape)
+    np.testing.assert_array_equal(np.asarray(dequantize(_chunks(w))), want)
+    rows = jnp.asarray([4, 0, 4])
+    np.testing.assert_array_equal(np.asarray(_chunks(w).take_rows(rows, jnp.float32)), want[[4, 0, 4]])
+    assert _chunks(w).nbytes == w.nbytes + 7 * 3 * 4     # 16 scale bytes per block instead of 12
+
+
+@pytest.mark.parametrize("method,bm,bn,bk,split,m,n", CONFIGS)
+def test_fused_kernel_q4_k_chunks(method, bm, bn, bk, split, m, n):
+    k = 3 * 256
+    w = random_qtensor(QType.Q4_K, n, k, seed=m * 100 + n)
+    x = _x(m, k, seed=bm + bk)
+    out = fused_qmatmul(x, _chunks(w), TileConfig(bm, bn, bk, split_k=split, method=method), interpret=True)
     assert _rel(out, _oracle(x, w)) < F32_TOL
 
 
@@ -161,7 +184,8 @@ def test_kernels_lower_to_triton_for_h100(qtype):
 
     h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
     n, k = 4096, 4096
-    w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), random_qtensor(qtype, 1, k))
+    w = random_qtensor(qtype, 1, k)
+    w = _chunks(w) if qtype == QType.Q4_K else w        # the layout a GPU model has
     w = type(w)(jax.tree.map(lambda a: jax.ShapeDtypeStruct((n,) + a.shape[1:], a.dtype), w.planes), qtype, (n, k))
     for m, cfg in [(1, default_gemv_config(qtype, 1, n, k)), (64, default_gemv_config(qtype, 64, n, k)),
                    (1, TileConfig(1, 32, 8 if _block(qtype) == 32 else 1, method="fma")),

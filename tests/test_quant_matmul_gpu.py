@@ -43,19 +43,25 @@ def _dev(w):
     return jax.tree.map(jnp.asarray, w)
 
 
+def _layouts(w):
+    """w, and for Q4_K also the layout a GPU model holds (scales per quant chunk)."""
+    from rjax.quant.reference import q4_k_chunks
+    return [w] + ([q4_k_chunks(w)] if w.qtype == QType.Q4_K else [])
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 16, 64, 300])
 def test_qmatmul_gpu_bf16(qtype, m):
     bs = gguf.GGML_QUANT_SIZES[qtype][0]
     k, n = 6 * 256 if bs == 256 else 576, 600
-    w = _dev(random_qtensor(qtype, n, k, seed=m))
     x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
-    out = jax.jit(qmatmul)(x, w)
-    assert out.shape == (m, n) and out.dtype == jnp.bfloat16
-    assert _rel(out, _ref(x, w)) < 1e-2
-    if m > 64:  # both prefill paths
-        assert _rel(qmatmul_gemm(x, w, path="fused"), _ref(x, w)) < 1e-2
-        assert _rel(qmatmul_gemm(x, w, path="dequant_dot"), _ref(x, w)) < 1e-2
+    for w in _layouts(_dev(random_qtensor(qtype, n, k, seed=m))):
+        out = jax.jit(qmatmul)(x, w)
+        assert out.shape == (m, n) and out.dtype == jnp.bfloat16
+        assert _rel(out, _ref(x, w)) < 1e-2
+        if m > 64:  # both prefill paths
+            assert _rel(qmatmul_gemm(x, w, path="fused"), _ref(x, w)) < 1e-2
+            assert _rel(qmatmul_gemm(x, w, path="dequant_dot"), _ref(x, w)) < 1e-2
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -66,9 +72,9 @@ def test_qmatmul_gpu_bf16(qtype, m):
 def test_fused_kernel_gpu_f32(qtype, cfg, m):
     bs = gguf.GGML_QUANT_SIZES[qtype][0]
     k, n = 3 * bs, 72
-    w = _dev(random_qtensor(qtype, n, k, seed=7))
     x = jnp.asarray(np.random.default_rng(8).standard_normal((m, k)), jnp.float32)
-    assert _rel(fused_qmatmul(x, w, cfg), _ref(x, w)) < 1e-5
+    for w in _layouts(_dev(random_qtensor(qtype, n, k, seed=7))):
+        assert _rel(fused_qmatmul(x, w, cfg), _ref(x, w)) < 1e-5
 
 
 @pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q6_K],
@@ -82,15 +88,16 @@ def test_int8_gemv_gpu(qtype, m):
 
     bs = gguf.GGML_QUANT_SIZES[qtype][0]
     k = 3 * bs if bs == 256 else 9 * bs
-    w = _dev(random_qtensor(qtype, 40, k, seed=m))
     x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.float32)
-    out = int8_gemv(x, w, Int8GemvConfig(16, 2, split_k=2))
-    assert _rel(out, _ref(dequantize_x(quantize_x(x)), w)) < 1e-6
+    for w in _layouts(_dev(random_qtensor(qtype, 40, k, seed=m))):
+        for prefetch in (False, True):
+            out = int8_gemv(x, w, Int8GemvConfig(16, 2, split_k=2, prefetch=prefetch))
+            assert _rel(out, _ref(dequantize_x(quantize_x(x)), w)) < 1e-6
     if qtype in gemv.INT8_TILES and m <= gemv.INT8_MAX_M[qtype]:
         n, k = 4096, 4096
-        w = _dev(random_qtensor(qtype, n, k, seed=m))
         xb = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
         assert gemv.uses_int8(qtype, m, n, k, xb.dtype)
-        out = jax.jit(qmatmul)(xb, w)
-        assert _rel(out, _ref(dequantize_x(quantize_x(xb)), w)) < 5e-3   # bf16 output rounding
-        assert _rel(out, _ref(xb, w)) < 1.5e-2
+        for w in _layouts(_dev(random_qtensor(qtype, n, k, seed=m))):
+            out = jax.jit(qmatmul)(xb, w)
+            assert _rel(out, _ref(dequantize_x(quantize_x(xb)), w)) < 5e-3   # bf16 output rounding
+            assert _rel(out, _ref(xb, w)) < 1.5e-2

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.quant_matmul.tiles import FORMATS, index
+from pallas_kernels.quant_matmul.tiles import FORMATS, format_of, index
 from rjax.quant.qtensor import QTensor
 
 
@@ -140,7 +140,7 @@ def fused_qmatmul(x: jax.Array, w: QTensor, cfg: TileConfig, interpret: bool = F
     if w.qtype not in FORMATS:
         raise NotImplementedError(f"fused_qmatmul: no kernel for {w.qtype.name}; have "
                                   f"{', '.join(t.name for t in FORMATS)}")
-    fmt = FORMATS[w.qtype]
+    fmt = format_of(w)
     n_rows, k = w.shape
     m_rows = x.shape[0]
     if x.ndim != 2 or x.shape[1] != k:

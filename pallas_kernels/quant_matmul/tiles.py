@@ -27,6 +27,9 @@ from gguf import GGMLQuantizationType as QType
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from rjax.quant.formats import Q4_KChunks
+from rjax.quant.qtensor import QTensor
+
 _F32 = jnp.float32
 # float32 bits of 2**23: OR-ing an integer 0 <= v < 2**23 into the mantissa gives exactly
 # 2**23 + v. One logic op and one add per value instead of an int->float conversion, which
@@ -153,6 +156,22 @@ def _q4_k_parts(refs, rows, blocks, mask):
     return parts
 
 
+def _q4_k_chunks_parts(refs, rows, blocks, mask):
+    """Q4_K in the Q4_KChunks layout: chunk c's scale word holds both of its runs' scales."""
+    d_ref, dmin_ref, cs_ref, qs_ref = refs                          # qs viewed (N, nb, 4, 32)
+    d = _f(load_masked(d_ref, (rows, blocks), mask))
+    dmin = _f(load_masked(dmin_ref, (rows, blocks), mask))
+    parts = []
+    for c in range(4):
+        cw = load_masked(cs_ref, (rows, blocks, c), mask)                  # (BN, BKB) int32
+        qs = load_masked(qs_ref, (rows, blocks, c, slice(None)), mask)    # (BN, BKB, 32)
+        for h, nib in enumerate((qs & 0x0F, qs >> 4)):
+            sc, mn = (cw >> (8 * h)) & 0xFF, (cw >> (16 + 8 * h)) & 0xFF
+            parts.append(Part(2 * c + h, _run(int_to_f32(nib)),
+                              _col(d * _f(sc)), _col(-(dmin * _f(mn)))))
+    return parts
+
+
 def _q6_k_parts(refs, rows, blocks, mask):
     ql_ref, qh_ref, sc_ref, d_ref = refs        # ql (N, nb, 8, 16), qh (N, nb, 4, 16)
     d = _f(load_masked(d_ref, (rows, blocks), mask))
@@ -184,6 +203,11 @@ def _q4_k_views(p):
     return p.d, p.dmin, p.scales, p.qs.reshape(n, nb, 4, 32)
 
 
+def _q4_k_chunks_views(p):
+    n, nb = p.d.shape
+    return p.d, p.dmin, p.chunk_scales, p.qs.reshape(n, nb, 4, 32)
+
+
 def _q6_k_views(p):
     n, nb = p.d.shape
     return p.ql.reshape(n, nb, 8, 16), p.qh.reshape(n, nb, 4, 16), p.scales, p.d
@@ -197,3 +221,9 @@ FORMATS: dict[QType, TileFormat] = {
     QType.Q4_K: TileFormat(256, 8, 32, 1, _q4_k_views, _q4_k_parts),
     QType.Q6_K: TileFormat(256, 8, 32, 2, _q6_k_views, _q6_k_parts),
 }
+Q4_K_CHUNKS = TileFormat(256, 8, 32, 1, _q4_k_chunks_views, _q4_k_chunks_parts)
+
+
+def format_of(w: QTensor) -> TileFormat:
+    """The tile format for w's type and plane layout (Q4_K comes in two, see formats.Q4_KChunks)."""
+    return Q4_K_CHUNKS if isinstance(w.planes, Q4_KChunks) else FORMATS[w.qtype]

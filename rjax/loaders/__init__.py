@@ -25,15 +25,16 @@ class Model:
 
 
 def load(model: str | os.PathLike, *, progress: bool = True, home: str | os.PathLike | None = None,
-         fuse: bool | None = None) -> Model:
+         fuse: bool | None = None, gpu_layout: bool | None = None) -> Model:
     """Load a catalog name (pulled if missing), a `.gguf` file, or a Hugging Face directory.
 
-    `fuse`: stack q/k/v and gate/up weights (`rjax.model.fuse_projections`). The default
-    fuses on a GPU backend, where fewer and larger decode matmuls are faster, and keeps the
-    file's separate weights elsewhere."""
+    `fuse`: stack q/k/v and gate/up weights (`rjax.model.fuse_projections`). `gpu_layout`:
+    re-encode Q4_K scales per quant chunk (`rjax.model.chunk_q4_k_scales`), which the GPU
+    decode kernels read faster. Both default to on for a GPU backend, where fewer and larger
+    decode matmuls are faster, and off elsewhere (the file's own layout)."""
     import jax
 
-    from rjax.model import fuse_projections
+    from rjax.model import chunk_q4_k_scales, fuse_projections
 
     from rjax.catalog import resolve_model
     from rjax.tokenizer import Tokenizer
@@ -49,6 +50,9 @@ def load(model: str | os.PathLike, *, progress: bool = True, home: str | os.Path
 
         cfg, params, reader = load_gguf(path, progress=progress)
         tokenizer = Tokenizer.from_gguf(reader)
-    if fuse if fuse is not None else jax.default_backend() == "gpu":
+    on_gpu = jax.default_backend() == "gpu"
+    if fuse if fuse is not None else on_gpu:
         params = fuse_projections(params)
+    if gpu_layout if gpu_layout is not None else on_gpu:
+        params = chunk_q4_k_scales(params)
     return Model(cfg, params, tokenizer, path)

@@ -106,6 +106,18 @@ class Q4_K(NamedTuple):
     qs: np.ndarray      # (rows, nb, 128) uint8: 4-bit quants
 
 
+class Q4_KChunks(NamedTuple):
+    """Q4_K with its twelve packed scale bytes re-encoded per 32-byte quant chunk: the GPU
+    layout (`q4_k_chunks`). Chunk c of a super-block holds sub-block 2c in its low nibbles and
+    2c+1 in its high nibbles, and word c of `chunk_scales` has their 6-bit scales and mins as
+    little-endian bytes [sc(2c), sc(2c+1), mn(2c), mn(2c+1)]. A decode kernel then reads one
+    word per chunk instead of unpacking three; 148 bytes per 256 values instead of 144."""
+    d: np.ndarray             # (rows, nb) f16
+    dmin: np.ndarray          # (rows, nb) f16
+    chunk_scales: np.ndarray  # (rows, nb, 4) int32
+    qs: np.ndarray            # (rows, nb, 128) uint8, as Q4_K
+
+
 class Q5_K(NamedTuple):
     d: np.ndarray       # (rows, nb) f16
     dmin: np.ndarray    # (rows, nb) f16

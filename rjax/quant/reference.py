@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
-from rjax.quant.formats import IQ4_NL_VALUES, QK_K
+from rjax.quant.formats import IQ4_NL_VALUES, QK_K, Q4_KChunks
 from rjax.quant.qtensor import QTensor
 
 _F32 = jnp.float32
@@ -101,9 +101,15 @@ def _k_low4(qs):
     return (_shifts(qs.reshape(*qs.shape[:-1], 4, 32), (0, 4), -2) & 0x0F).reshape(*qs.shape[:-1], 8, 32)
 
 
+def _q4_k_chunk_scale_min(chunk_scales):
+    """Q4_KChunks' (.., 4) int32 chunk words -> the (.., 8) scales and mins of sub-blocks 0..7."""
+    b = jax.lax.bitcast_convert_type(chunk_scales, jnp.uint8)          # (.., 4 chunks, 4 bytes)
+    return b[..., :2].reshape(*b.shape[:-2], 8), b[..., 2:].reshape(*b.shape[:-2], 8)
+
+
 def _dq_q4_k(p):
     lead = p.qs.shape[:-1]
-    sc, mn = _k_scale_min(p.scales)
+    sc, mn = _q4_k_chunk_scale_min(p.chunk_scales) if hasattr(p, "chunk_scales") else _k_scale_min(p.scales)
     d = (_f32(p.d)[..., None] * _f32(sc))[..., None]                  # (.., 8, 1)
     dm = (_f32(p.dmin)[..., None] * _f32(mn))[..., None]
     return (d * _f32(_k_low4(p.qs)) - dm).reshape(*lead, QK_K)
@@ -146,6 +152,18 @@ DEQUANTIZERS = {
     QType.Q8_0: _dq_q8_0, QType.Q2_K: _dq_q2_k, QType.Q3_K: _dq_q3_k, QType.Q4_K: _dq_q4_k,
     QType.Q5_K: _dq_q5_k, QType.Q6_K: _dq_q6_k, QType.IQ4_NL: _dq_iq4_nl, QType.IQ4_XS: _dq_iq4_xs,
 }
+
+
+def q4_k_chunks(w: QTensor) -> QTensor:
+    """A Q4_K weight in the `formats.Q4_KChunks` layout (scales re-encoded per quant chunk),
+    on the device its planes are on; the same values. Anything else is returned as is."""
+    if not isinstance(w, QTensor) or w.qtype != QType.Q4_K or isinstance(w.planes, Q4_KChunks):
+        return w
+    p = w.planes
+    sc, mn = _k_scale_min(jnp.asarray(p.scales))                       # (rows, nb, 8) each
+    b = jnp.stack([sc[..., 0::2], sc[..., 1::2], mn[..., 0::2], mn[..., 1::2]], axis=-1)
+    words = jax.lax.bitcast_convert_type(b.astype(jnp.uint8), jnp.int32)   # (rows, nb, 4)
+    return QTensor(Q4_KChunks(p.d, p.dmin, words, p.qs), w.qtype, w.shape)
 
 
 def dequantize_blocks(qtype: QType, planes) -> jax.Array:
