@@ -32,9 +32,11 @@ def run_model(path: str, steps: int, seed: int, dtype_name: str, feed: np.ndarra
 
     from rjax import engine
     from rjax.cache import init_cache
+    from rjax.loaders import for_backend
     from rjax.loaders.gguf import load_gguf
 
     cfg, params, _ = load_gguf(path, progress=False)
+    params = for_backend(params)   # as rjax.load arranges them (a no-op on the CPU)
     rng = np.random.default_rng(seed)
     prompts = [list(rng.integers(0, min(cfg.vocab_size, 250), n)) for n in (100, 37, 250)]
     cache = init_cache(cfg, len(prompts), 512, jnp.dtype(dtype_name))

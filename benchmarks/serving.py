@@ -180,6 +180,7 @@ def serve_end_to_end(cfg, params, a, dtype, deadline) -> dict:
 
 
 def run_model(shape, quant, batches, a, deadline, result, row, synth_kw) -> None:
+    from rjax.loaders import for_backend
     from rjax.loaders.gguf import load_gguf
     from rjax.synth import write_synthetic
 
@@ -192,6 +193,7 @@ def run_model(shape, quant, batches, a, deadline, result, row, synth_kw) -> None
         row["synth_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     cfg, params, _ = load_gguf(path, progress=False)
+    params = for_backend(params)   # as rjax.load arranges them
     jax.block_until_ready(params)
     row["load_s"] = time.perf_counter() - t0
     row["params_bytes"] = tree_bytes(params)

@@ -169,9 +169,11 @@ def load_for_bench(model: str | os.PathLike, progress: bool = True) -> tuple[Mod
         m = rjax.load(path, progress=progress)
         cfg, params = m.config, m.params
     else:
+        from rjax.loaders import for_backend
         from rjax.loaders.gguf import load_gguf
 
         cfg, params, _ = load_gguf(path, progress=progress)
+        params = for_backend(params)   # as rjax.load arranges them
     jax.block_until_ready(params)
     return cfg, params, path
 

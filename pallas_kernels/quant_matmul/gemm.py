@@ -5,12 +5,15 @@ whole weight once and use XLA's dot, whichever measured faster for the type
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
 from pallas_kernels.quant_matmul.kernel import TileConfig, fused_qmatmul
 from pallas_kernels.quant_matmul.reference import dequantize_then_dot
+from rjax.quant.formats import Q4_KChunks
 from rjax.quant.qtensor import QTensor
 
 PATHS = ("fused", "dequant_dot")
@@ -42,4 +45,8 @@ def qmatmul_gemm(x: jax.Array, w: QTensor, *, path: str | None = None,
     if path != "fused":
         raise ValueError(f"qmatmul_gemm: path={path!r}; expected one of {PATHS}")
     cfg = config or gemm_config(w.qtype, x.shape[0], *w.shape)
+    if config is None and isinstance(w.planes, Q4_KChunks):
+        # Its scale words are one more pipelined plane: 3 stages asked 233,472 bytes of shared
+        # memory on the H100, 1 KiB over the limit.
+        cfg = dataclasses.replace(cfg, num_stages=2)
     return fused_qmatmul(x, w, cfg, interpret=interpret)

@@ -28,14 +28,7 @@ def load(model: str | os.PathLike, *, progress: bool = True, home: str | os.Path
          fuse: bool | None = None, gpu_layout: bool | None = None) -> Model:
     """Load a catalog name (pulled if missing), a `.gguf` file, or a Hugging Face directory.
 
-    `fuse`: stack q/k/v and gate/up weights (`rjax.model.fuse_projections`). `gpu_layout`:
-    re-encode Q4_K scales per quant chunk (`rjax.model.chunk_q4_k_scales`), which the GPU
-    decode kernels read faster. Both default to on for a GPU backend, where fewer and larger
-    decode matmuls are faster, and off elsewhere (the file's own layout)."""
-    import jax
-
-    from rjax.model import chunk_q4_k_scales, fuse_projections
-
+    `fuse` and `gpu_layout`: see `for_backend`; both default to on for a GPU backend."""
     from rjax.catalog import resolve_model
     from rjax.tokenizer import Tokenizer
 
@@ -50,9 +43,23 @@ def load(model: str | os.PathLike, *, progress: bool = True, home: str | os.Path
 
         cfg, params, reader = load_gguf(path, progress=progress)
         tokenizer = Tokenizer.from_gguf(reader)
+    return Model(cfg, for_backend(params, fuse=fuse, gpu_layout=gpu_layout), tokenizer, path)
+
+
+def for_backend(params, *, fuse: bool | None = None, gpu_layout: bool | None = None):
+    """Loaded params arranged for the default backend, the same values either way.
+
+    `fuse`: stack q/k/v and gate/up weights (`rjax.model.fuse_projections`): fewer and larger
+    decode matmuls. `gpu_layout`: re-encode Q4_K scales per quant chunk
+    (`rjax.model.chunk_q4_k_scales`), which the GPU decode kernels read faster. Each defaults
+    to on for a GPU backend and off elsewhere (the file's own layout)."""
+    import jax
+
+    from rjax.model import chunk_q4_k_scales, fuse_projections
+
     on_gpu = jax.default_backend() == "gpu"
     if fuse if fuse is not None else on_gpu:
         params = fuse_projections(params)
     if gpu_layout if gpu_layout is not None else on_gpu:
         params = chunk_q4_k_scales(params)
-    return Model(cfg, params, tokenizer, path)
+    return params
