@@ -184,28 +184,37 @@ def _load_q4_k(w_refs, x_refs, rows, blocks, wmask, bmask, ms, scales=True):
                load_masked(xs_ref, (m, blocks, slice(None), h), bmask)) for h in range(2)] for m in ms])
 
 
-def _dot_q4_k(t, ip):
+def _q4_k_halves(d, dmin, scale_min, w, xs, ip):
     """Sub-block 2c + h of a super-block is the low (h=0) or high (h=1) nibbles of its 32-byte
-    chunk c; each half is handled for all four chunks at once, as (BN, BKB, 4) tensors."""
-    d, dmin, (w0, w1, w2), w, xs = t
+    chunk c; each half is handled for all four chunks at once, as (BN, BKB, 4) tensors.
+    scale_min(h) gives the sub-blocks' 6-bit scales and mins, (BN, BKB, 4) each."""
     d, dmin = _f(d)[..., None], _f(dmin)[..., None]
-    w0, w1, w2 = w0[..., None], w1[..., None], w2[..., None]
-    chunk = jax.lax.broadcasted_iota(_I32, (1, 1, 4), 2)
     out = [0.0] * len(xs)
     for h in range(2):
-        # ggml's get_scale_min_k4 for sub-blocks 2c + h, c = 0..3: byte j of the 12 is byte
-        # j % 4 of word j // 4; sub-blocks 0..3 take 6 bits of words 0 / 1, sub-blocks 4..7
-        # a nibble of word 2 and the top 2 bits of words 0 / 1.
-        sh = 8 * ((2 * chunk + h) & 3)
-        sc = jnp.where(chunk < 2, (w0 >> sh) & 63, ((w2 >> sh) & 0x0F) | (((w0 >> (sh + 6)) & 3) << 4))
-        mn = jnp.where(chunk < 2, (w1 >> sh) & 63, ((w2 >> (sh + 4)) & 0x0F) | (((w1 >> (sh + 6)) & 3) << 4))
-        dsc, dmn = d * _f(sc), dmin * _f(mn)                                      # (BN, BKB, 4)
+        sc, mn = scale_min(h)
+        dsc, dmn = d * _f(sc), dmin * _f(mn)
         q = (w >> (4 * h)) & LOW_NIBBLES
         for i, x in enumerate(xs):
             xw, xd, xsum = x[h]
             s = _f(jnp.sum(dp4a(q, xw[None], 0, ip), axis=-1))
             out[i] = out[i] + jnp.sum(dsc * s * xd[None] - dmn * xsum[None], axis=-1)
     return out
+
+
+def _dot_q4_k(t, ip):
+    d, dmin, (w0, w1, w2), w, xs = t
+    w0, w1, w2 = w0[..., None], w1[..., None], w2[..., None]
+    chunk = jax.lax.broadcasted_iota(_I32, (1, 1, 4), 2)
+
+    def scale_min(h):
+        # ggml's get_scale_min_k4 for sub-blocks 2c + h, c = 0..3: byte j of the 12 is byte
+        # j % 4 of word j // 4; sub-blocks 0..3 take 6 bits of words 0 / 1, sub-blocks 4..7
+        # a nibble of word 2 and the top 2 bits of words 0 / 1.
+        sh = 8 * ((2 * chunk + h) & 3)
+        return (jnp.where(chunk < 2, (w0 >> sh) & 63, ((w2 >> sh) & 0x0F) | (((w0 >> (sh + 6)) & 3) << 4)),
+                jnp.where(chunk < 2, (w1 >> sh) & 63, ((w2 >> (sh + 4)) & 0x0F) | (((w1 >> (sh + 6)) & 3) << 4)))
+
+    return _q4_k_halves(d, dmin, scale_min, w, xs, ip)
 
 
 def _load_q4_k_chunks(w_refs, x_refs, rows, blocks, wmask, bmask, ms):
@@ -220,16 +229,7 @@ def _load_q4_k_chunks(w_refs, x_refs, rows, blocks, wmask, bmask, ms):
 
 def _dot_q4_k_chunks(t, ip):
     d, dmin, cs, w, xs = t
-    d, dmin = _f(d)[..., None], _f(dmin)[..., None]
-    out = [0.0] * len(xs)
-    for h in range(2):
-        dsc, dmn = d * _f((cs >> (8 * h)) & 0xFF), dmin * _f((cs >> (16 + 8 * h)) & 0xFF)   # (BN, BKB, 4)
-        q = (w >> (4 * h)) & LOW_NIBBLES
-        for i, x in enumerate(xs):
-            xw, xd, xsum = x[h]
-            s = _f(jnp.sum(dp4a(q, xw[None], 0, ip), axis=-1))
-            out[i] = out[i] + jnp.sum(dsc * s * xd[None] - dmn * xsum[None], axis=-1)
-    return out
+    return _q4_k_halves(d, dmin, lambda h: ((cs >> (8 * h)) & 0xFF, (cs >> (16 + 8 * h)) & 0xFF), w, xs, ip)
 
 
 # Q6_K value 128h + 32j + 16t + l: low 4 bits in ql byte 64h + 32(j%2) + 16t + l (nibble
