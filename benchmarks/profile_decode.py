@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def family(name: str) -> str:
-    for key, fam in (("int8_gemv", "int8 GEMV"), ("qmatmul", "float quant matmul"), ("attention", "attention"),
+    for key, fam in (("int8_gemv", "int8 GEMV"), ("rms_norm", "norm / int8 rounding"), ("quantize", "norm / int8 rounding"), ("qmatmul", "float quant matmul"), ("attention", "attention"),
                      ("attn", "attention"), ("gemm", "cuBLAS/cutlass"), ("gemv", "cuBLAS/cutlass"),
                      ("cutlass", "cuBLAS/cutlass"), ("memcpy", "copies"), ("memset", "copies")):
         if key in name.lower():

@@ -64,7 +64,7 @@ def log(*a):
     sys.stdout.flush()
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+@functools.partial(jax.jit, static_argnames=("qtype", "n", "k", "model_layout"))
 def device_qtensor(qtype: QType, n: int, k: int, key, model_layout: bool = True) -> QTensor:
     """Random valid blocks generated on the device (random bytes, random-sign f16 scales), in
     the layout `rjax.load` gives a GPU model (Q4_K: Q4_KChunks) unless `model_layout` is off."""
@@ -276,9 +276,11 @@ def sweep_configs(qt, m, n, k):
     bs = GGML_QUANT_SIZES[qt][0]
     out = [default_gemv_config(qt, m, n, k)] if m <= 64 else []
     if m == 1:
-        for bn in (8, 16):
+        for bn in (8, 16, 32):
             for vps in (128, 256):
-                out.append(gemv_config(qt, m, n, k, method="fma", block_n=bn, values_per_step=vps, programs=264))
+                for warps in (2, 4, 8):
+                    out.append(gemv_config(qt, m, n, k, method="fma", block_n=bn, values_per_step=vps,
+                                           programs=264, num_warps=warps))
     elif m > 64:
         bk = max(1, 64 // bs)
         for bm, bn, warps in ((128, 128, 8), (128, 128, 4), (128, 256, 8), (64, 128, 4)):

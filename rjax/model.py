@@ -12,9 +12,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.int8_activations import quantize
+from pallas_kernels.rms_norm import add_rms_norm, rms_norm
 from rjax.cache import KVCache
 from rjax.config import ModelConfig
-from rjax.quant.qtensor import QTensor, Weight, matmul, take_rows
+from rjax.quant.qtensor import QTensor, Weight, matmul, matmul_partials, take_rows
 from rjax.quant.reference import q4_k_chunks
 
 
@@ -88,12 +90,6 @@ def chunk_q4_k_scales(params: Params) -> Params:
     return jax.tree.map(q4_k_chunks, params, is_leaf=lambda x: isinstance(x, QTensor))
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float, out_dtype=None) -> jax.Array:
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * w.astype(jnp.float32)).astype(out_dtype or x.dtype)
-
-
 def rope_inv_freq(cfg: ModelConfig, theta: float, linear: float = 1.0) -> jax.Array:
     d = cfg.head_dim
     inv = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)) / linear
@@ -153,26 +149,41 @@ def _attention_block(cfg: ModelConfig, i: int, p: LayerParams, x, cache: KVCache
     k = apply_rope(k, pos, inv_freq, cfg.rope_pairing)
     cache = cache.write(i, k, v, pos, slots)
     out = cache.attend(i, q, pos, slots, scale=cfg.attn_scale, window=cfg.layer_windows[i])
-    return matmul(out.reshape(B, T, cfg.n_heads * cfg.head_dim), p.wo), cache
+    return matmul_partials(out.reshape(B, T, cfg.n_heads * cfg.head_dim), p.wo), cache
 
 
-def _layer(cfg: ModelConfig, i: int, p: LayerParams, x, cache, pos, slots, dtype):
-    """x is the float32 residual stream; the blocks compute in `dtype` (bfloat16 on GPU)."""
-    h = rms_norm(x, p.attn_norm, cfg.rms_eps, dtype)
-    h, cache = _attention_block(cfg, i, p, h, cache, pos, slots)
-    if p.post_attn_norm is not None:
-        h = rms_norm(h, p.post_attn_norm, cfg.rms_eps, jnp.float32)
-    x = x + h.astype(jnp.float32)
-    h = rms_norm(x, p.ffn_norm, cfg.rms_eps, dtype)
+def _post_norm(cfg: ModelConfig, parts: jax.Array, w: jax.Array | None) -> jax.Array:
+    """A block output given as partial sums, normed where the architecture norms it (Gemma)."""
+    if w is None:
+        return parts
+    return rms_norm(parts.sum(axis=0), w, cfg.rms_eps, jnp.float32)[None]
+
+
+def _layer(cfg: ModelConfig, i: int, p: LayerParams, x, delta, cache, pos, slots, dtype):
+    """One transformer layer. x is the float32 residual stream without the previous layer's
+    output, which comes as `delta` (partial sums, see matmul_partials; None before the first
+    layer) and is added by the same pass that norms the sum; the layer returns its own output
+    the same way. The blocks compute in `dtype` (bfloat16 on GPU)."""
+    # Imported here: the kernels import QTensor from rjax, whose package imports this module.
+    from pallas_kernels.quant_matmul import takes_quantized_x
+
+    rows = x.shape[0] * x.shape[1]
+    int8_in = lambda *ws: all(takes_quantized_x(w, rows, dtype) for w in ws if w is not None)
+    x, h = add_rms_norm(x, delta, p.attn_norm, cfg.rms_eps, dtype,
+                        quantize=int8_in(p.wqkv, p.wq, p.wk, p.wv))
+    attn, cache = _attention_block(cfg, i, p, h, cache, pos, slots)
+    x, h = add_rms_norm(x, _post_norm(cfg, attn, p.post_attn_norm), p.ffn_norm, cfg.rms_eps, dtype,
+                        quantize=int8_in(p.w_gate_up, p.w_gate, p.w_up))
     if p.w_gate_up is not None:
         gate_up = matmul(h, p.w_gate_up)
+        if int8_in(p.w_down):  # act(gate) * up rounded to int8 in one kernel
+            return x, _post_norm(cfg, matmul_partials(quantize(gate_up, cfg.activation), p.w_down),
+                                 p.post_ffn_norm), cache
         gate, up = gate_up[..., :cfg.d_ff], gate_up[..., cfg.d_ff:]
     else:
         gate, up = matmul(h, p.w_gate), matmul(h, p.w_up)
-    h = matmul(_activation(cfg, gate) * up, p.w_down)
-    if p.post_ffn_norm is not None:
-        h = rms_norm(h, p.post_ffn_norm, cfg.rms_eps, jnp.float32)
-    return x + h.astype(jnp.float32), cache
+    ffn = matmul_partials(_activation(cfg, gate) * up, p.w_down)
+    return x, _post_norm(cfg, ffn, p.post_ffn_norm), cache
 
 
 def embed(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
@@ -193,9 +204,10 @@ def hidden_states(cfg: ModelConfig, params: Params, cache: KVCache, tokens: jax.
     `dtype` the blocks compute in, as llama.cpp and the reference implementations keep it.
     """
     x = embed(cfg, params, jnp.where(pos >= 0, tokens, 0))
+    delta = None
     for i, p in enumerate(params.layers):
-        x, cache = _layer(cfg, i, p, x, cache, pos, slots, dtype)
-    return rms_norm(x, params.final_norm, cfg.rms_eps, dtype), cache
+        x, delta, cache = _layer(cfg, i, p, x, delta, cache, pos, slots, dtype)
+    return add_rms_norm(x, delta, params.final_norm, cfg.rms_eps, dtype)[1], cache
 
 
 def logits_from_hidden(params: Params, h: jax.Array) -> jax.Array:

@@ -269,3 +269,35 @@ def test_gpu_weight_layout_gives_the_same_logits(model, request):
         outs.append((np.asarray(logits), np.asarray(step)))
     for a, b in zip(*outs):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(np.abs(a).max()))
+
+
+@pytest.mark.gpu
+def test_gpu_int8_decode_paths_agree(tmp_path):
+    """Batch-1 decode on the GPU, llama-1b layers in Q4_K: activations rounded to int8 by the
+    RMS-norm and GLU kernels (QuantizedX), by the int8 kernel itself, or not at all (float
+    kernel) give the same logits up to the int8 rounding of the activations."""
+    import unittest.mock as mock
+
+    from pallas_kernels.quant_matmul import gemv
+    from rjax.synth import write_synthetic
+
+    path = write_synthetic(tmp_path / "l1b.gguf", "llama-1b", "q4_k", seed=1, n_layers=2, vocab_size=512,
+                           tokenizer_from="builtin")
+    model = rjax.load(path, progress=False)
+    cfg, params = model.config, model.params
+    ids = _prompts(2, [7], cfg.vocab_size)
+    t, l = engine.pad_prompts(ids)
+    variants = {"producer": dict(INT8_PRODUCER_MIN_VALUES=0), "in_kernel": dict(INT8_PRODUCER_MIN_VALUES=2**62),
+                "float": dict(INT8_MAX_M={})}
+    out = {}
+    for name, patch in variants.items():
+        jax.clear_caches()
+        with mock.patch.multiple(gemv, **patch):
+            cache = init_cache(cfg, 1, 32, dtype=jnp.bfloat16)
+            _, cache = engine.prefill(cfg, params, cache, jnp.asarray(t), jnp.asarray(l))
+            logits, _ = engine.decode_step(cfg, params, cache, jnp.asarray([3], jnp.int32))
+            out[name] = np.asarray(logits, np.float32)
+    jax.clear_caches()
+    scale = float(np.abs(out["float"]).max())
+    np.testing.assert_allclose(out["producer"], out["in_kernel"], rtol=0, atol=2e-2 * scale)
+    np.testing.assert_allclose(out["producer"], out["float"], rtol=0, atol=5e-2 * scale)

@@ -71,6 +71,17 @@ def test_int8_gemv_q4_k_chunks_equals_packed_scales(m, cfg):
     assert _rel(got, _oracle(dequantize_x(quantize_x(x)), w)) < ROUNDED_TOL
 
 
+@pytest.mark.parametrize("split", [1, 3])
+def test_int8_gemv_partials(split):
+    """partials=True hands over the split-K partial sums, in float32, unsummed."""
+    w = jax.tree.map(jnp.asarray, random_qtensor(QType.Q8_0, 40, 9 * 32, seed=4))
+    x = _x(2, 9 * 32, seed=5)
+    cfg = Int8GemvConfig(16, 2, split_k=split)
+    parts = int8_gemv.int8_gemv(x, w, cfg, interpret=True, partials=True)
+    assert parts.shape == (split, 2, 40) and parts.dtype == jnp.float32
+    assert _rel(parts.sum(0), _oracle(dequantize_x(quantize_x(x)), w)) < ROUNDED_TOL
+
+
 def test_quantize_x_round_trip_and_zero_rows():
     x = _x(3, 96, seed=1, dtype=jnp.float32).at[1].set(0.0)
     xq = quantize_x(x)
@@ -100,7 +111,8 @@ def test_dispatch_uses_int8_for_large_half_precision_decode():
     assert not gemv.uses_int8(QType.Q4_K, 4, *big, jnp.bfloat16)      # tensor cores win from M=4
     assert gemv.uses_int8(QType.Q8_0, 8, *big, jnp.bfloat16)
     assert not gemv.uses_int8(QType.Q6_K, 1, *big, jnp.bfloat16)
-    assert not gemv.uses_int8(QType.Q8_0, 1, 576, 576, jnp.bfloat16)
+    assert not gemv.uses_int8(QType.Q4_1, 1, 576, 576, jnp.bfloat16)
+    assert gemv.uses_int8(QType.Q4_K, 1, 576, 576, jnp.bfloat16)      # no XLA fusions before it: all sizes
     cfg = gemv.default_int8_config(QType.Q4_K, 1, 1024, 4096)
     assert cfg.split_k > 1   # 64 row tiles alone would leave most SMs idle
 
@@ -109,7 +121,7 @@ def test_qmatmul_routes_to_int8_kernel():
     """With the size threshold lowered, the public entry takes the int8 kernel for bf16 decode."""
     w = jax.tree.map(jnp.asarray, random_qtensor(QType.Q8_0, 24, 128, seed=5))
     x = _x(1, 128, seed=6)
-    with mock.patch.object(gemv, "INT8_MIN_VALUES", 0):
+    with mock.patch.dict(gemv.INT8_MIN_VALUES, {QType.Q8_0: 0}):
         out = qmatmul(x, w, implementation="interpret")
     want = int8_gemv.int8_gemv(x, w, gemv.default_int8_config(QType.Q8_0, 1, 24, 128), interpret=True)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(want))

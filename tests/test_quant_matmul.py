@@ -145,6 +145,19 @@ def test_qmatmul_dispatch_interpret(qtype, m):
     assert _rel(out, _oracle(x, w)) < F32_TOL
 
 
+@pytest.mark.parametrize("implementation,m", [("interpret", 1), ("interpret", 80), ("reference", 2)])
+def test_qmatmul_partials_sum_to_the_product(implementation, m):
+    """partials=True: (S, ..., N) float32 that sum to the product; the decode GEMV splits K
+    here (S > 1), the GEMM and the reference hand over one part."""
+    k = 8 * 256
+    w = random_qtensor(QType.Q4_K, 24, k, seed=m)
+    x = _x(m, k, seed=m + 1).reshape(1, m, k)
+    parts = qmatmul(x, w, implementation=implementation, partials=True)
+    assert parts.dtype == jnp.float32 and parts.shape[1:] == (1, m, 24)
+    assert (parts.shape[0] > 1) == (implementation == "interpret" and m == 1)
+    assert _rel(parts.sum(0)[0], _oracle(np.asarray(x[0]), w)) < F32_TOL
+
+
 def test_qmatmul_leading_dims_jit_and_cpu_default():
     w = random_qtensor(QType.Q4_K, 16, 256, seed=2)
     x = _x(6, 256, 3).reshape(2, 3, 256)

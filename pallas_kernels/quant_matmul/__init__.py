@@ -1,7 +1,13 @@
 """Quantized matmul over GGUF planes: fused Pallas kernels with a pure-JAX reference.
 
     qmatmul(x, w, *, implementation=None) -> x @ dequantize(w).T    x: (..., K), w: QTensor (N, K)
+    qmatmul(x, w, partials=True) -> (S, ..., N) float32 partial sums of that product (S >= 1):
+        a split-K decode kernel's unsummed output, for a consumer that adds them in its own pass
     supports(qtype) -> bool                                        a fused kernel exists
+    takes_quantized_x(w, rows, dtype) -> bool   the product would run on int8 activations and
+        is large enough that their producer should hand them over already rounded (a
+        QuantizedX); any other x is rounded by the int8 kernel itself, and a QuantizedX given
+        to a float path is expanded
 
 `implementation`: None picks the kernels on a GPU backend for supported types (the decode
 GEMV for M <= 64 rows, the prefill GEMM above) and the reference elsewhere; "reference",
@@ -11,10 +17,12 @@ force one. The result has x's dtype; accumulation is float32.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from gguf import GGMLQuantizationType as QType
 
+from pallas_kernels.int8_activations import QuantizedX, dequantize_x
 from pallas_kernels.quant_matmul.gemm import qmatmul_gemm
-from pallas_kernels.quant_matmul.gemv import MAX_M, qmatmul_gemv
+from pallas_kernels.quant_matmul.gemv import MAX_M, qmatmul_gemv, rounds_x_itself, uses_int8
 from pallas_kernels.quant_matmul.reference import qmatmul_reference
 from pallas_kernels.quant_matmul.tiles import FORMATS
 from rjax.quant.qtensor import QTensor
@@ -27,8 +35,17 @@ def supports(qtype: QType) -> bool:
     return qtype in FORMATS
 
 
-def qmatmul(x: jax.Array, w: QTensor, *, implementation: str | None = None) -> jax.Array:
-    """x (..., K) @ dequantize(w).T with w of logical shape (N, K) -> (..., N) in x.dtype."""
+def takes_quantized_x(w, rows: int, dtype) -> bool:
+    """Whether x (rows, K) @ w would go to the int8 decode kernel on this backend."""
+    return (isinstance(w, QTensor) and jax.default_backend() == "gpu" and supports(w.qtype)
+            and 0 < rows <= MAX_M and uses_int8(w.qtype, rows, *w.shape, dtype)
+            and not rounds_x_itself(w.qtype, *w.shape))
+
+
+def qmatmul(x: jax.Array | QuantizedX, w: QTensor, *, implementation: str | None = None,
+            partials: bool = False) -> jax.Array:
+    """x (..., K) @ dequantize(w).T with w of logical shape (N, K) -> (..., N) in x.dtype, or
+    with `partials` its S partial sums (S, ..., N) in float32."""
     n, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"qmatmul: x of shape {x.shape} does not match weight {w.qtype.name} of shape {w.shape}")
@@ -38,17 +55,26 @@ def qmatmul(x: jax.Array, w: QTensor, *, implementation: str | None = None) -> j
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"qmatmul: implementation={implementation!r}; expected None or one of {IMPLEMENTATIONS}")
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if implementation == "reference" or x2.shape[0] == 0:
-        out = qmatmul_reference(x2, w)
-    elif not supports(w.qtype):
+    rows = 1
+    for d in lead:
+        rows *= d
+    if isinstance(x, QuantizedX):
+        x2 = x.reshape(rows)
+        if implementation == "reference" or not uses_int8(w.qtype, rows, n, k, x.dtype):
+            x2 = dequantize_x(x2).astype(x.dtype)
+    else:
+        x2 = x.reshape(rows, k)
+    if implementation != "reference" and rows and not supports(w.qtype):
         raise NotImplementedError(
             f"qmatmul: no fused kernel for {w.qtype.name}; supported: {', '.join(t.name for t in FORMATS)}")
+    interpret = implementation == "interpret"
+    if implementation != "reference" and 0 < rows <= MAX_M:
+        out = qmatmul_gemv(x2, w, interpret=interpret, partials=partials)
+        return out.reshape(*out.shape[:-2], *lead, n)
+    if implementation == "reference" or rows == 0:
+        out = qmatmul_reference(x2, w)
     else:
-        interpret = implementation == "interpret"
-        if x2.shape[0] <= MAX_M:
-            out = qmatmul_gemv(x2, w, interpret=interpret)
-        else:
-            # The interpreter always runs the fused kernel, so CPU tests cover its code.
-            out = qmatmul_gemm(x2, w, path="fused" if interpret else None, interpret=interpret)
-    return out.reshape(*lead, n)
+        # The interpreter always runs the fused kernel, so CPU tests cover its code.
+        out = qmatmul_gemm(x2, w, path="fused" if interpret else None, interpret=interpret)
+    out = out.reshape(*lead, n)
+    return out[None].astype(jnp.float32) if partials else out

@@ -41,17 +41,23 @@ FMA_AT_M1 = {
 
 
 # The int8 kernel (int8_gemv.py) against the float kernel, bf16 activations, M=1, GPU kernel
-# time on the H100 (notes; activation-quantizing fusion included): Q4_K 25 vs 52 us at
-# 14336x4096, 4.7 vs 6.4 at 2048x2048; Q8_0 28 vs 39 and 6.4 vs 7.4. Kernel time favours it
-# from 2048x2048 up, but the extra fusion launch it brings costs more than that at llama-1b's
-# attention shapes: end to end, llama-1b decoded 3-7% faster with the int8 kernel only from
-# 2**24 values (Q4_K 683 vs 665 tokens/s, Q8_0 740 vs 659). Q6_K measured no faster (24.8 vs
-# 24.6 us at 16384x2048; 350 vs 301 at the 8B output layer) and stays on the float kernel.
+# time on the H100 (notes): Q4_K 25 vs 52 us at 14336x4096, 4.7 vs 6.4 at 2048x2048; Q8_0 28
+# vs 39 and 6.4 vs 7.4. Since no XLA fusions round the activations before it any more (the
+# kernel or the norm before it does), it is used for Q4_K and Q8_0 at every size: llama-1b
+# decoded 872 tokens/s against 742 with it only from 2**24 values (Q8_0: 808 against 800,
+# within noise). For Q4_1 small weights stay on the float kernel (smollm2-135m: 846 with the
+# int8 kernel everywhere, 873 from 2**24). Q6_K measured no faster (24.8 vs 24.6 us at
+# 16384x2048; 350 vs 301 at the 8B output layer) and stays on the float kernel.
 # Per x row the int8 kernel repeats its dot products, so the float kernel's tensor-core path
 # wins from M=4 for Q4_K (72 vs 54 us at 14336x4096; M=2: 44.5 vs 54) and beyond M=8 for
 # Q8_0 (M=8: 37 vs 45).
 INT8_MAX_M = {QType.Q8_0: 8, QType.Q4_K: 2, QType.Q4_1: 4, QType.Q4_0: 4}
-INT8_MIN_VALUES = 2**24
+INT8_MIN_VALUES = {QType.Q4_K: 0, QType.Q8_0: 0, QType.Q4_1: 2**24, QType.Q4_0: 2**24}
+# Raw activations are rounded to int8 by the kernel's own programs (no launch, 25-35% more
+# kernel time for Q4_K at the 8B shapes); from this many weight values the producer of x
+# rounds them instead (the RMS norm or GLU kernel before the product, `takes_quantized_x`;
+# llama-8b Q4_K 218 tokens/s against 217 from 0 and 201 never, llama-1b Q8_0 810 against 785).
+INT8_PRODUCER_MIN_VALUES = 2**25
 INT8_TILES = {  # block_n, values per step, warps, prefetch (measured best at the 8B shapes, notes)
     QType.Q8_0: (8, 512, 4, True),
     QType.Q4_K: (8, 1024, 4, True),    # for Q4_KChunks (packed scales: prefetch 5% slower)
@@ -65,7 +71,13 @@ def uses_int8(qtype: QType, m: int, n: int, k: int, dtype) -> bool:
     """Whether the decode product goes to the int8 kernel: half-precision activations (f32 ones
     keep the exact float kernel), a type and M it wins at, and a weight large enough."""
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and m <= INT8_MAX_M.get(qtype, 0) and n * k >= INT8_MIN_VALUES)
+            and m <= INT8_MAX_M.get(qtype, 0) and n * k >= INT8_MIN_VALUES[qtype])
+
+
+def rounds_x_itself(qtype: QType, n: int, k: int) -> bool:
+    """Whether the int8 kernel should be given raw activations (and round them per program)
+    rather than a QuantizedX from the kernel before it."""
+    return n * k < INT8_PRODUCER_MIN_VALUES
 
 
 def default_int8_config(qtype: QType, m: int, n: int, k: int) -> int8.Int8GemvConfig:
@@ -107,11 +119,13 @@ def gemv_config(qtype: QType, m: int, n: int, k: int, *, method: str = "mma", bl
 
 
 def qmatmul_gemv(x: jax.Array, w: QTensor, *, config: TileConfig | None = None,
-                 interpret: bool = False) -> jax.Array:
-    """x (M <= 64, K) @ dequantize(w).T -> (M, N) in x.dtype: the int8 kernel where
-    `uses_int8` says so (and no float tiles are given), the float kernel otherwise."""
+                 interpret: bool = False, partials: bool = False) -> jax.Array:
+    """x (M <= 64, K) @ dequantize(w).T -> (M, N) in x.dtype: the int8 kernel for a QuantizedX
+    x and where `uses_int8` says so (and no float tiles are given), the float kernel otherwise. With
+    `partials`: the split-K partial sums (S, M, N), float32."""
     m, (n, k) = x.shape[0], w.shape
-    if config is None and uses_int8(w.qtype, m, n, k, x.dtype):
-        return int8.int8_gemv(x, w, default_int8_config(w.qtype, m, n, k), interpret=interpret)
+    if isinstance(x, int8.QuantizedX) or (config is None and uses_int8(w.qtype, m, n, k, x.dtype)):
+        return int8.int8_gemv(x, w, default_int8_config(w.qtype, m, n, k), interpret=interpret,
+                              partials=partials)
     cfg = config or default_gemv_config(w.qtype, m, n, k)
-    return fused_qmatmul(x, w, cfg, interpret=interpret)
+    return fused_qmatmul(x, w, cfg, interpret=interpret, partials=partials)

@@ -2,11 +2,19 @@
 
 The float GEMV (kernel.py) spends five or more instructions per weight value on unpacking,
 int->float conversion, scaling and a multiply-add, which bounds it at a fraction of the HBM
-bandwidth. This kernel does what llama.cpp's MMVQ does: the activations are quantized to
-int8 once per call (one float32 scale per 32 values, as ggml's Q8_1), each 32-bit word of
-packed weight quants is turned into four int8 lanes with one or two logic ops, and a
-`dp4a` (four int8 products summed into an int32) multiplies four values at once. Scales
-and offsets are applied once per 16 or 32 values on the int32 sums, in float32.
+bandwidth. This kernel does what llama.cpp's MMVQ does: the activations come rounded to
+int8 (one float32 scale per 32 values, as ggml's Q8_1; pallas_kernels.int8_activations),
+each 32-bit word of packed weight quants is turned into four int8 lanes with one or two logic
+ops, and a `dp4a` (four int8 products summed into an int32) multiplies four values at once.
+Scales and offsets are applied once per 16 or 32 values on the int32 sums, in float32.
+
+x is either a `QuantizedX`, rounded by the kernel that produced it (the RMS norm before the
+q/k/v and gate/up products, the GLU before the down product; pallas_kernels.int8_activations),
+or plain activations, which every program rounds itself for the K range it covers (a 32-value
+group needs nothing from outside it). The second saves the producer's extra work and, where
+nothing else would have produced the rounded x, a launch; it costs per-step reductions here:
+25-35% of the kernel time for Q4_K at the 8B shapes, less than a launch at the 1B ones.
+`rounds_x_itself` says which (measured, benchmarks/NOTES-quant_matmul.md).
 
 Weights are read as 32-bit words, four packed bytes at a time: `words` takes the quant
 planes either already as int32 words (`as_words`, done once at load) or as bytes, which the
@@ -35,6 +43,8 @@ from gguf import GGMLQuantizationType as QType
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.int8_activations import QuantizedX, dequantize_x, quantize, quantize_x  # noqa: F401 (re-exported)
+from pallas_kernels.int8_activations import kernel as q8
 from pallas_kernels.quant_matmul.tiles import index, load_masked
 from rjax.quant.formats import Q4_KChunks
 from rjax.quant.qtensor import QTensor
@@ -46,39 +56,6 @@ def _f(v):
     return v.astype(_F32)
 LOW_NIBBLES = 0x0F0F0F0F
 TYPES = (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q6_K)
-
-
-# --- activations -----------------------------------------------------------------------------
-
-class QuantizedX(NamedTuple):
-    """x (M, K) quantized per 32 values: x ~= d * q, q int8 in [-127, 127]."""
-    words: jax.Array   # (M, K // 4) int32: four int8 q per word, little-endian
-    d: jax.Array       # (M, K // 32) float32
-    dsum32: jax.Array  # (M, K // 32) float32: d * (sum of q over the 32 values)
-    dsum16: jax.Array  # (M, K // 16) float32: d * (sum of q over each 16 values)
-
-
-def quantize_x(x: jax.Array) -> QuantizedX:
-    """Round x (M, K), K a multiple of 32, to int8 per 32 values (ggml's Q8_1 scheme).
-
-    The sums serve the weight formats with offsets or mins: sum(x * (q_w - 8)) is
-    d_x * (dot(q_x, q_w) - 8 * sum(q_x)), so they are taken over the rounded q."""
-    m, k = x.shape
-    xf = x.astype(_F32).reshape(m, k // 32, 32)
-    amax = jnp.max(jnp.abs(xf), axis=-1)
-    d = amax / 127.0
-    inv = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)
-    q = jnp.clip(jnp.round(xf * inv[..., None]), -127, 127).astype(jnp.int8)
-    words = jax.lax.bitcast_convert_type(q.reshape(m, k // 4, 4), _I32)
-    sum16 = _f(q.astype(_I32).reshape(m, k // 32, 2, 16).sum(-1))
-    return QuantizedX(words, d, d * sum16.sum(-1), (d[..., None] * sum16).reshape(m, k // 16))
-
-
-def dequantize_x(xq: QuantizedX) -> jax.Array:
-    """The float32 activations the kernel multiplies: d * q, shape (M, K)."""
-    m = xq.words.shape[0]
-    q = jax.lax.bitcast_convert_type(xq.words, jnp.int8).reshape(m, -1, 32).astype(_F32)
-    return (q * xq.d[..., None]).reshape(m, -1)
 
 
 # --- weights as words ------------------------------------------------------------------------
@@ -125,36 +102,95 @@ def dp4a(a, b, c, interpret: bool):
     return out
 
 
+# --- activations in the kernel ----------------------------------------------------------------
+# x comes either as a QuantizedX (its planes viewed per block, loaded as they are) or raw, as
+# (M, n_blocks, ..., 4 lanes) views: then each step rounds the 32-value groups it covers,
+# which needs nothing from outside the group. Either way `_group` gives the dot the same
+# (words per part, d, dsum) per group.
+
+def _lanes(x_ref, idx, mask):
+    """The four byte lanes of x at idx, as stored (rounded in `dot`)."""
+    return [load_masked(x_ref, tuple(idx) + (i,), mask) for i in range(4)]
+
+
+def _quantize(parts, ip):
+    """Round one 32-value group per index, as `quantize_x`: parts are lane quads of shape
+    S + (W,) that together make the group. -> words per part, d (S), q sums per part (S)."""
+    parts = [[_f(v) for v in lanes] for lanes in parts]
+    amax = None
+    for lanes in parts:
+        for v in lanes:
+            a = jnp.max(jnp.abs(v), axis=-1)
+            amax = a if amax is None else jnp.maximum(amax, a)
+    inv = jnp.where(amax > 0, q8._div(jnp.full_like(amax, 127.0), jnp.where(amax > 0, amax, 1.0), ip), 0.0)
+    words, sums = [], []
+    for lanes in parts:
+        q = [q8._round_to_int(v * inv[..., None], ip) for v in lanes]
+        words.append((q[0] & 0xFF) | ((q[1] & 0xFF) << 8) | ((q[2] & 0xFF) << 16) | (q[3] << 24))
+        sums.append(jnp.sum(q[0] + q[1] + q[2] + q[3], axis=-1))
+    return words, q8._div(amax, jnp.full_like(amax, 127.0), ip), sums
+
+
+def _group(x, ip, per_part=False):
+    """(words per part, d, d * sum of q): over the whole group, or per part with `per_part`
+    (Q6_K's 16-value scales). x is a loaded tuple as is, or a list of raw lane parts."""
+    if isinstance(x, tuple):
+        return x
+    words, d, sums = _quantize(x, ip)
+    if per_part:
+        return words, d, [d * _f(s) for s in sums]
+    total = sums[0]
+    for s in sums[1:]:
+        total = total + s
+    return words, d, d * _f(total)
+
+
 # --- per-type steps --------------------------------------------------------------------------
-# A step is split in two: `load` reads the step's weight tile (BN rows x BKB blocks) and the
-# matching activations for every x row into registers; `dot` is arithmetic only and returns,
-# per x row, the step's w * x contributions as (BN, BKB) float32. The kernel issues the next
-# step's loads before the current step's arithmetic, which is how the HBM latency is hidden
-# (Triton pipelines only loads that feed a tl.dot, so nothing else would overlap them).
+# A step is split in two: loads (`load_w` the step's weight tile, BN rows x BKB blocks;
+# `load_x` / `load_xq` the matching activations of one x row, raw or rounded) and `dot`,
+# arithmetic only (the rounding of raw x included), which returns per x row the step's
+# w * x contributions as (BN, BKB) float32. The kernel issues the next step's loads before
+# the current step's arithmetic, which is how the HBM latency is hidden (Triton pipelines
+# only loads that feed a tl.dot, so nothing else would overlap them).
 
-def _load_q8_0(w_refs, x_refs, rows, blocks, wmask, bmask, ms):
+def _w_tile_q8_0(w_refs, rows, blocks, wmask):
     d_ref, qs_ref = w_refs
-    xw_ref, xd_ref, _ = x_refs                 # xw (M, nb, 8), xd (M, nb)
-    return (load_masked(d_ref, (rows, blocks), wmask),
-            _load_words(qs_ref, (rows, blocks, slice(None)), wmask),            # (BN, BKB, 8)
-            [(load_masked(xw_ref, (m, blocks, slice(None)), bmask),
-              load_masked(xd_ref, (m, blocks), bmask)) for m in ms])
+    return load_masked(d_ref, (rows, blocks), wmask), _load_words(qs_ref, (rows, blocks, slice(None)), wmask)
 
 
-def _dot_q8_0(t, ip):
-    d, w, xs = t
-    return [_f(d) * _f(jnp.sum(dp4a(w, xw[None], 0, ip), axis=-1)) * xd[None] for xw, xd in xs]
+def _x_q8_0(x_ref, m, blocks, bmask):        # x (M, nb, 8, 4)
+    return [_lanes(x_ref, (m, blocks, slice(None)), bmask)]
 
 
-def _load_q4_0(w_refs, x_refs, rows, blocks, wmask, bmask, ms):
-    """Q4_0 and Q4_1 (whose extra plane is the min m): d, [m], qs words (BN, BKB, 4), and per
-    x row the words of values 0..15 and 16..31, d_x and dsum32 (M, nb)."""
+def _xq_q8_0(x_refs, m, blocks, bmask):      # words (M, nb, 8), d (M, nb)
+    xw_ref, xd_ref, _ = x_refs
+    return ([load_masked(xw_ref, (m, blocks, slice(None)), bmask)], load_masked(xd_ref, (m, blocks), bmask), None)
+
+
+def _dot_q8_0(w, xs, ip):
+    d, qs = w
+    out = []
+    for x in xs:
+        [xw], xd, _ = _group(x, ip)
+        out.append(_f(d) * _f(jnp.sum(dp4a(qs, xw[None], 0, ip), axis=-1)) * xd[None])
+    return out
+
+
+def _w_tile_q4_0(w_refs, rows, blocks, wmask):
+    """Q4_0 and Q4_1 (whose extra plane is the min m): [d, (m)], qs words (BN, BKB, 4)."""
     *scale_refs, qs_ref = w_refs
-    xw_ref, xd_ref, xs_ref = x_refs            # xw (M, nb, 2, 4)
     return ([load_masked(r, (rows, blocks), wmask) for r in scale_refs],
-            _load_words(qs_ref, (rows, blocks, slice(None)), wmask),
-            [tuple(load_masked(xw_ref, (m, blocks, h, slice(None)), bmask) for h in range(2))
-             + (load_masked(xd_ref, (m, blocks), bmask), load_masked(xs_ref, (m, blocks), bmask)) for m in ms])
+            _load_words(qs_ref, (rows, blocks, slice(None)), wmask))
+
+
+def _x_q4_0(x_ref, m, blocks, bmask):        # x (M, nb, 2, 4, 4): values 0..15, 16..31
+    return [_lanes(x_ref, (m, blocks, h, slice(None)), bmask) for h in range(2)]
+
+
+def _xq_q4_0(x_refs, m, blocks, bmask):      # words (M, nb, 2, 4), d, dsum32 (M, nb)
+    xw_ref, xd_ref, xs_ref = x_refs
+    return ([load_masked(xw_ref, (m, blocks, h, slice(None)), bmask) for h in range(2)],
+            load_masked(xd_ref, (m, blocks), bmask), load_masked(xs_ref, (m, blocks), bmask))
 
 
 def _q4_sums(w, x0, x1, ip):
@@ -163,46 +199,62 @@ def _q4_sums(w, x0, x1, ip):
     return _f(jnp.sum(dp4a((w >> 4) & LOW_NIBBLES, x1[None], lo, ip), axis=-1))
 
 
-def _dot_q4_0(t, ip):
-    [d], w, xs = t
-    return [_f(d) * (_q4_sums(w, x0, x1, ip) * xd[None] - 8.0 * xsum[None]) for x0, x1, xd, xsum in xs]
+def _dot_q4_0(w, xs, ip):
+    [d], qs = w
+    out = []
+    for x in xs:
+        (x0, x1), xd, xsum = _group(x, ip)
+        out.append(_f(d) * (_q4_sums(qs, x0, x1, ip) * xd[None] - 8.0 * xsum[None]))
+    return out
 
 
-def _dot_q4_1(t, ip):
-    [d, mn], w, xs = t
-    return [_f(d) * _q4_sums(w, x0, x1, ip) * xd[None] + _f(mn) * xsum[None] for x0, x1, xd, xsum in xs]
+def _dot_q4_1(w, xs, ip):
+    [d, mn], qs = w
+    out = []
+    for x in xs:
+        (x0, x1), xd, xsum = _group(x, ip)
+        out.append(_f(d) * _q4_sums(qs, x0, x1, ip) * xd[None] + _f(mn) * xsum[None])
+    return out
 
 
-def _load_q4_k(w_refs, x_refs, rows, blocks, wmask, bmask, ms, scales=True):
+def _w_tile_q4_k(w_refs, rows, blocks, wmask):
     d_ref, dmin_ref, sc_ref, qs_ref = w_refs    # scales as 3 words, qs words viewed (N, nb, 4, 8)
-    xw_ref, xd_ref, xs_ref = x_refs            # xw (M, nb, 4, 2, 8), xd and xs = dsum32 (M, nb, 4, 2)
     return (load_masked(d_ref, (rows, blocks), wmask), load_masked(dmin_ref, (rows, blocks), wmask),
-            [_load_words(sc_ref, (rows, blocks, i), wmask) for i in range(3)] if scales else None,
-            _load_words(qs_ref, (rows, blocks, slice(None), slice(None)), wmask),    # (BN, BKB, 4, 8)
-            [[(load_masked(xw_ref, (m, blocks, slice(None), h, slice(None)), bmask),  # (BKB, 4, 8)
-               load_masked(xd_ref, (m, blocks, slice(None), h), bmask),
-               load_masked(xs_ref, (m, blocks, slice(None), h), bmask)) for h in range(2)] for m in ms])
+            [_load_words(sc_ref, (rows, blocks, i), wmask) for i in range(3)],
+            _load_words(qs_ref, (rows, blocks, slice(None), slice(None)), wmask))     # (BN, BKB, 4, 8)
 
 
-def _q4_k_halves(d, dmin, scale_min, w, xs, ip):
+def _x_q4_k(x_ref, m, blocks, bmask):        # x (M, nb, 4, 2, 8, 4): chunk c, half h, word, lane
+    return [[_lanes(x_ref, (m, blocks, slice(None), h, slice(None)), bmask)] for h in range(2)]
+
+
+def _xq_q4_k(x_refs, m, blocks, bmask):      # words (M, nb, 4, 2, 8), d and dsum32 (M, nb, 4, 2)
+    xw_ref, xd_ref, xs_ref = x_refs
+    return [([load_masked(xw_ref, (m, blocks, slice(None), h, slice(None)), bmask)],
+             load_masked(xd_ref, (m, blocks, slice(None), h), bmask),
+             load_masked(xs_ref, (m, blocks, slice(None), h), bmask)) for h in range(2)]
+
+
+def _q4_k_halves(d, dmin, scale_min, qs, xs, ip):
     """Sub-block 2c + h of a super-block is the low (h=0) or high (h=1) nibbles of its 32-byte
     chunk c; each half is handled for all four chunks at once, as (BN, BKB, 4) tensors.
     scale_min(h) gives the sub-blocks' 6-bit scales and mins, (BN, BKB, 4) each."""
     d, dmin = _f(d)[..., None], _f(dmin)[..., None]
+    xs = [[_group(half, ip) for half in x] for x in xs]
     out = [0.0] * len(xs)
     for h in range(2):
         sc, mn = scale_min(h)
         dsc, dmn = d * _f(sc), dmin * _f(mn)
-        q = (w >> (4 * h)) & LOW_NIBBLES
+        q = (qs >> (4 * h)) & LOW_NIBBLES
         for i, x in enumerate(xs):
-            xw, xd, xsum = x[h]
+            [xw], xd, xsum = x[h]
             s = _f(jnp.sum(dp4a(q, xw[None], 0, ip), axis=-1))
             out[i] = out[i] + jnp.sum(dsc * s * xd[None] - dmn * xsum[None], axis=-1)
     return out
 
 
-def _dot_q4_k(t, ip):
-    d, dmin, (w0, w1, w2), w, xs = t
+def _dot_q4_k(w, xs, ip):
+    d, dmin, (w0, w1, w2), qs = w
     w0, w1, w2 = w0[..., None], w1[..., None], w2[..., None]
     chunk = jax.lax.broadcasted_iota(_I32, (1, 1, 4), 2)
 
@@ -214,22 +266,23 @@ def _dot_q4_k(t, ip):
         return (jnp.where(chunk < 2, (w0 >> sh) & 63, ((w2 >> sh) & 0x0F) | (((w0 >> (sh + 6)) & 3) << 4)),
                 jnp.where(chunk < 2, (w1 >> sh) & 63, ((w2 >> (sh + 4)) & 0x0F) | (((w1 >> (sh + 6)) & 3) << 4)))
 
-    return _q4_k_halves(d, dmin, scale_min, w, xs, ip)
+    return _q4_k_halves(d, dmin, scale_min, qs, xs, ip)
 
 
-def _load_q4_k_chunks(w_refs, x_refs, rows, blocks, wmask, bmask, ms):
+def _w_tile_q4_k_chunks(w_refs, rows, blocks, wmask):
     """Q4_K in the Q4_KChunks layout: one scale word per quant chunk, aligned with the chunk
     axis of the quants, instead of the 12 packed bytes (measured 22-25% faster at the 8B
     shapes: the packed bytes cost five loads per row and block and ~20 integer ops per 32
     values to unpack)."""
     d_ref, dmin_ref, cs_ref, qs_ref = w_refs
-    t = _load_q4_k((d_ref, dmin_ref, None, qs_ref), x_refs, rows, blocks, wmask, bmask, ms, scales=False)
-    return t[:2] + (load_masked(cs_ref, (rows, blocks, slice(None)), wmask),) + t[3:]
+    return (load_masked(d_ref, (rows, blocks), wmask), load_masked(dmin_ref, (rows, blocks), wmask),
+            load_masked(cs_ref, (rows, blocks, slice(None)), wmask),
+            _load_words(qs_ref, (rows, blocks, slice(None), slice(None)), wmask))
 
 
-def _dot_q4_k_chunks(t, ip):
-    d, dmin, cs, w, xs = t
-    return _q4_k_halves(d, dmin, lambda h: ((cs >> (8 * h)) & 0xFF, (cs >> (16 + 8 * h)) & 0xFF), w, xs, ip)
+def _dot_q4_k_chunks(w, xs, ip):
+    d, dmin, cs, qs = w
+    return _q4_k_halves(d, dmin, lambda h: ((cs >> (8 * h)) & 0xFF, (cs >> (16 + 8 * h)) & 0xFF), qs, xs, ip)
 
 
 # Q6_K value 128h + 32j + 16t + l: low 4 bits in ql byte 64h + 32(j%2) + 16t + l (nibble
@@ -237,39 +290,52 @@ def _dot_q4_k_chunks(t, ip):
 _Q6_K_STEPS = [(h, t) for h in range(2) for t in range(2)]
 
 
-def _load_q6_k(w_refs, x_refs, rows, blocks, wmask, bmask, ms):
+def _w_tile_q6_k(w_refs, rows, blocks, wmask):
     ql_ref, qh_ref, sc_ref, d_ref = w_refs     # ql words (N, nb, 2, 2, 2, 4), qh words (N, nb, 2, 2, 4)
-    xw_ref, xd_ref, xs_ref = x_refs            # xw (M, nb, 2, 4, 2, 4), xd (M, nb, 2, 4), xs = dsum16 (M, nb, 2, 4, 2)
     return (load_masked(d_ref, (rows, blocks), wmask),
             [(_load_words(qh_ref, (rows, blocks, h, t, slice(None)), wmask),            # (BN, BKB, 4)
               [_load_words(ql_ref, (rows, blocks, h, jm, t, slice(None)), wmask) for jm in range(2)],
               [load_masked(sc_ref, (rows, blocks, 8 * h + 2 * j + t), wmask) for j in range(4)])
-             for h, t in _Q6_K_STEPS],
-            [[[(load_masked(xw_ref, (m, blocks, h, j, t, slice(None)), bmask),
-                load_masked(xd_ref, (m, blocks, h, j), bmask),
-                load_masked(xs_ref, (m, blocks, h, j, t), bmask)) for j in range(4)]
-              for h, t in _Q6_K_STEPS] for m in ms])
+             for h, t in _Q6_K_STEPS])
 
 
-def _dot_q6_k(t, ip):
-    d, ws, xs = t
+def _x_q6_k(x_ref, m, blocks, bmask):        # x (M, nb, 2, 4, 2, 4, 4): h, j, t, word, lane
+    return [[[_lanes(x_ref, (m, blocks, h, j, t, slice(None)), bmask) for t in range(2)] for j in range(4)]
+            for h in range(2)]
+
+
+def _xq_q6_k(x_refs, m, blocks, bmask):      # words (M, nb, 2, 4, 2, 4), d (M, nb, 2, 4), dsum16 (.., 2)
+    xw_ref, xd_ref, xs_ref = x_refs
+    return [[([load_masked(xw_ref, (m, blocks, h, j, t, slice(None)), bmask) for t in range(2)],
+              load_masked(xd_ref, (m, blocks, h, j), bmask),
+              [load_masked(xs_ref, (m, blocks, h, j, t), bmask) for t in range(2)]) for j in range(4)]
+            for h in range(2)]
+
+
+def _dot_q6_k(w, xs, ip):
+    d, ws = w
     out = [0.0] * len(xs)
-    for k, (qh, ql, scs) in enumerate(ws):
-        for j in range(4):
-            q = ((ql[j % 2] >> (4 * (j // 2))) & LOW_NIBBLES) | (((qh >> (2 * j)) & 0x03030303) << 4)
-            for i, x in enumerate(xs):
-                xw, xd, xsum = x[k][j]
-                s = _f(jnp.sum(dp4a(q, xw[None], 0, ip), axis=-1))
-                out[i] = out[i] + _f(scs[j]) * (s * xd[None] - 32.0 * xsum[None])
+    for i, x in enumerate(xs):
+        groups = [[_group(x[h][j], ip, per_part=True) for j in range(4)] for h in range(2)]
+        for k, (qh, ql, scs) in enumerate(ws):
+            h, t = _Q6_K_STEPS[k]
+            for j in range(4):
+                q = ((ql[j % 2] >> (4 * (j // 2))) & LOW_NIBBLES) | (((qh >> (2 * j)) & 0x03030303) << 4)
+                words, xd, xsums = groups[h][j]
+                s = _f(jnp.sum(dp4a(q, words[t][None], 0, ip), axis=-1))
+                out[i] = out[i] + _f(scs[j]) * (s * xd[None] - 32.0 * xsums[t][None])
     return [_f(d) * o for o in out]
 
 
 class _Format(NamedTuple):
     block_size: int
-    load: object
+    load_w: object
+    load_x: object       # raw x, rounded in `dot`
+    load_xq: object      # a QuantizedX's planes
     dot: object
     w_views: object      # (planes, n, nb) -> arrays, words or bytes (trailing 4)
-    x_views: object      # (QuantizedX, m, nb) -> (xw, xd, xs)
+    x_view: object       # (x, m, nb) -> x by block, group and lane
+    xq_views: object     # (QuantizedX, m, nb) -> (words, d, dsum)
 
 
 def _words_view(p, *shape):
@@ -305,31 +371,27 @@ def _w_q6_k(p, n, nb):
     return _words_view(p.ql, n, nb, 2, 2, 2, 4), _words_view(p.qh, n, nb, 2, 2, 4), p.scales, p.d
 
 
-def _x_32(xq, m, nb):
-    return xq.words.reshape(m, nb, 8), xq.d.reshape(m, nb), xq.dsum32.reshape(m, nb)
+def _x_view(*group_shape):
+    """x (M, K) viewed as (M, n_blocks) + group_shape + (4 lanes,): a free reshape."""
+    return lambda x, m, nb: x.reshape(m, nb, *group_shape, 4)
 
 
-def _x_q4(xq, m, nb):
-    return xq.words.reshape(m, nb, 2, 4), xq.d.reshape(m, nb), xq.dsum32.reshape(m, nb)
+def _xq_view(words, groups, sums="dsum32"):
+    return lambda xq, m, nb: (xq.words.reshape(m, nb, *words), xq.d.reshape(m, nb, *groups),
+                              getattr(xq, sums).reshape(m, nb, *groups, *((2,) if sums == "dsum16" else ())))
 
 
-def _x_q4_k(xq, m, nb):
-    return (xq.words.reshape(m, nb, 4, 2, 8), xq.d.reshape(m, nb, 4, 2), xq.dsum32.reshape(m, nb, 4, 2))
-
-
-def _x_q6_k(xq, m, nb):
-    return (xq.words.reshape(m, nb, 2, 4, 2, 4), xq.d.reshape(m, nb, 2, 4),
-            xq.dsum16.reshape(m, nb, 2, 4, 2))
-
-
+_Q4_0_X = dict(load_x=_x_q4_0, load_xq=_xq_q4_0, x_view=_x_view(2, 4), xq_views=_xq_view((2, 4), ()))
+_Q4_K_X = dict(load_x=_x_q4_k, load_xq=_xq_q4_k, x_view=_x_view(4, 2, 8), xq_views=_xq_view((4, 2, 8), (4, 2)))
 FORMATS = {
-    QType.Q8_0: _Format(32, _load_q8_0, _dot_q8_0, _w_q8_0, _x_32),
-    QType.Q4_0: _Format(32, _load_q4_0, _dot_q4_0, _w_q4_0, _x_q4),
-    QType.Q4_1: _Format(32, _load_q4_0, _dot_q4_1, _w_q4_1, _x_q4),
-    QType.Q4_K: _Format(256, _load_q4_k, _dot_q4_k, _w_q4_k, _x_q4_k),
-    QType.Q6_K: _Format(256, _load_q6_k, _dot_q6_k, _w_q6_k, _x_q6_k),
+    QType.Q8_0: _Format(32, _w_tile_q8_0, _x_q8_0, _xq_q8_0, _dot_q8_0, _w_q8_0, _x_view(8), _xq_view((8,), ())),
+    QType.Q4_0: _Format(32, _w_tile_q4_0, dot=_dot_q4_0, w_views=_w_q4_0, **_Q4_0_X),
+    QType.Q4_1: _Format(32, _w_tile_q4_0, dot=_dot_q4_1, w_views=_w_q4_1, **_Q4_0_X),
+    QType.Q4_K: _Format(256, _w_tile_q4_k, dot=_dot_q4_k, w_views=_w_q4_k, **_Q4_K_X),
+    QType.Q6_K: _Format(256, _w_tile_q6_k, _x_q6_k, _xq_q6_k, _dot_q6_k, _w_q6_k, _x_view(2, 4, 2, 4),
+                        _xq_view((2, 4, 2, 4), (2, 4), "dsum16")),
 }
-Q4_K_CHUNKS = _Format(256, _load_q4_k_chunks, _dot_q4_k_chunks, _w_q4_k_chunks, _x_q4_k)
+Q4_K_CHUNKS = _Format(256, _w_tile_q4_k_chunks, dot=_dot_q4_k_chunks, w_views=_w_q4_k_chunks, **_Q4_K_X)
 
 
 def _format_of(w: QTensor) -> _Format:
@@ -350,8 +412,8 @@ def _iota(n):
     return jax.lax.broadcasted_iota(_I32, (n,), 0)
 
 
-def _kernel(*refs, fmt, cfg, m_rows, n_rows, n_blocks, blocks_per_split, n_w, interpret):
-    x_refs, w_refs, o_ref = refs[:3], refs[3:3 + n_w], refs[-1]
+def _kernel(*refs, fmt, cfg, split_out, m_rows, n_rows, n_blocks, blocks_per_split, n_x, n_w, interpret):
+    x_refs, w_refs, o_ref = refs[:n_x], refs[n_x:n_x + n_w], refs[-1]
     bn, bkb = cfg.block_n, cfg.block_k
     pid_n, pid_s = pl.program_id(0), pl.program_id(1)
     n0 = pid_n * bn
@@ -366,20 +428,22 @@ def _kernel(*refs, fmt, cfg, m_rows, n_rows, n_blocks, blocks_per_split, n_w, in
         blocks = pl.ds(b0, bkb)
         bmask = (b0 + _iota(bkb)) < kb_end     # past the split's end (the prefetch after the
         wmask = rmask[:, None] & bmask[None, :]  # last step): masked, nothing is read
-        return fmt.load(w_refs, x_refs, rows, blocks, wmask, bmask, ms)
+        xs = ([fmt.load_xq(x_refs, m, blocks, bmask) for m in ms] if n_x == 3
+              else [fmt.load_x(x_refs[0], m, blocks, bmask) for m in ms])
+        return fmt.load_w(w_refs, rows, blocks, wmask), xs
 
     def step(i, carry):
         accs, tile = carry
         if not cfg.prefetch:
-            return tuple(a + p for a, p in zip(accs, fmt.dot(load(i), interpret))), tile
+            return tuple(a + p for a, p in zip(accs, fmt.dot(*load(i), interpret))), tile
         following = load(i + 1)
-        return tuple(a + p for a, p in zip(accs, fmt.dot(tile, interpret))), following
+        return tuple(a + p for a, p in zip(accs, fmt.dot(*tile, interpret))), following
 
     zeros = tuple(jnp.zeros((bn, bkb), _F32) for _ in ms)
     accs, _ = jax.lax.fori_loop(0, blocks_per_split // bkb, step,
                                 (zeros, load(0) if cfg.prefetch else ()))
     for m, acc in enumerate(accs):
-        idx = (index(m), rows) if cfg.split_k == 1 else (pid_s, index(m), rows)
+        idx = (pid_s, index(m), rows) if split_out else (index(m), rows)
         plgpu.store(o_ref.at[idx], jnp.sum(acc, axis=1).astype(o_ref.dtype), mask=rmask)
 
 
@@ -390,38 +454,48 @@ def supports(qtype: QType) -> bool:
     return qtype in FORMATS
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
-def int8_gemv(x: jax.Array, w: QTensor, cfg: Int8GemvConfig = Int8GemvConfig(),
-              interpret: bool = False) -> jax.Array:
-    """x (M <= MAX_M, K) @ dequantize(w).T -> (M, N) in x.dtype, on int8 dot products."""
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret", "partials"))
+def int8_gemv(x: jax.Array | QuantizedX, w: QTensor, cfg: Int8GemvConfig = Int8GemvConfig(),
+              interpret: bool = False, partials: bool = False) -> jax.Array:
+    """x (M <= MAX_M, K) @ dequantize(w).T -> (M, N) on int8 dot products, in x's dtype (a
+    QuantizedX's `dtype`); with `partials`, the split-K partial sums (split_k, M, N) in
+    float32, for the consumer to add."""
     if w.qtype not in FORMATS:
         raise NotImplementedError(f"int8_gemv: no kernel for {w.qtype.name}")
     fmt = _format_of(w)
     n_rows, k = w.shape
     m_rows = x.shape[0]
-    if x.ndim != 2 or x.shape[1] != k or not 1 <= m_rows <= MAX_M:
+    if len(x.shape) != 2 or x.shape[1] != k or not 1 <= m_rows <= MAX_M:
         raise ValueError(f"int8_gemv: x of shape {x.shape} for weight {w.qtype.name} {w.shape} "
                          f"(M must be 1..{MAX_M})")
     n_blocks = k // fmt.block_size
-    xq = quantize_x(x)
-    x_views = fmt.x_views(xq, m_rows, n_blocks)
+    out_dtype = x.dtype
+    if w.qtype == QType.Q6_K and not isinstance(x, QuantizedX):
+        # Rounded per program, Q6_K's 16-value groups made the kernel 6x slower (H100, notes).
+        x = quantize(x, implementation="interpret" if interpret else "pallas")
+    if isinstance(x, QuantizedX):
+        x_views = fmt.xq_views(x, m_rows, n_blocks)
+    else:
+        x_views = (fmt.x_view(x, m_rows, n_blocks),)
     w_views = fmt.w_views(w.planes, n_rows, n_blocks)
     blocks_per_split = pl.cdiv(pl.cdiv(n_blocks, cfg.split_k), cfg.block_k) * cfg.block_k
     grid = (pl.cdiv(n_rows, cfg.block_n), cfg.split_k)
-    if cfg.split_k == 1:
-        out_shape = jax.ShapeDtypeStruct((m_rows, n_rows), x.dtype)
+    if cfg.split_k == 1 and not partials:
+        out_shape = jax.ShapeDtypeStruct((m_rows, n_rows), out_dtype)
     else:
         out_shape = jax.ShapeDtypeStruct((cfg.split_k, m_rows, n_rows), _F32)
-    kernel = functools.partial(_kernel, fmt=fmt, cfg=cfg, m_rows=m_rows, n_rows=n_rows, n_blocks=n_blocks,
-                               blocks_per_split=blocks_per_split, n_w=len(w_views), interpret=interpret)
+    kernel = functools.partial(_kernel, fmt=fmt, cfg=cfg, split_out=len(out_shape.shape) == 3, m_rows=m_rows,
+                               n_rows=n_rows, n_blocks=n_blocks, blocks_per_split=blocks_per_split,
+                               n_x=len(x_views), n_w=len(w_views), interpret=interpret)
     wbytes = sum(math.prod(v.shape) * v.dtype.itemsize for v in w_views)
+    xbytes = sum(math.prod(v.shape) * v.dtype.itemsize for v in x_views)
     out = pl.pallas_call(
         kernel, out_shape=out_shape, grid=grid,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         cost_estimate=pl.CostEstimate(flops=2 * m_rows * n_rows * k, transcendentals=0,
-                                      bytes_accessed=wbytes + x.size * 2 + m_rows * n_rows * 4),
+                                      bytes_accessed=wbytes + xbytes + m_rows * n_rows * 4),
         interpret=interpret, name=f"int8_gemv_{w.qtype.name.lower()}",
     )(*x_views, *w_views)
-    if cfg.split_k > 1:
-        out = out.sum(axis=0).astype(x.dtype)
+    if cfg.split_k > 1 and not partials:
+        out = out.sum(axis=0).astype(out_dtype)
     return out

@@ -62,7 +62,7 @@ def _iota(n):
     return jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
 
 
-def _kernel(x_ref, *refs, fmt, cfg: TileConfig, m_rows, n_rows, n_blocks, blocks_per_split, cdt):
+def _kernel(x_ref, *refs, fmt, cfg: TileConfig, split_out, m_rows, n_rows, n_blocks, blocks_per_split, cdt):
     *w_refs, o_ref = refs
     bm, bn, bkb = cfg.block_m, cfg.block_n, cfg.block_k
     pid_n, pid_m, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -116,7 +116,7 @@ def _kernel(x_ref, *refs, fmt, cfg: TileConfig, m_rows, n_rows, n_blocks, blocks
     if cfg.method == "mma":
         acc = jax.lax.fori_loop(0, n_steps, step_mma, jnp.zeros((bn, bm), jnp.float32))
         out = acc.T.astype(o_ref.dtype)
-        idx = (xrows, rows) if cfg.split_k == 1 else (pid_s, xrows, rows)
+        idx = (pid_s, xrows, rows) if split_out else (xrows, rows)
         plgpu.store(o_ref.at[idx], out, mask=xmask[:, None] & rmask[None, :])
     else:
         tile = (bn, bkb, sub, run // sub)
@@ -124,7 +124,7 @@ def _kernel(x_ref, *refs, fmt, cfg: TileConfig, m_rows, n_rows, n_blocks, blocks
                                  tuple(jnp.zeros(tile, jnp.float32) for _ in range(bm)))
         for m, acc in enumerate(accs):
             acc = jnp.sum(jnp.sum(jnp.sum(acc, axis=3), axis=2), axis=1)
-            idx = (m0 + m, rows) if cfg.split_k == 1 else (pid_s, m0 + m, rows)
+            idx = (pid_s, m0 + m, rows) if split_out else (m0 + m, rows)
             plgpu.store(o_ref.at[idx], acc.astype(o_ref.dtype), mask=rmask & (m0 + m < m_rows))
 
 
@@ -134,9 +134,11 @@ def compute_dtype(dtype) -> jnp.dtype:
     return dtype if dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else jnp.dtype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
-def fused_qmatmul(x: jax.Array, w: QTensor, cfg: TileConfig, interpret: bool = False) -> jax.Array:
-    """x (M, K) @ dequantize(w).T -> (M, N) in x.dtype, by the fused kernel with tiles `cfg`."""
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret", "partials"))
+def fused_qmatmul(x: jax.Array, w: QTensor, cfg: TileConfig, interpret: bool = False,
+                  partials: bool = False) -> jax.Array:
+    """x (M, K) @ dequantize(w).T -> (M, N) in x.dtype, by the fused kernel with tiles `cfg`;
+    with `partials`, the split-K partial sums (split_k, M, N) in float32."""
     if w.qtype not in FORMATS:
         raise NotImplementedError(f"fused_qmatmul: no kernel for {w.qtype.name}; have "
                                   f"{', '.join(t.name for t in FORMATS)}")
@@ -154,12 +156,12 @@ def fused_qmatmul(x: jax.Array, w: QTensor, cfg: TileConfig, interpret: bool = F
     x5 = x.reshape(m_rows, n_blocks, fmt.segments, fmt.sub, fmt.seg_len // fmt.sub)
     views = fmt.views(w.planes)
     grid = (pl.cdiv(n_rows, cfg.block_n), pl.cdiv(m_rows, cfg.block_m), cfg.split_k)
-    if cfg.split_k == 1:
+    if cfg.split_k == 1 and not partials:
         out_shape = jax.ShapeDtypeStruct((m_rows, n_rows), x.dtype)
     else:
         out_shape = jax.ShapeDtypeStruct((cfg.split_k, m_rows, n_rows), jnp.float32)
     kernel = functools.partial(
-        _kernel, fmt=fmt, cfg=cfg, m_rows=m_rows, n_rows=n_rows, n_blocks=n_blocks,
+        _kernel, fmt=fmt, cfg=cfg, split_out=len(out_shape.shape) == 3, m_rows=m_rows, n_rows=n_rows, n_blocks=n_blocks,
         blocks_per_split=blocks_per_split, cdt=compute_dtype(x.dtype))
     wbytes = sum(math.prod(v.shape) * v.dtype.itemsize for v in views)
     out = pl.pallas_call(
@@ -174,6 +176,6 @@ def fused_qmatmul(x: jax.Array, w: QTensor, cfg: TileConfig, interpret: bool = F
         interpret=interpret,
         name=f"qmatmul_{w.qtype.name.lower()}",
     )(x5, *views)
-    if cfg.split_k > 1:
+    if cfg.split_k > 1 and not partials:
         out = out.sum(axis=0).astype(x.dtype)
     return out

@@ -47,8 +47,16 @@ class QTensor:
 Weight = QTensor | jax.Array
 
 
+def _plain(x):
+    """Activations a producer rounded to int8 (a QuantizedX), expanded for a dense weight."""
+    from pallas_kernels.int8_activations import QuantizedX, dequantize_x
+
+    return dequantize_x(x).astype(x.dtype) if isinstance(x, QuantizedX) else x
+
+
 def matmul(x: jax.Array, w: Weight) -> jax.Array:
-    """x @ w.T for x of shape (..., in_features) and w of logical shape (out, in).
+    """x @ w.T for x of shape (..., in_features) and w of logical shape (out, in); x may be a
+    QuantizedX (activations already rounded to int8 for the int8 decode kernel).
 
     Dense weights are plain arrays in (out, in) orientation. Quantized weights go to
     `pallas_kernels.quant_matmul.qmatmul`: the fused kernels on GPU for the types they cover,
@@ -59,7 +67,20 @@ def matmul(x: jax.Array, w: Weight) -> jax.Array:
         from pallas_kernels.quant_matmul import qmatmul
 
         return qmatmul(x, w)
+    x = _plain(x)
     return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def matmul_partials(x: jax.Array, w: Weight) -> jax.Array:
+    """x @ w.T as S float32 partial sums (S, ..., out) whose sum over axis 0 is the product:
+    a split-K decode kernel's output before its reduction, so that the consumer (the residual
+    add) sums it in its own pass instead of a kernel of its own. S is 1 where nothing is split."""
+    if isinstance(w, QTensor):
+        from pallas_kernels.quant_matmul import qmatmul
+
+        return qmatmul(x, w, partials=True)
+    x = _plain(x)
+    return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32)[None]
 
 
 def take_rows(w: Weight, ids: jax.Array, dtype=jnp.float32) -> jax.Array:

@@ -1,0 +1,40 @@
+"""Activations rounded to int8 per 32 values, for the int8 decode GEMV: a Pallas kernel beside
+the plain-JAX reference.
+
+    quantize(x, activation=None, *, implementation=None) -> QuantizedX
+
+x (..., K); with `activation` ("silu", "gelu_tanh") x is (..., 2K) = [gate | up] and what is
+rounded is act(gate) * up (the FFN's GLU, fused into the same pass). `implementation`: None
+picks the kernel on a GPU backend for at most MAX_ROWS rows and the reference elsewhere;
+"reference", "pallas", "interpret" force one. The RMS-norm kernel (pallas_kernels.rms_norm)
+emits the same QuantizedX from its own pass, with `store_quantized`.
+"""
+from __future__ import annotations
+
+import jax
+
+from .kernel import quantize_rows
+from .reference import ACTIVATIONS, QuantizedX, dequantize_x, glu, quantize_reference, quantize_x
+
+__all__ = ["quantize", "quantize_rows", "quantize_reference", "quantize_x", "dequantize_x", "glu",
+           "QuantizedX", "ACTIVATIONS", "MAX_ROWS"]
+
+MAX_ROWS = 64
+IMPLEMENTATIONS = ("reference", "pallas", "interpret")
+
+
+def quantize(x: jax.Array, activation: str | None = None, *, implementation: str | None = None) -> QuantizedX:
+    if activation is not None and activation not in ACTIVATIONS:
+        raise ValueError(f"quantize: activation={activation!r}; expected None or one of {ACTIVATIONS}")
+    *lead, width = x.shape
+    rows = 1
+    for d in lead:
+        rows *= d
+    if implementation is None:
+        implementation = "pallas" if jax.default_backend() == "gpu" and rows <= MAX_ROWS else "reference"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"quantize: implementation={implementation!r}; expected None or one of {IMPLEMENTATIONS}")
+    if implementation == "reference":
+        return quantize_reference(x, activation)
+    xq = quantize_rows(x.reshape(rows, width), activation, interpret=implementation == "interpret")
+    return xq.reshape(*lead)

@@ -1,0 +1,134 @@
+"""Rounding activations to int8 in Pallas: the pieces every producer kernel shares, and a
+kernel of its own for rows that come from no other kernel of ours.
+
+A row of K values is handled as G = K / 32 groups, each viewed as (2 halves, 4 words, 4
+lanes): `lanes(ref, ...)` loads one lane of every word, (GP, 2, 4) per lane with GP = G
+rounded up to a power of two (Triton tiles), so that packing four int8 into a word is four
+shifts and ors, with no data moved between threads. `store_quantized` rounds such a row and
+writes the QuantizedX planes. `quantize_rows` runs it on a plain row or, for the FFN's down
+projection, on act(gate) * up straight from the fused gate/up product, so that the GLU costs
+no kernel of its own.
+
+Rounding is IEEE, as `quantize_x` rounds in XLA: division and round-half-even by one PTX
+instruction each (Triton's own division is approximate and Pallas-Triton has no rounding
+primitive; an add-based rounding would be contracted into an FMA with the product before
+it). In Pallas' interpreter both are the jnp operations, so the CPU tests are bit-exact.
+
+Lowering: Pallas' Triton backend (a one-row reduction and elementwise ops).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .reference import QuantizedX, activate
+
+_I32, _F32 = jnp.int32, jnp.float32
+
+
+def ptx(instruction, result_dtype, *args):
+    """One PTX instruction applied elementwise to 32-bit operands (f registers for float32)."""
+    args = jnp.broadcast_arrays(*args)
+    reg = lambda dtype: "f" if dtype == _F32 else "r"
+    [out] = plgpu.elementwise_inline_asm(
+        instruction, args=list(args), pack=1,
+        constraints=",".join(["=" + reg(result_dtype)] + [reg(a.dtype) for a in args]),
+        result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, result_dtype)])
+    return out
+
+
+def _div(a, b, ip):
+    return a / b if ip else ptx("div.rn.f32 $0, $1, $2;", _F32, a, b)
+
+
+def _round_to_int(v, ip):
+    return jnp.round(v).astype(_I32) if ip else ptx("cvt.rni.s32.f32 $0, $1;", _I32, v)
+
+
+def group_mask(gp: int, g: int):
+    return jax.lax.broadcasted_iota(_I32, (gp,), 0) < g
+
+
+def _full(mask, shape):
+    return jnp.broadcast_to(mask.reshape(mask.shape + (1,) * (len(shape) - 1)), shape)
+
+
+def lanes(ref, idx, gp: int, g: int):
+    """The four lanes (GP, 2, 4) of a row at ref[idx] of a (..., G, 2, 4, 4) view, float32."""
+    mask = _full(group_mask(gp, g), (gp, 2, 4))
+    return [plgpu.load(ref.at[tuple(idx) + (pl.ds(0, gp), slice(None), slice(None), jnp.int32(i))],
+                       mask=mask, other=0).astype(_F32) for i in range(4)]
+
+
+def store_lanes(ref, idx, values, gp: int, g: int):
+    mask = _full(group_mask(gp, g), (gp, 2, 4))
+    for i, v in enumerate(values):
+        plgpu.store(ref.at[tuple(idx) + (pl.ds(0, gp), slice(None), slice(None), jnp.int32(i))],
+                    v.astype(ref.dtype), mask=mask)
+
+
+def store_quantized(values, refs, row, gp: int, g: int, ip: bool):
+    """Round the row's four lanes (GP, 2, 4) to int8 per group and store them into the
+    QuantizedX planes `refs` = (words (M, G, 2, 4), d (M, G), dsum32 (M, G), dsum16 (M, G, 2))."""
+    words_ref, d_ref, dsum32_ref, dsum16_ref = refs
+    amax = None
+    for v in values:
+        a = jnp.max(jnp.max(jnp.abs(v), axis=-1), axis=-1)
+        amax = a if amax is None else jnp.maximum(amax, a)
+    inv = jnp.where(amax > 0, _div(jnp.full_like(amax, 127.0), jnp.where(amax > 0, amax, 1.0), ip), 0.0)
+    q = [_round_to_int(v * inv[:, None, None], ip) for v in values]
+    words = (q[0] & 0xFF) | ((q[1] & 0xFF) << 8) | ((q[2] & 0xFF) << 16) | (q[3] << 24)
+    sum16 = jnp.sum(q[0] + q[1] + q[2] + q[3], axis=-1)               # (GP, 2)
+    d = _div(amax, jnp.full_like(amax, 127.0), ip)
+    groups = pl.ds(0, gp)
+    mask = group_mask(gp, g)
+    plgpu.store(words_ref.at[row, groups, :, :], words, mask=_full(mask, (gp, 2, 4)))
+    plgpu.store(d_ref.at[row, groups], d, mask=mask)
+    plgpu.store(dsum32_ref.at[row, groups], d * jnp.sum(sum16, axis=-1).astype(_F32), mask=mask)
+    plgpu.store(dsum16_ref.at[row, groups, :], d[:, None] * sum16.astype(_F32), mask=_full(mask, (gp, 2)))
+
+
+def quantized_out_shapes(m: int, k: int):
+    """pallas_call out_shape of the QuantizedX planes, in the views `store_quantized` writes."""
+    g = k // 32
+    return (jax.ShapeDtypeStruct((m, g, 2, 4), _I32), jax.ShapeDtypeStruct((m, g), _F32),
+            jax.ShapeDtypeStruct((m, g), _F32), jax.ShapeDtypeStruct((m, g, 2), _F32))
+
+
+def as_quantized(planes, m: int, k: int, dtype) -> QuantizedX:
+    words, d, dsum32, dsum16 = planes
+    return QuantizedX(words.reshape(m, k // 4), d, dsum32, dsum16.reshape(m, k // 16), jnp.dtype(dtype))
+
+
+def _kernel(x_ref, *out_refs, gp, g, activation, ip):
+    row = pl.program_id(0)
+    if activation is None:
+        values = lanes(x_ref, (row,), gp, g)
+    else:
+        gate, up = lanes(x_ref, (row, jnp.int32(0)), gp, g), lanes(x_ref, (row, jnp.int32(1)), gp, g)
+        values = [activate(a, activation) * b for a, b in zip(gate, up)]
+    store_quantized(values, out_refs, row, gp, g, ip)
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "interpret"))
+def quantize_rows(x: jax.Array, activation: str | None = None, interpret: bool = False) -> QuantizedX:
+    """x (M, K) -> QuantizedX, one program per row; with `activation`, x is (M, 2K) = [gate |
+    up] and the rows rounded are act(gate) * up (computed in float32)."""
+    m, width = x.shape
+    k = width if activation is None else width // 2
+    if k % 32 or (activation is not None and width % 2):
+        raise ValueError(f"quantize_rows: x of shape {x.shape}: K={k} must be a multiple of 32"
+                         + ("" if activation is None else " (x holds [gate | up])"))
+    g = k // 32
+    view = x.reshape(m, g, 2, 4, 4) if activation is None else x.reshape(m, 2, g, 2, 4, 4)
+    kernel = functools.partial(_kernel, gp=pl.next_power_of_2(g), g=g, activation=activation, ip=interpret)
+    planes = pl.pallas_call(
+        kernel, grid=(m,), out_shape=quantized_out_shapes(m, k),
+        compiler_params=plgpu.CompilerParams(num_warps=4 if g <= 128 else 8, num_stages=1),
+        interpret=interpret, name="quantize_rows" if activation is None else f"quantize_{activation}_glu",
+    )(view)
+    return as_quantized(planes, m, k, x.dtype if jnp.dtype(x.dtype).itemsize == 2 else jnp.bfloat16)

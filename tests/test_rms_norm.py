@@ -1,0 +1,120 @@
+"""Residual add + RMS norm (pallas_kernels.rms_norm): the Pallas kernel against the plain-JAX
+reference, in Pallas' CPU interpreter and (marked gpu) compiled on the GPU; the reference
+against a float64 numpy oracle."""
+from __future__ import annotations
+
+import unittest.mock as mock
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.rms_norm import add_rms_norm, add_rms_norm_kernel
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+EPS = 1e-5
+
+
+def _inputs(m, k, s, parts_dtype=jnp.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k)) * 3, jnp.float32)
+    parts = jnp.asarray(rng.standard_normal((s, m, k)), parts_dtype) if s else None
+    w = jnp.asarray(rng.standard_normal(k), jnp.float32)
+    return x, parts, w
+
+
+def _oracle(x, parts, w):
+    x = np.asarray(x, np.float64)
+    if parts is not None:
+        x = x + np.asarray(jnp.asarray(parts, jnp.float32), np.float64).sum(0)
+    return x, x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + EPS) * np.asarray(w, np.float64)
+
+
+@pytest.mark.parametrize("k", [576, 2048, 96])
+@pytest.mark.parametrize("s", [0, 1, 3])
+def test_kernel_matches_reference_and_oracle(k, s):
+    """K not a power of two (masked tile), no partials, one, several (a split-K matmul's)."""
+    x, parts, w = _inputs(3, k, s, seed=k + s)
+    got_x, got_y = add_rms_norm(x, parts, w, EPS, jnp.float32, implementation="interpret")
+    ref_x, ref_y = add_rms_norm(x, parts, w, EPS, jnp.float32, implementation="reference")
+    want_x, want_y = _oracle(x, parts, w)
+    assert got_x.dtype == jnp.float32 and got_y.shape == (3, k)
+    np.testing.assert_allclose(np.asarray(got_x), np.asarray(ref_x), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got_y), np.asarray(ref_y), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ref_y), want_y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got_x), want_x, rtol=1e-6, atol=1e-6)
+
+
+def test_leading_axes_bf16_output_and_bf16_partials():
+    x, parts, w = _inputs(4, 256, 2, parts_dtype=jnp.bfloat16, seed=3)
+    x3, parts3 = x.reshape(2, 2, 256), parts.reshape(2, 2, 2, 256)
+    got_x, got_y = add_rms_norm(x3, parts3, w, EPS, jnp.bfloat16, implementation="interpret")
+    assert got_x.shape == (2, 2, 256) and got_y.dtype == jnp.bfloat16
+    want_x, want_y = _oracle(x, parts, w)
+    np.testing.assert_allclose(np.asarray(got_x).reshape(4, 256), want_x, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got_y, np.float32).reshape(4, 256), want_y, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("k,s", [(576, 2), (2048, 0)])
+def test_quantizing_kernel_matches_reference(k, s):
+    """quantize=True: the normed row comes as int8 groups, the same q as the reference rounds
+    the float32 normed row to (the residual as above)."""
+    from pallas_kernels.int8_activations import dequantize_x
+
+    x, parts, w = _inputs(2, k, s, seed=k)
+    got_x, got_q = add_rms_norm(x, parts, w, EPS, jnp.bfloat16, quantize=True, implementation="interpret")
+    ref_x, ref_q = add_rms_norm(x, parts, w, EPS, jnp.bfloat16, quantize=True, implementation="reference")
+    np.testing.assert_allclose(np.asarray(got_x), np.asarray(ref_x), rtol=1e-6, atol=1e-6)
+    assert got_q.dtype == jnp.bfloat16 and got_q.shape == (2, k)
+    np.testing.assert_array_equal(np.asarray(got_q.words), np.asarray(ref_q.words))
+    np.testing.assert_allclose(np.asarray(got_q.dsum16), np.asarray(ref_q.dsum16), rtol=1e-5, atol=1e-6)
+    _, want_y = _oracle(x, parts, w)
+    np.testing.assert_allclose(np.asarray(dequantize_x(got_q)), want_y, atol=np.abs(want_y).max() / 127)
+
+
+def test_dispatch_and_errors():
+    x, parts, w = _inputs(2, 64, 1)
+    # CPU backend: the reference, whatever the row count.
+    got = add_rms_norm(x, parts, w, EPS, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(
+        add_rms_norm(x, parts, w, EPS, jnp.float32, implementation="reference")[1]))
+    with pytest.raises(ValueError, match="implementation='triton'"):
+        add_rms_norm(x, parts, w, EPS, jnp.float32, implementation="triton")
+    with pytest.raises(ValueError, match="quantize needs K a multiple of 32"):
+        add_rms_norm_kernel(_inputs(1, 48, 0)[0], None, _inputs(1, 48, 0)[2], EPS, jnp.bfloat16, quantize=True,
+                            interpret=True)
+    with pytest.raises(ValueError, match=r"weight \(32,\) do not match x \(2, 64\)"):
+        add_rms_norm_kernel(x, parts, w[:32], EPS, jnp.float32, interpret=True)
+
+
+def test_lowers_to_triton_for_h100():
+    """The kernel lowers to a Triton module for sm_90 without a GPU."""
+    from jax._src.pallas.triton import gpu_info
+
+    h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+    args = (jax.ShapeDtypeStruct((1, 2048), jnp.float32), jax.ShapeDtypeStruct((2, 1, 2048), jnp.float32),
+            jax.ShapeDtypeStruct((2048,), jnp.float32))
+    with warnings.catch_warnings(), mock.patch.object(gpu_info, "get_gpu_info", lambda: h100):
+        warnings.simplefilter("ignore")
+        lowered = jax.jit(add_rms_norm_kernel, static_argnames=("eps", "out_dtype", "interpret")).trace(
+            *args, EPS, jnp.bfloat16).lower(lowering_platforms=("cuda",))
+    assert "__gpu$xla.gpu.triton" in lowered.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,s", [(1, 2048, 1), (3, 576, 4), (8, 4096, 0)])
+def test_kernel_on_gpu(m, k, s):
+    from pallas_kernels.int8_activations import dequantize_x
+
+    x, parts, w = _inputs(m, k, s, seed=m)
+    qx, q = jax.jit(add_rms_norm, static_argnames=("eps", "out_dtype", "quantize"))(
+        x, parts, w, eps=EPS, out_dtype=jnp.bfloat16, quantize=True)
+    got_x, got_y = jax.jit(add_rms_norm, static_argnames=("eps", "out_dtype"))(x, parts, w, eps=EPS,
+                                                                               out_dtype=jnp.float32)
+    want_x, want_y = _oracle(x, parts, w)
+    np.testing.assert_allclose(np.asarray(got_x), want_x, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got_y), want_y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(qx), want_x, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(dequantize_x(q)), want_y, atol=np.abs(want_y).max() / 127)
