@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import jax
 
+from pallas_kernels.implementation import pick_implementation, rows_of
+
 from .kernel import quantize_rows
 from .reference import ACTIVATIONS, QuantizedX, dequantize_x, glu, quantize_reference, quantize_x
 
@@ -20,20 +22,14 @@ __all__ = ["quantize", "quantize_rows", "quantize_reference", "quantize_x", "deq
            "QuantizedX", "ACTIVATIONS", "MAX_ROWS"]
 
 MAX_ROWS = 64
-IMPLEMENTATIONS = ("reference", "pallas", "interpret")
 
 
 def quantize(x: jax.Array, activation: str | None = None, *, implementation: str | None = None) -> QuantizedX:
     if activation is not None and activation not in ACTIVATIONS:
         raise ValueError(f"quantize: activation={activation!r}; expected None or one of {ACTIVATIONS}")
     *lead, width = x.shape
-    rows = 1
-    for d in lead:
-        rows *= d
-    if implementation is None:
-        implementation = "pallas" if jax.default_backend() == "gpu" and rows <= MAX_ROWS else "reference"
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"quantize: implementation={implementation!r}; expected None or one of {IMPLEMENTATIONS}")
+    rows = rows_of(x.shape)
+    implementation = pick_implementation("quantize", implementation, rows, MAX_ROWS)
     if implementation == "reference":
         return quantize_reference(x, activation)
     xq = quantize_rows(x.reshape(rows, width), activation, interpret=implementation == "interpret")

@@ -71,6 +71,19 @@ def store_lanes(ref, idx, values, gp: int, g: int):
                     v.astype(ref.dtype), mask=mask)
 
 
+def group_scale(amax, ip: bool):
+    """(1 / step, step) of groups with max |x| amax: q = round(x / step) lies in [-127, 127]."""
+    inv = jnp.where(amax > 0, _div(jnp.full_like(amax, 127.0), jnp.where(amax > 0, amax, 1.0), ip), 0.0)
+    return inv, _div(amax, jnp.full_like(amax, 127.0), ip)
+
+
+def round_to_words(lanes, inv, ip: bool):
+    """Four lanes (float32, inv broadcast against them) rounded to int8 and packed into words
+    (lane i in byte i); also q0 + q1 + q2 + q3 per word, for the sums of q."""
+    q = [_round_to_int(v * inv, ip) for v in lanes]
+    return (q[0] & 0xFF) | ((q[1] & 0xFF) << 8) | ((q[2] & 0xFF) << 16) | (q[3] << 24), q[0] + q[1] + q[2] + q[3]
+
+
 def store_quantized(values, refs, row, gp: int, g: int, ip: bool):
     """Round the row's four lanes (GP, 2, 4) to int8 per group and store them into the
     QuantizedX planes `refs` = (words (M, G, 2, 4), d (M, G), dsum32 (M, G), dsum16 (M, G, 2))."""
@@ -79,11 +92,9 @@ def store_quantized(values, refs, row, gp: int, g: int, ip: bool):
     for v in values:
         a = jnp.max(jnp.max(jnp.abs(v), axis=-1), axis=-1)
         amax = a if amax is None else jnp.maximum(amax, a)
-    inv = jnp.where(amax > 0, _div(jnp.full_like(amax, 127.0), jnp.where(amax > 0, amax, 1.0), ip), 0.0)
-    q = [_round_to_int(v * inv[:, None, None], ip) for v in values]
-    words = (q[0] & 0xFF) | ((q[1] & 0xFF) << 8) | ((q[2] & 0xFF) << 16) | (q[3] << 24)
-    sum16 = jnp.sum(q[0] + q[1] + q[2] + q[3], axis=-1)               # (GP, 2)
-    d = _div(amax, jnp.full_like(amax, 127.0), ip)
+    inv, d = group_scale(amax, ip)
+    words, qsum = round_to_words(values, inv[:, None, None], ip)
+    sum16 = jnp.sum(qsum, axis=-1)                                     # (GP, 2)
     groups = pl.ds(0, gp)
     mask = group_mask(gp, g)
     plgpu.store(words_ref.at[row, groups, :, :], words, mask=_full(mask, (gp, 2, 4)))

@@ -122,13 +122,13 @@ def _quantize(parts, ip):
         for v in lanes:
             a = jnp.max(jnp.abs(v), axis=-1)
             amax = a if amax is None else jnp.maximum(amax, a)
-    inv = jnp.where(amax > 0, q8._div(jnp.full_like(amax, 127.0), jnp.where(amax > 0, amax, 1.0), ip), 0.0)
+    inv, d = q8.group_scale(amax, ip)
     words, sums = [], []
     for lanes in parts:
-        q = [q8._round_to_int(v * inv[..., None], ip) for v in lanes]
-        words.append((q[0] & 0xFF) | ((q[1] & 0xFF) << 8) | ((q[2] & 0xFF) << 16) | (q[3] << 24))
-        sums.append(jnp.sum(q[0] + q[1] + q[2] + q[3], axis=-1))
-    return words, q8._div(amax, jnp.full_like(amax, 127.0), ip), sums
+        w, qsum = q8.round_to_words(lanes, inv[..., None], ip)
+        words.append(w)
+        sums.append(jnp.sum(qsum, axis=-1))
+    return words, d, sums
 
 
 def _group(x, ip, per_part=False):

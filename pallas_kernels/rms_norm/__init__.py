@@ -16,6 +16,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.implementation import pick_implementation, rows_of
 from pallas_kernels.int8_activations import quantize_x
 
 from .kernel import add_rms_norm_kernel
@@ -24,19 +25,13 @@ from .reference import add_rms_norm_reference, rms_norm
 __all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_kernel", "rms_norm", "MAX_ROWS"]
 
 MAX_ROWS = 64
-IMPLEMENTATIONS = ("reference", "pallas", "interpret")
 
 
 def add_rms_norm(x: jax.Array, parts: jax.Array | None, w: jax.Array, eps: float, out_dtype, *,
                  quantize: bool = False, implementation: str | None = None):
     lead, k = x.shape[:-1], x.shape[-1]
-    rows = 1
-    for d in lead:
-        rows *= d
-    if implementation is None:
-        implementation = "pallas" if jax.default_backend() == "gpu" and rows <= MAX_ROWS else "reference"
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"add_rms_norm: implementation={implementation!r}; expected None or one of {IMPLEMENTATIONS}")
+    rows = rows_of(x.shape)
+    implementation = pick_implementation("add_rms_norm", implementation, rows, MAX_ROWS)
     if implementation == "reference":
         x_out, y = add_rms_norm_reference(x, parts, w, eps, jnp.float32 if quantize else out_dtype)
         return x_out, (dataclasses.replace(quantize_x(y), dtype=jnp.dtype(out_dtype)) if quantize else y)
