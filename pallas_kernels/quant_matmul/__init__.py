@@ -39,7 +39,7 @@ def takes_quantized_x(w, rows: int, dtype) -> bool:
     """Whether x (rows, K) @ w would go to the int8 decode kernel on this backend."""
     return (isinstance(w, QTensor) and jax.default_backend() == "gpu" and supports(w.qtype)
             and 0 < rows <= MAX_M and uses_int8(w.qtype, rows, *w.shape, dtype)
-            and not rounds_x_itself(w.qtype, *w.shape))
+            and not rounds_x_itself(w.qtype, rows, *w.shape))
 
 
 def qmatmul(x: jax.Array | QuantizedX, w: QTensor, *, implementation: str | None = None,

@@ -53,6 +53,11 @@ FMA_AT_M1 = {
 # Q8_0 (M=8: 37 vs 45).
 INT8_MAX_M = {QType.Q8_0: 8, QType.Q4_K: 2, QType.Q4_1: 4, QType.Q4_0: 4}
 INT8_MIN_VALUES = {QType.Q4_K: 0, QType.Q8_0: 0, QType.Q4_1: 2**24, QType.Q4_0: 2**24}
+# Beyond int8.ROUNDS_IN_KERNEL_MAX_M rows x is rounded in a pass of its own before the product
+# (as in session 3, when this threshold was measured for every type): Q8_0 at batch 8
+# decoded 2,079 tokens/s (llama-1b) with the kernel rounding 8 rows from 0 values, 2,644
+# before on another machine.
+INT8_MIN_VALUES_ROUNDED_FIRST = 2**24
 # Raw activations are rounded to int8 by the kernel's own programs (no launch, 25-35% more
 # kernel time for Q4_K at the 8B shapes); from this many weight values the producer of x
 # rounds them instead (the RMS norm or GLU kernel before the product, `takes_quantized_x`;
@@ -71,13 +76,14 @@ def uses_int8(qtype: QType, m: int, n: int, k: int, dtype) -> bool:
     """Whether the decode product goes to the int8 kernel: half-precision activations (f32 ones
     keep the exact float kernel), a type and M it wins at, and a weight large enough."""
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and m <= INT8_MAX_M.get(qtype, 0) and n * k >= INT8_MIN_VALUES[qtype])
+            and m <= INT8_MAX_M.get(qtype, 0)
+            and n * k >= (INT8_MIN_VALUES[qtype] if m <= int8.ROUNDS_IN_KERNEL_MAX_M else INT8_MIN_VALUES_ROUNDED_FIRST))
 
 
-def rounds_x_itself(qtype: QType, n: int, k: int) -> bool:
+def rounds_x_itself(qtype: QType, m: int, n: int, k: int) -> bool:
     """Whether the int8 kernel should be given raw activations (and round them per program)
     rather than a QuantizedX from the kernel before it."""
-    return n * k < INT8_PRODUCER_MIN_VALUES
+    return m <= int8.ROUNDS_IN_KERNEL_MAX_M and n * k < INT8_PRODUCER_MIN_VALUES
 
 
 def default_int8_config(qtype: QType, m: int, n: int, k: int) -> int8.Int8GemvConfig:

@@ -448,6 +448,9 @@ def _kernel(*refs, fmt, cfg, split_out, m_rows, n_rows, n_blocks, blocks_per_spl
 
 
 MAX_M = 8
+# Raw x is rounded in the kernel for at most this many rows (measured at M=1): every program
+# rounds every row for its K range, so that work grows with M while the weight tile does not.
+ROUNDS_IN_KERNEL_MAX_M = 2
 
 
 def supports(qtype: QType) -> bool:
@@ -470,8 +473,9 @@ def int8_gemv(x: jax.Array | QuantizedX, w: QTensor, cfg: Int8GemvConfig = Int8G
                          f"(M must be 1..{MAX_M})")
     n_blocks = k // fmt.block_size
     out_dtype = x.dtype
-    if w.qtype == QType.Q6_K and not isinstance(x, QuantizedX):
-        # Rounded per program, Q6_K's 16-value groups made the kernel 6x slower (H100, notes).
+    if not isinstance(x, QuantizedX) and (w.qtype == QType.Q6_K or m_rows > ROUNDS_IN_KERNEL_MAX_M):
+        # Rounded first, in one small kernel: per program, Q6_K's 16-value groups made the
+        # kernel 6x slower (H100, notes), and many rows multiply the rounding work.
         x = quantize(x, implementation="interpret" if interpret else "pallas")
     if isinstance(x, QuantizedX):
         x_views = fmt.xq_views(x, m_rows, n_blocks)
