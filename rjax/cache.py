@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention import attention
+from pallas_kernels.kv_append import rope_append, write_positions
 from rjax.config import ModelConfig
 
 
@@ -40,14 +41,20 @@ class KVCache:
 
     def write(self, layer: int, k_new, v_new, pos, slots):
         """k_new, v_new [B, T, Hkv, D] at positions pos [B, T] (-1: skip) of cache rows `slots`."""
-        B, T = pos.shape
-        rows = jnp.arange(B) if slots is None else slots
-        rows = jnp.broadcast_to(rows[:, None], (B, T))
-        # Out-of-range positions are dropped by the scatter: padding maps to max_len.
-        where = jnp.where(pos >= 0, pos, self.max_len)
-        k = self.k[layer].at[rows, :, where].set(k_new.astype(self.dtype), mode="drop")
-        v = self.v[layer].at[rows, :, where].set(v_new.astype(self.dtype), mode="drop")
+        rows = jnp.arange(pos.shape[0]) if slots is None else slots
+        k = write_positions(self.k[layer], k_new, pos, rows)
+        v = write_positions(self.v[layer], v_new, pos, rows)
         return dataclasses.replace(self, k=_replace(self.k, layer, k), v=_replace(self.v, layer, v))
+
+    def rope_write(self, layer: int, parts, bias, pos, slots, inv_freq, *, n_heads: int, pairing: str, dtype):
+        """The fused QKV product as partial sums parts [S, B, T, (Hq + 2 Hkv) D] (plus bias or
+        None), summed and rounded to `dtype`: queries and keys rotated for positions pos [B, T],
+        keys and values written as `write` does; one kernel at decode (pallas_kernels.kv_append).
+        -> (q [B, T, Hq, D], cache)."""
+        rows = jnp.arange(pos.shape[0]) if slots is None else slots
+        q, k, v = rope_append(parts, bias, pos, self.k[layer], self.v[layer], inv_freq, rows, n_heads=n_heads,
+                              pairing=pairing, dtype=dtype)
+        return q, dataclasses.replace(self, k=_replace(self.k, layer, k), v=_replace(self.v, layer, v))
 
     def attend(self, layer: int, q, pos, slots, *, scale: float, window: int | None):
         k, v = self.k[layer], self.v[layer]

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.int8_activations import quantize
+from pallas_kernels.kv_append import apply_rope, split_qkv
 from pallas_kernels.rms_norm import add_rms_norm, rms_norm
 from rjax.cache import KVCache
 from rjax.config import ModelConfig
@@ -106,22 +107,6 @@ def rope_inv_freq(cfg: ModelConfig, theta: float, linear: float = 1.0) -> jax.Ar
     return inv
 
 
-def apply_rope(x: jax.Array, pos: jax.Array, inv_freq: jax.Array, pairing: str) -> jax.Array:
-    """x: [B, T, H, D]; pos: [B, T] absolute positions."""
-    angles = pos.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
-    xf = x.astype(jnp.float32)
-    if pairing == "pairs":
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]
-        out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(xf.shape)
-    else:
-        half = xf.shape[-1] // 2
-        x1, x2 = xf[..., :half], xf[..., half:]
-        out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
-
-
 def _activation(cfg: ModelConfig, x: jax.Array) -> jax.Array:
     if cfg.activation == "gelu_tanh":
         return jax.nn.gelu(x, approximate=True)
@@ -130,24 +115,37 @@ def _activation(cfg: ModelConfig, x: jax.Array) -> jax.Array:
 
 def _attention_block(cfg: ModelConfig, i: int, p: LayerParams, x, cache: KVCache, pos, slots):
     B, T, _ = x.shape
+    inv_freq = rope_inv_freq(cfg, cfg.layer_rope_theta[i], cfg.layer_rope_linear[i])
     if p.wqkv is not None:
-        nq, nkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        if p.q_norm is None and isinstance(cache, KVCache):
+            # Sum of the split-K partials, bias, split, rotation and cache append: one kernel at decode.
+            bias = None if p.bq is None else jnp.concatenate([p.bq, p.bk, p.bv])
+            q, cache = cache.rope_write(i, matmul_partials(x, p.wqkv), bias, pos, slots, inv_freq,
+                                        n_heads=cfg.n_heads, pairing=cfg.rope_pairing, dtype=x.dtype)
+            return _attention_output(cfg, i, p, q, cache, pos, slots)
         qkv = matmul(x, p.wqkv)
-        q, k, v = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
+        if p.bq is not None:
+            qkv = qkv + jnp.concatenate([p.bq, p.bk, p.bv]).astype(qkv.dtype)
+        q, k, v = split_qkv(qkv, cfg.n_heads, cfg.n_kv_heads)
     else:
         q, k, v = matmul(x, p.wq), matmul(x, p.wk), matmul(x, p.wv)
-    if p.bq is not None:
-        q, k, v = q + p.bq, k + p.bk, v + p.bv
-    q = q.reshape(B, T, cfg.n_heads, cfg.head_dim)
-    k = k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
-    v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+        if p.bq is not None:
+            q, k, v = (q + p.bq).astype(q.dtype), (k + p.bk).astype(k.dtype), (v + p.bv).astype(v.dtype)
+        q = q.reshape(B, T, cfg.n_heads, cfg.head_dim)
+        k = k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+        v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
     if p.q_norm is not None:
         q = rms_norm(q, p.q_norm, cfg.rms_eps)
         k = rms_norm(k, p.k_norm, cfg.rms_eps)
-    inv_freq = rope_inv_freq(cfg, cfg.layer_rope_theta[i], cfg.layer_rope_linear[i])
     q = apply_rope(q, pos, inv_freq, cfg.rope_pairing)
     k = apply_rope(k, pos, inv_freq, cfg.rope_pairing)
     cache = cache.write(i, k, v, pos, slots)
+    return _attention_output(cfg, i, p, q, cache, pos, slots)
+
+
+def _attention_output(cfg: ModelConfig, i: int, p: LayerParams, q, cache, pos, slots):
+    """Attention of q [B, T, Hq, D] over the cache, through the output projection (partial sums)."""
+    B, T = q.shape[:2]
     out = cache.attend(i, q, pos, slots, scale=cfg.attn_scale, window=cfg.layer_windows[i])
     return matmul_partials(out.reshape(B, T, cfg.n_heads * cfg.head_dim), p.wo), cache
 

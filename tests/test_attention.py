@@ -169,6 +169,10 @@ DECODE_CASES = {
     "t4-gqa2-bf16-window-split2": (4, 4, 2, jnp.bfloat16, 13, 2),
     "t8-gqa8-bf16-split4": (8, 8, 1, jnp.bfloat16, None, 4),
     "t3-mha-f32-window-nosplit": (3, 2, 2, jnp.float32, 30, 1),
+    # One token: q read in place; with one split the output is written without a combine step.
+    "t1-gqa3-bf16-nosplit": (1, 9, 3, jnp.bfloat16, None, 1),
+    "t1-gqa3-f32-window-split2": (1, 6, 2, jnp.float32, 20, 2),
+    "t1-mha-f32-window-nosplit": (1, 2, 2, jnp.float32, 30, 1),
 }
 
 
@@ -187,24 +191,26 @@ def test_decode_kernel_matches_reference(name):
     assert np.all(np.asarray(out, np.float32)[1, 0] == 0) and np.all(np.asarray(out, np.float32)[2] == 0)
 
 
-def test_decode_kernel_window_excludes_every_key():
+@pytest.mark.parametrize("splits", [1, 2])
+def test_decode_kernel_window_excludes_every_key(splits):
     # The query sits past kv_len by more than the window: it sees no key, output 0, no NaN.
     q, k, v, pos, kv_len = make_case(8, B=2, T=1, Hq=4, Hkv=2, S=64, D=16, dtype=jnp.float32,
                                      kv_len=[10, 64], q_start=[40, 63])
-    out = decode_attention(q, k, v, pos, kv_len, scale=0.5, window=8, block_k=16, num_splits=2, interpret=True)
+    out = decode_attention(q, k, v, pos, kv_len, scale=0.5, window=8, block_k=16, num_splits=splits,
+                           interpret=True)
     ref = attention_reference(q, k, v, pos, kv_len, scale=0.5, window=8)
     assert np.all(np.asarray(out)[0] == 0) and rel_err(out, ref) < F32_TOL
 
 
-@pytest.mark.parametrize("page_size,block_k", [(16, 64), (64, 32)])
-def test_paged_decode_kernel_matches_reference(page_size, block_k):
-    q, k, v, pos, kv_len = make_case(9, B=2, T=2, Hq=4, Hkv=2, S=256, D=64, dtype=jnp.bfloat16,
-                                     kv_len=[250, 70], q_start=[248, 68])
+@pytest.mark.parametrize("page_size,block_k,T,splits", [(16, 64, 2, 3), (64, 32, 2, 3), (16, 32, 1, 1)])
+def test_paged_decode_kernel_matches_reference(page_size, block_k, T, splits):
+    q, k, v, pos, kv_len = make_case(9, B=2, T=T, Hq=4, Hkv=2, S=256, D=64, dtype=jnp.bfloat16,
+                                     kv_len=[250, 70], q_start=[250 - T, 70 - T])
     kp, table = paginate(k, page_size, 2 * 256 // page_size + 5, seed=10)
     vp, _ = paginate(v, page_size, 2 * 256 // page_size + 5, seed=10)
     ref = attention_reference(q, k, v, pos, kv_len, scale=0.125, window=100)
     out = paged_decode_attention(q, kp, vp, table, pos, kv_len, scale=0.125, window=100, block_k=block_k,
-                                 num_splits=3, interpret=True)
+                                 num_splits=splits, interpret=True)
     assert rel_err(out, ref) < BF16_TOL
 
 
@@ -237,3 +243,21 @@ def test_shape_errors_name_the_argument():
         attention(q, k, v, pos, kv_len, scale=1.0, implementation="interpret")
     with pytest.raises(ValueError, match="q_pos"):
         attention_reference(q, k[:, :1], v[:, :1], pos[:, :1], kv_len, scale=1.0)
+
+
+@pytest.mark.parametrize("T,splits", [(1, 1), (1, 2), (2, 1)])
+def test_decode_kernel_lowers_to_triton_for_h100(T, splits):
+    """The decode kernel, in its one-token and padded-rows forms, lowers for sm_90 without a GPU."""
+    import warnings
+    from unittest import mock
+
+    from jax._src.pallas.triton import gpu_info
+
+    h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+    S = jax.ShapeDtypeStruct
+    kv = S((1, 3, 640, 64), jnp.bfloat16)
+    args = (S((1, T, 9, 64), jnp.bfloat16), kv, kv, S((1, T), jnp.int32), S((1,), jnp.int32))
+    with warnings.catch_warnings(), mock.patch.object(gpu_info, "get_gpu_info", lambda: h100):
+        warnings.simplefilter("ignore")
+        lowered = decode_attention.trace(*args, scale=0.125, num_splits=splits).lower(lowering_platforms=("cuda",))
+    assert "__gpu$xla.gpu.triton" in lowered.as_text()

@@ -301,3 +301,36 @@ def test_gpu_int8_decode_paths_agree(tmp_path):
     scale = float(np.abs(out["float"]).max())
     np.testing.assert_allclose(out["producer"], out["in_kernel"], rtol=0, atol=2e-2 * scale)
     np.testing.assert_allclose(out["producer"], out["float"], rtol=0, atol=5e-2 * scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,quant,batch", [("smollm2-135m", "q8_0", 1), ("llama-1b", "q4_k", 3),
+                                               ("qwen2.5-1.5b", "q8_0", 2)])
+def test_gpu_decode_matches_longer_prefill(tmp_path, shape, quant, batch):
+    """Decode on the GPU (rotation + cache append kernel, one-token attention kernel, int8 GEMVs)
+    against a prefill of the prompt plus that token (XLA's rotation and scatter, the prefill
+    attention kernel, float products): the same logits up to the int8 rounding of activations.
+    The shapes cover both rotation pairings, a group of 3 query heads and QKV biases."""
+    from rjax.synth import write_synthetic
+
+    path = write_synthetic(tmp_path / "m.gguf", shape, quant, seed=2, n_layers=2, vocab_size=512,
+                           tokenizer_from="builtin")
+    model = rjax.load(path, progress=False)
+    cfg, params = model.config, model.params
+    ids = _prompts(3, [9, 30, 17][:batch], cfg.vocab_size)
+    nxt = [5, 11, 200][:batch]
+    t, l = engine.pad_prompts(ids)
+    cache = init_cache(cfg, batch, 64, dtype=jnp.bfloat16)
+    _, cache = engine.prefill(cfg, params, cache, jnp.asarray(t), jnp.asarray(l))
+    got, cache = engine.decode_step(cfg, params, cache, jnp.asarray(nxt, jnp.int32))
+    t2, l2 = engine.pad_prompts([p + [n] for p, n in zip(ids, nxt)])
+    want, full = engine.prefill(cfg, params, init_cache(cfg, batch, 64, dtype=jnp.bfloat16), jnp.asarray(t2),
+                                jnp.asarray(l2))
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_allclose(got, want, rtol=0, atol=5e-2 * float(np.abs(want).max()))
+    np.testing.assert_array_equal(np.asarray(cache.lengths), np.asarray(l2))
+    for layer in range(cfg.n_layers):  # the appended (rotated) keys and the values, position by position
+        for c, f in ((cache.k[layer], full.k[layer]), (cache.v[layer], full.v[layer])):
+            c, f = np.asarray(c, np.float32), np.asarray(f, np.float32)
+            for b, n in enumerate(l2):
+                np.testing.assert_allclose(c[b, :, :n], f[b, :, :n], rtol=0, atol=5e-2 * np.abs(f[b, :, :n]).max())

@@ -51,12 +51,24 @@ def default_num_splits(batch: int, kv_heads: int, num_keys: int, block_k: int) -
 
 
 def _kernel(kv_len_ref, row_pos_ref, q_ref, k_ref, v_ref, *rest, layout: CacheLayout, scale: float,
-            window: int | None, block_k: int, num_splits: int):
-    *table_ref, acc_ref, m_ref, l_ref = rest
-    table_ref = table_ref[0] if table_ref else None
-    split = pl.program_id(0)
-    pos = row_pos_ref[...]
-    q = q_ref[...]
+            window: int | None, block_k: int, num_splits: int, group: int | None):
+    """group: None, q_ref holds the padded query rows of this program and row_pos_ref their
+    positions; else (one query token) q_ref is the token's [Hq, D] heads, of which this KV head's
+    `group` rows are read (rows past them masked), and row_pos_ref the token's position."""
+    n_out = 1 if group is not None and num_splits == 1 else 3
+    table_ref = rest[0] if len(rest) > n_out else None
+    out_refs = rest[-n_out:]
+    split, kv_head = pl.program_id(0), pl.program_id(1)
+    if group is None:
+        pos = row_pos_ref[...]
+        q = q_ref[...]
+        rows = q.shape[0]
+    else:
+        rows = max(16, pl.next_power_of_2(group))
+        r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
+        first_row = pl.ds(kv_head * group, rows)
+        pos = jnp.where(r < group, row_pos_ref[()], -1)
+        q = pltriton.load(q_ref.at[first_row, :], mask=(r < group)[:, None], other=0)
     kv_len = kv_len_ref[()]
     qk_scale = scale * flash.LOG2E
 
@@ -72,6 +84,14 @@ def _kernel(kv_len_ref, row_pos_ref, q_ref, k_ref, v_ref, *rest, layout: CacheLa
     first = ranges.lo + split * per_split
     state = flash.init_state(q.shape[0], q.shape[1])
     acc, m, l = flash.walk_blocks(ranges, state, step, within=(first, first + per_split))
+    if len(out_refs) == 1:
+        # One split and one token: the normalized rows go straight to the [Hq, D] output
+        # (a row that sees no key has l == 0 and gets zeros), so no combine step runs.
+        (o_ref,) = out_refs
+        out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+        pltriton.store(o_ref.at[first_row, :], out.astype(o_ref.dtype), mask=(r < group)[:, None])
+        return
+    acc_ref, m_ref, l_ref = out_refs
     acc_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
@@ -104,11 +124,21 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
     kv_len = jnp.minimum(kv_len.astype(jnp.int32), layout.num_keys)  # never read past the cache
 
     # Query rows of one KV head, token-major: row t*G + g is token t of query head kv_head*G + g.
-    q_rows = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Hkv, T * G, D)
     row_pos = jnp.repeat(q_pos.astype(jnp.int32), G, axis=1)
-    if rows > T * G:
+    row_pos = jnp.pad(row_pos, ((0, 0), (0, rows - T * G)), constant_values=-1)
+    if T == 1:
+        # One token: the kernel reads its heads [Hq, D] in place and, with one split, writes
+        # the normalized output in the same layout: no padding, transposes or combine step.
+        group = G
+        q_args = [q_pos[:, 0].astype(jnp.int32), q[:, 0]]
+        q_specs = [pl.BlockSpec((None,), lambda s, h, b: (b,)), pl.BlockSpec((None, Hq, D), lambda s, h, b: (b, 0, 0))]
+    else:
+        group = None
+        q_rows = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Hkv, T * G, D)
         q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - T * G), (0, 0)))
-        row_pos = jnp.pad(row_pos, ((0, 0), (0, rows - T * G)), constant_values=-1)
+        q_args = [row_pos, q_rows]
+        q_specs = [pl.BlockSpec((None, rows), lambda s, h, b: (b, 0)),
+                   pl.BlockSpec((None, None, rows, D), lambda s, h, b: (b, h, 0, 0))]
 
     if layout.paged:
         kv_spec = pl.BlockSpec((k.shape[0], None, layout.page_size, D), lambda s, h, b: (0, h, 0, 0))
@@ -118,35 +148,34 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
         kv_spec = pl.BlockSpec((None, None, k.shape[2], D), lambda s, h, b: (b, h, 0, 0))
         extra_specs, extra_args = [], []
     kernel = functools.partial(_kernel, layout=layout, scale=float(scale), window=window, block_k=block_k,
-                               num_splits=num_splits)
+                               num_splits=num_splits, group=group)
+    direct = group is not None and num_splits == 1
     part = (B, Hkv, num_splits, rows)
-    acc, m, l = pl.pallas_call(
-        kernel,
-        grid=(num_splits, Hkv, B),
-        in_specs=[
-            pl.BlockSpec((None,), lambda s, h, b: (b,)),
-            pl.BlockSpec((None, rows), lambda s, h, b: (b, 0)),
-            pl.BlockSpec((None, None, rows, D), lambda s, h, b: (b, h, 0, 0)),
-            kv_spec,
-            kv_spec,
-            *extra_specs,
-        ],
-        out_specs=[
+    if direct:
+        out_specs = [pl.BlockSpec((None, Hq, D), lambda s, h, b: (b, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((B, Hq, D), q.dtype)]
+    else:
+        out_specs = [
             pl.BlockSpec((None, None, None, rows, D), lambda s, h, b: (b, h, s, 0, 0)),
             pl.BlockSpec((None, None, None, rows), lambda s, h, b: (b, h, s, 0)),
             pl.BlockSpec((None, None, None, rows), lambda s, h, b: (b, h, s, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct(part + (D,), jnp.float32),
-            jax.ShapeDtypeStruct(part, jnp.float32),
-            jax.ShapeDtypeStruct(part, jnp.float32),
-        ],
+        ]
+        out_shape = [jax.ShapeDtypeStruct(part + (D,), jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32),
+                     jax.ShapeDtypeStruct(part, jnp.float32)]
+    outs = pl.pallas_call(
+        kernel,
+        grid=(num_splits, Hkv, B),
+        in_specs=[pl.BlockSpec((None,), lambda s, h, b: (b,)), *q_specs, kv_spec, kv_spec, *extra_specs],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="rjax_decode_attention",
-    )(kv_len, row_pos, q_rows, k, v, *extra_args)
+    )(kv_len, *q_args, k, v, *extra_args)
+    if direct:
+        return outs[0][:, None]
 
-    out = _combine(acc, m, l, row_pos, kv_len, window)[:, :, : T * G]
+    out = _combine(*outs, row_pos, kv_len, window)[:, :, : T * G]
     out = out.reshape(B, Hkv, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
     return out.astype(q.dtype)
 
