@@ -333,7 +333,7 @@ def int8_configs(qt, m, n, k, grid=None):
     return list(dict.fromkeys(out))
 
 
-def int8_jobs(types, shapes, ms, sweep_int8=True):
+def int8_jobs(types, shapes, ms, sweep_int8=True, packed=False):
     """The int8 GEMV's tile sweep on the byte planes (the model's layout), beside the float
     kernel's default and XLA's bf16 dot."""
     jobs = []
@@ -357,7 +357,7 @@ def int8_jobs(types, shapes, ms, sweep_int8=True):
                 for c in int8_configs(qt, m, n, k, INT8_GRID):
                     jobs.append(Job(dict(kind="int8_bytes", type=qt.name, N=n, K=k, M=m, config=str(c)),
                                     lambda x, w, c=c: int8_gemv(x, w, c), mk, nbytes, m, k))
-                    if qt == QType.Q4_K:  # the file's packed scales (the model uses Q4_KChunks)
+                    if packed and qt == QType.Q4_K:  # the file's packed scales (the model uses Q4_KChunks)
                         jobs.append(Job(dict(kind="int8_packed", type=qt.name, N=n, K=k, M=m, config=str(c)),
                                         lambda x, w, c=c: int8_gemv(x, w, c),
                                         lambda key, qt=qt, n=n, k=k: device_qtensor(qt, n, k, key, model_layout=False),
@@ -420,6 +420,7 @@ def main():
     ap.add_argument("--timing", choices=("host", "kernels"), default="host",
                     help="host: wall clock around batches of calls; kernels: summed GPU kernel time from a trace")
     ap.add_argument("--out", default="quant_matmul.json")
+    ap.add_argument("--packed", action="store_true", help="int8 sweep: also Q4_K with the file's packed scales")
     ap.add_argument("--time-budget", type=float, default=1e9, help="stop timing rows after this many seconds")
     for name in INT8_GRID:
         ap.add_argument(f"--int8-{name.replace('_', '-')}", default=None,
@@ -438,7 +439,7 @@ def main():
     log(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
     hbm, peak = measure_ceilings()
     log(f"HBM copy bandwidth: {hbm:.0f} GB/s (read+write); bf16 jnp.dot 8192^3: {peak:.0f} TFLOP/s")
-    jobs = {"full": full_jobs, "sweep": sweep_jobs, "int8": int8_jobs,
+    jobs = {"full": full_jobs, "sweep": sweep_jobs, "int8": lambda *args: int8_jobs(*args, packed=a.packed),
             "decode": lambda *args: int8_jobs(*args, sweep_int8=False)}[a.mode](types, shapes, ms)
     compile_all(jobs, a.workers)
     rows = []

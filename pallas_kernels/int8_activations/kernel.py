@@ -2,9 +2,11 @@
 kernel of its own for rows that come from no other kernel of ours.
 
 A row of K values is handled as G = K / 32 groups, each viewed as (2 halves, 4 words, 4
-lanes): `lanes(ref, ...)` loads one lane of every word, (GP, 2, 4) per lane with GP = G
-rounded up to a power of two (Triton tiles), so that packing four int8 into a word is four
-shifts and ors, with no data moved between threads. `store_quantized` rounds such a row and
+lanes): `lanes(ref, ...)` loads one lane of every word of GP groups from group g0 on, (GP, 2,
+4) per lane with GP a power of two (Triton tiles), so that packing four int8 into a word is
+four shifts and ors, with no data moved between threads. Rows are split into chunks of
+CHUNK_GROUPS groups, one program each: a group needs nothing from outside it, and one program
+per row was bound by the one SM's issue rate (6.4 us for the GLU at K = 14336 on the H100). `store_quantized` rounds such a row and
 writes the QuantizedX planes. `quantize_rows` runs it on a plain row or, for the FFN's down
 projection, on act(gate) * up straight from the fused gate/up product, so that the GLU costs
 no kernel of its own.
@@ -49,26 +51,38 @@ def _round_to_int(v, ip):
     return jnp.round(v).astype(_I32) if ip else ptx("cvt.rni.s32.f32 $0, $1;", _I32, v)
 
 
-def group_mask(gp: int, g: int):
-    return jax.lax.broadcasted_iota(_I32, (gp,), 0) < g
+# Groups (of 32 values) per program; a row of G groups takes ceil(G / CHUNK_GROUPS) programs.
+CHUNK_GROUPS = 16
+CHUNK_WARPS = 2
+
+
+def group_mask(gp: int, g: int, g0=0):
+    return g0 + jax.lax.broadcasted_iota(_I32, (gp,), 0) < g
 
 
 def _full(mask, shape):
     return jnp.broadcast_to(mask.reshape(mask.shape + (1,) * (len(shape) - 1)), shape)
 
 
-def lanes(ref, idx, gp: int, g: int):
-    """The four lanes (GP, 2, 4) of a row at ref[idx] of a (..., G, 2, 4, 4) view, float32."""
-    mask = _full(group_mask(gp, g), (gp, 2, 4))
-    return [plgpu.load(ref.at[tuple(idx) + (pl.ds(0, gp), slice(None), slice(None), jnp.int32(i))],
+def lanes(ref, idx, gp: int, g: int, g0=0):
+    """The four lanes (GP, 2, 4) of groups g0 .. g0 + GP of a row at ref[idx] of a (..., G, 2,
+    4, 4) view, float32; groups past G read as 0."""
+    mask = _full(group_mask(gp, g, g0), (gp, 2, 4))
+    return [plgpu.load(ref.at[tuple(idx) + (pl.ds(g0, gp), slice(None), slice(None), jnp.int32(i))],
                        mask=mask, other=0).astype(_F32) for i in range(4)]
 
 
-def store_lanes(ref, idx, values, gp: int, g: int):
-    mask = _full(group_mask(gp, g), (gp, 2, 4))
+def store_lanes(ref, idx, values, gp: int, g: int, g0=0):
+    mask = _full(group_mask(gp, g, g0), (gp, 2, 4))
     for i, v in enumerate(values):
-        plgpu.store(ref.at[tuple(idx) + (pl.ds(0, gp), slice(None), slice(None), jnp.int32(i))],
+        plgpu.store(ref.at[tuple(idx) + (pl.ds(g0, gp), slice(None), slice(None), jnp.int32(i))],
                     v.astype(ref.dtype), mask=mask)
+
+
+def chunking(g: int) -> tuple[int, int]:
+    """(groups per program, programs per row) for a row of G groups."""
+    gp = min(pl.next_power_of_2(g), CHUNK_GROUPS)
+    return gp, pl.cdiv(g, gp)
 
 
 def group_scale(amax, ip: bool):
@@ -84,9 +98,10 @@ def round_to_words(lanes, inv, ip: bool):
     return (q[0] & 0xFF) | ((q[1] & 0xFF) << 8) | ((q[2] & 0xFF) << 16) | (q[3] << 24), q[0] + q[1] + q[2] + q[3]
 
 
-def store_quantized(values, refs, row, gp: int, g: int, ip: bool):
-    """Round the row's four lanes (GP, 2, 4) to int8 per group and store them into the
-    QuantizedX planes `refs` = (words (M, G, 2, 4), d (M, G), dsum32 (M, G), dsum16 (M, G, 2))."""
+def store_quantized(values, refs, row, gp: int, g: int, ip: bool, g0=0):
+    """Round four lanes (GP, 2, 4) of a row, groups g0 .. g0 + GP, to int8 per group and store
+    them into the QuantizedX planes `refs` = (words (M, G, 2, 4), d (M, G), dsum32 (M, G),
+    dsum16 (M, G, 2))."""
     words_ref, d_ref, dsum32_ref, dsum16_ref = refs
     amax = None
     for v in values:
@@ -95,8 +110,8 @@ def store_quantized(values, refs, row, gp: int, g: int, ip: bool):
     inv, d = group_scale(amax, ip)
     words, qsum = round_to_words(values, inv[:, None, None], ip)
     sum16 = jnp.sum(qsum, axis=-1)                                     # (GP, 2)
-    groups = pl.ds(0, gp)
-    mask = group_mask(gp, g)
+    groups = pl.ds(g0, gp)
+    mask = group_mask(gp, g, g0)
     plgpu.store(words_ref.at[row, groups, :, :], words, mask=_full(mask, (gp, 2, 4)))
     plgpu.store(d_ref.at[row, groups], d, mask=mask)
     plgpu.store(dsum32_ref.at[row, groups], d * jnp.sum(sum16, axis=-1).astype(_F32), mask=mask)
@@ -116,19 +131,19 @@ def as_quantized(planes, m: int, k: int, dtype) -> QuantizedX:
 
 
 def _kernel(x_ref, *out_refs, gp, g, activation, ip):
-    row = pl.program_id(0)
+    row, g0 = pl.program_id(0), pl.program_id(1) * gp
     if activation is None:
-        values = lanes(x_ref, (row,), gp, g)
+        values = lanes(x_ref, (row,), gp, g, g0)
     else:
-        gate, up = lanes(x_ref, (row, jnp.int32(0)), gp, g), lanes(x_ref, (row, jnp.int32(1)), gp, g)
+        gate, up = lanes(x_ref, (row, jnp.int32(0)), gp, g, g0), lanes(x_ref, (row, jnp.int32(1)), gp, g, g0)
         values = [activate(a, activation) * b for a, b in zip(gate, up)]
-    store_quantized(values, out_refs, row, gp, g, ip)
+    store_quantized(values, out_refs, row, gp, g, ip, g0)
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "interpret"))
 def quantize_rows(x: jax.Array, activation: str | None = None, interpret: bool = False) -> QuantizedX:
-    """x (M, K) -> QuantizedX, one program per row; with `activation`, x is (M, 2K) = [gate |
-    up] and the rows rounded are act(gate) * up (computed in float32)."""
+    """x (M, K) -> QuantizedX, one program per CHUNK_GROUPS groups of a row; with `activation`,
+    x is (M, 2K) = [gate | up] and the rows rounded are act(gate) * up (computed in float32)."""
     m, width = x.shape
     k = width if activation is None else width // 2
     if k % 32 or (activation is not None and width % 2):
@@ -136,10 +151,11 @@ def quantize_rows(x: jax.Array, activation: str | None = None, interpret: bool =
                          + ("" if activation is None else " (x holds [gate | up])"))
     g = k // 32
     view = x.reshape(m, g, 2, 4, 4) if activation is None else x.reshape(m, 2, g, 2, 4, 4)
-    kernel = functools.partial(_kernel, gp=pl.next_power_of_2(g), g=g, activation=activation, ip=interpret)
+    gp, chunks = chunking(g)
+    kernel = functools.partial(_kernel, gp=gp, g=g, activation=activation, ip=interpret)
     planes = pl.pallas_call(
-        kernel, grid=(m,), out_shape=quantized_out_shapes(m, k),
-        compiler_params=plgpu.CompilerParams(num_warps=4 if g <= 128 else 8, num_stages=1),
+        kernel, grid=(m, chunks), out_shape=quantized_out_shapes(m, k),
+        compiler_params=plgpu.CompilerParams(num_warps=CHUNK_WARPS, num_stages=1),
         interpret=interpret, name="quantize_rows" if activation is None else f"quantize_{activation}_glu",
     )(view)
     return as_quantized(planes, m, k, x.dtype if jnp.dtype(x.dtype).itemsize == 2 else jnp.bfloat16)
