@@ -45,7 +45,8 @@ from pallas_kernels.quant_matmul.kernel import TileConfig, fused_qmatmul
 from pallas_kernels.quant_matmul.reference import dequantize_then_dot
 from rjax.quant import formats
 from rjax.quant.qtensor import QTensor
-from rjax.quant.reference import dequantize, q4_k_chunks
+from rjax.model import gpu_weight_layout
+from rjax.quant.reference import dequantize
 
 warnings.simplefilter("ignore", DeprecationWarning)
 
@@ -67,7 +68,8 @@ def log(*a):
 @functools.partial(jax.jit, static_argnames=("qtype", "n", "k", "model_layout"))
 def device_qtensor(qtype: QType, n: int, k: int, key, model_layout: bool = True) -> QTensor:
     """Random valid blocks generated on the device (random bytes, random-sign f16 scales), in
-    the layout `rjax.load` gives a GPU model (Q4_K: Q4_KChunks) unless `model_layout` is off."""
+    the layout `rjax.load` gives a GPU model (rjax.model.gpu_weight_layout: Q4_K scales per
+    chunk, quant planes as int32 words) unless `model_layout` is off."""
     cls, fields = formats.LAYOUTS[qtype]
     nb = k // GGML_QUANT_SIZES[qtype][0]
     planes = []
@@ -82,7 +84,7 @@ def device_qtensor(qtype: QType, n: int, k: int, key, model_layout: bool = True)
             bits = jax.random.bits(kk, shape, jnp.uint8)
             planes.append(jax.lax.bitcast_convert_type(bits, f.dtype) if f.dtype != np.uint8 else bits)
     w = QTensor(cls(*planes), qtype, (n, k))
-    return q4_k_chunks(w) if model_layout else w
+    return gpu_weight_layout(w) if model_layout else w
 
 
 def wbytes(qtype, n, k):

@@ -11,6 +11,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from gguf import GGMLQuantizationType as QType
 
 from pallas_kernels.int8_activations import quantize
 from pallas_kernels.kv_append import apply_rope, split_qkv
@@ -19,6 +20,7 @@ from rjax.cache import KVCache
 from rjax.config import ModelConfig
 from rjax.quant.qtensor import QTensor, Weight, matmul, matmul_partials, take_rows
 from rjax.quant.reference import q4_k_chunks
+from rjax.quant.words import as_words
 
 
 @jax.tree_util.register_dataclass
@@ -84,11 +86,20 @@ def fuse_projections(params: Params) -> Params:
     return dataclasses.replace(params, layers=tuple(layers))
 
 
-def chunk_q4_k_scales(params: Params) -> Params:
-    """Every Q4_K weight in the `Q4_KChunks` layout (its packed 6-bit scales re-encoded per
-    quant chunk): the same values, read by the GPU decode kernels with fewer loads and
-    integer ops (rjax.quant.formats.Q4_KChunks); 3% more bytes per Q4_K weight."""
-    return jax.tree.map(q4_k_chunks, params, is_leaf=lambda x: isinstance(x, QTensor))
+def gpu_weight_layout(params: Params) -> Params:
+    """The same values in the layout the GPU decode kernels read fastest: every Q4_K weight's
+    packed 6-bit scales re-encoded per quant chunk (`Q4_KChunks`: fewer loads and integer
+    ops; 3% more bytes), with its quant plane viewed as int32 words (rjax.quant.words)."""
+    return jax.tree.map(_gpu_weight, params, is_leaf=lambda x: isinstance(x, QTensor))
+
+
+def _gpu_weight(w):
+    w = q4_k_chunks(w)
+    # Words for Q4_K only. H100, per product (benchmarks/NOTES-quant_matmul.md, session 7):
+    # Q4_K's int8 GEMV ran 1.26-1.42x faster on words, its float kernel (M > 2) 1-8% slower;
+    # Q8_0's int8 GEMV gained 7-11% but its float kernel lost 15-28%; Q4_1's int8 GEMV lost
+    # 30%, Q6_K's float GEMV at M=1 45%.
+    return as_words(w) if isinstance(w, QTensor) and w.qtype == QType.Q4_K else w
 
 
 def rope_inv_freq(cfg: ModelConfig, theta: float, linear: float = 1.0) -> jax.Array:

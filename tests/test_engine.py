@@ -6,6 +6,7 @@ test_llama_oracle.py.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import jax
@@ -242,17 +243,17 @@ def test_cache_longer_than_the_context(tiny):
 def test_gpu_weight_layout_gives_the_same_logits(model, request):
     """What `rjax.load` does on a GPU: `fuse_projections` stacks q/k/v and gate/up where their
     types agree (smollm2: all; gemma3's Q4_K_M: gate/up only, its v is another type), and
-    `chunk_q4_k_scales` re-encodes Q4_K scales. No logit changes beyond float32 summation
-    order."""
+    `gpu_weight_layout` re-encodes Q4_K scales and views quant planes as words. No logit
+    changes beyond float32 summation order."""
     from rjax.loaders.gguf import load_gguf
-    from rjax.model import chunk_q4_k_scales, fuse_projections
+    from rjax.model import fuse_projections, gpu_weight_layout
     from rjax.quant.formats import Q4_KChunks
 
     cfg, params, _ = load_gguf(request.getfixturevalue(model), progress=False)
-    fused = chunk_q4_k_scales(fuse_projections(params))
+    fused = gpu_weight_layout(fuse_projections(params))
     q4_k = [w for w in jax.tree.leaves(fused, is_leaf=lambda x: isinstance(x, QTensor))
             if isinstance(w, QTensor) and w.qtype == QType.Q4_K]
-    assert all(isinstance(w.planes, Q4_KChunks) for w in q4_k)
+    assert all(isinstance(w.planes, Q4_KChunks) and w.planes.qs.dtype == jnp.int32 for w in q4_k)
     assert bool(q4_k) == (model == "gemma3_path")
     layer = fused.layers[0]
     assert layer.w_gate_up is not None and layer.w_gate is None and layer.w_up is None
@@ -287,7 +288,8 @@ def test_gpu_int8_decode_paths_agree(tmp_path):
     cfg, params = model.config, model.params
     ids = _prompts(2, [7], cfg.vocab_size)
     t, l = engine.pad_prompts(ids)
-    variants = {"producer": dict(INT8_PRODUCER_MIN_VALUES=0), "in_kernel": dict(INT8_PRODUCER_MIN_VALUES=2**62),
+    variants = {"producer": dict(INT8_PRODUCER_MIN_VALUES={}),
+                "in_kernel": dict(INT8_PRODUCER_MIN_VALUES=collections.defaultdict(lambda: 2**62)),
                 "float": dict(INT8_MAX_M={})}
     out = {}
     for name, patch in variants.items():

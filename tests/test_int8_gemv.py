@@ -113,10 +113,12 @@ def test_dispatch_uses_int8_for_large_half_precision_decode():
     assert not gemv.uses_int8(QType.Q6_K, 1, *big, jnp.bfloat16)
     assert not gemv.uses_int8(QType.Q4_1, 1, 576, 576, jnp.bfloat16)
     assert gemv.uses_int8(QType.Q4_K, 1, 576, 576, jnp.bfloat16)      # no XLA fusions before it: all sizes
-    # Rounding raw x per program is for 1-2 rows and products below 2**25 values; more rows
-    # or larger products get x rounded before (and small products then stay on floats).
-    assert gemv.rounds_x_itself(QType.Q4_K, 1, 4096, 4096)
-    assert not gemv.rounds_x_itself(QType.Q4_K, 1, 28672, 4096)
+    # Rounding raw x per program is for 1-2 rows and, but for Q4_K, products below 2**25
+    # values; more rows or larger products get x rounded before (and small products then
+    # stay on floats).
+    assert gemv.rounds_x_itself(QType.Q8_0, 1, 4096, 4096)
+    assert not gemv.rounds_x_itself(QType.Q8_0, 1, 28672, 4096)
+    assert not gemv.rounds_x_itself(QType.Q4_K, 1, 4096, 4096)
     assert not gemv.rounds_x_itself(QType.Q8_0, 3, 4096, 4096)
     assert gemv.uses_int8(QType.Q8_0, 1, 2048, 2048, jnp.bfloat16)
     assert not gemv.uses_int8(QType.Q8_0, 8, 2048, 2048, jnp.bfloat16)

@@ -25,6 +25,7 @@ from pallas_kernels.quant_matmul.kernel import TileConfig, fused_qmatmul
 from pallas_kernels.quant_matmul.reference import dequantize_then_dot, qmatmul_reference
 from pallas_kernels.quant_matmul.testing import quantized_qtensor, random_qtensor, raw_bytes
 from rjax.quant.reference import dequantize, q4_k_chunks
+from rjax.quant.words import WORD_FIELDS, as_words
 
 TYPES = [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q4_K, QType.Q6_K]
 F32_TOL, BF16_TOL = 1e-5, 1e-2
@@ -88,6 +89,38 @@ def test_fused_kernel_f32(qtype, method, bm, bn, bk, split, m, n):
     out = fused_qmatmul(x, w, cfg, interpret=True)
     assert out.shape == (m, n) and out.dtype == jnp.float32
     assert _rel(out, _oracle(x, w)) < F32_TOL
+
+
+@pytest.mark.parametrize("qtype", [t for t in TYPES if t in WORD_FIELDS], ids=lambda t: t.name)
+@pytest.mark.parametrize("method,bm,bn,bk,split,m,n", [CONFIGS[1], CONFIGS[3]])
+def test_fused_kernel_word_planes(qtype, method, bm, bn, bk, split, m, n):
+    """Quant planes as int32 words (the GPU layout, rjax.quant.words), unpacked to bytes in the
+    kernel: the same sums as the byte planes, bit for bit."""
+    k = 3 * _block(qtype)
+    w = jax.tree.map(jnp.asarray, random_qtensor(qtype, n, k, seed=m * 100 + n + 1))
+    x = _x(m, k, seed=bm + bk + 1)
+    cfg = TileConfig(bm, bn, bk, split_k=split, method=method)
+    layouts = [w, as_words(w)] + ([_chunks(w), as_words(_chunks(w))] if qtype == QType.Q4_K else [])
+    assert all(getattr(layouts[1].planes, f).dtype == jnp.int32 for f in WORD_FIELDS[qtype])
+    outs = [np.asarray(fused_qmatmul(x, v, cfg, interpret=True)) for v in layouts]
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
+    assert _rel(outs[0], _oracle(x, w)) < F32_TOL
+
+
+def test_word_planes_dequantize_as_the_file():
+    """as_words is a view: the reference and the embedding lookup read the same values."""
+    for qtype in WORD_FIELDS:
+        w = random_qtensor(qtype, 5, 2 * _block(qtype), seed=7)
+        want = gguf.quants.dequantize(raw_bytes(w), qtype).reshape(w.shape)
+        words = as_words(jax.tree.map(jnp.asarray, w))
+        np.testing.assert_array_equal(np.asarray(dequantize(words)), want)
+        np.testing.assert_array_equal(np.asarray(words.take_rows(jnp.asarray([3, 1]))), want[[3, 1]])
+        assert words.nbytes == w.nbytes
+    chunks = as_words(_chunks(random_qtensor(QType.Q4_K, 5, 512, seed=8)))
+    assert chunks.planes.qs.dtype == jnp.int32 and chunks.planes.qs.shape == (5, 2, 32)
+    np.testing.assert_array_equal(np.asarray(dequantize(chunks)), np.asarray(dequantize(
+        _chunks(random_qtensor(QType.Q4_K, 5, 512, seed=8)))))
 
 
 def _chunks(w):
@@ -209,3 +242,23 @@ def test_kernels_lower_to_triton_for_h100(qtype):
             lowered = jax.jit(fused_qmatmul, static_argnames=("cfg", "interpret")).trace(
                 x, w, cfg).lower(lowering_platforms=("cuda",))
         assert "__gpu$xla.gpu.triton" in lowered.as_text(), (m, cfg)
+
+
+@pytest.mark.parametrize("qtype", list(WORD_FIELDS), ids=lambda t: t.name)
+def test_word_planes_lower_to_triton_for_h100(qtype):
+    """The float kernel's in-register byte unpacking of word planes (two-way joins) lowers to a
+    Triton module for sm_90 without a GPU."""
+    from jax._src.pallas.triton import gpu_info
+
+    from rjax.model import gpu_weight_layout
+
+    h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+    w = gpu_weight_layout(jax.tree.map(jnp.asarray, random_qtensor(qtype, 64, 512, seed=1)))
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), w)
+    for method, bm in (("mma", 16), ("fma", 4)):
+        with warnings.catch_warnings(), mock.patch.object(gpu_info, "get_gpu_info", lambda: h100):
+            warnings.simplefilter("ignore")
+            lowered = jax.jit(fused_qmatmul, static_argnames=("cfg",)).trace(
+                jax.ShapeDtypeStruct((bm, 512), jnp.bfloat16), shapes,
+                TileConfig(bm, 32, 2, method=method)).lower(lowering_platforms=("cuda",))
+        assert "__gpu$xla.gpu.triton" in lowered.as_text()

@@ -44,9 +44,11 @@ def _dev(w):
 
 
 def _layouts(w):
-    """w, and for Q4_K also the layout a GPU model holds (scales per quant chunk)."""
+    """w as the file has it, and as a GPU model holds it (rjax.model.gpu_weight_layout: Q4_K
+    scales per quant chunk, quant planes as int32 words)."""
     from rjax.quant.reference import q4_k_chunks
-    return [w] + ([q4_k_chunks(w)] if w.qtype == QType.Q4_K else [])
+    from rjax.quant.words import as_words
+    return [w, as_words(q4_k_chunks(w))]
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

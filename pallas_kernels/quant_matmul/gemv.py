@@ -58,11 +58,14 @@ INT8_MIN_VALUES = {QType.Q4_K: 0, QType.Q8_0: 0, QType.Q4_1: 2**24, QType.Q4_0: 
 # decoded 2,079 tokens/s (llama-1b) with the kernel rounding 8 rows from 0 values, 2,644
 # before on another machine.
 INT8_MIN_VALUES_ROUNDED_FIRST = 2**24
-# Raw activations are rounded to int8 by the kernel's own programs (no launch, 25-35% more
-# kernel time for Q4_K at the 8B shapes); from this many weight values the producer of x
-# rounds them instead (the RMS norm or GLU kernel before the product, `takes_quantized_x`;
-# llama-8b Q4_K 218 tokens/s against 217 from 0 and 201 never, llama-1b Q8_0 810 against 785).
-INT8_PRODUCER_MIN_VALUES = 2**25
+# Raw activations are rounded to int8 by the kernel's own programs (no launch, but more kernel
+# time); from this many weight values the producer of x rounds them instead (the RMS norm or
+# GLU kernel before the product, `takes_quantized_x`). Q4_K on word planes: producer-rounded
+# x at every size, in-kernel rounding cost 35% more kernel time at the 8B shapes (15.4 against
+# 20.9 us at 14336x4096), and end to end llama-1b decoded 1,090 / 1,132 tokens/s against 1,058 /
+# 982 with the 2**25 threshold, llama-8b 337 against 321 (H100, one machine, session 7).
+# Q8_0 keeps 2**25 (llama-1b Q8_0 810 tokens/s against 785 from 0, session 4).
+INT8_PRODUCER_MIN_VALUES = {QType.Q4_K: 0, QType.Q8_0: 2**25, QType.Q4_1: 2**25, QType.Q4_0: 2**25}
 INT8_TILES = {  # block_n, values per step, warps, prefetch (measured best at the 8B shapes, notes)
     QType.Q8_0: (8, 512, 4, True),
     QType.Q4_K: (8, 1024, 4, True),    # for Q4_KChunks (packed scales: prefetch 5% slower)
@@ -83,7 +86,7 @@ def uses_int8(qtype: QType, m: int, n: int, k: int, dtype) -> bool:
 def rounds_x_itself(qtype: QType, m: int, n: int, k: int) -> bool:
     """Whether the int8 kernel should be given raw activations (and round them per program)
     rather than a QuantizedX from the kernel before it."""
-    return m <= int8.ROUNDS_IN_KERNEL_MAX_M and n * k < INT8_PRODUCER_MIN_VALUES
+    return m <= int8.ROUNDS_IN_KERNEL_MAX_M and n * k < INT8_PRODUCER_MIN_VALUES.get(qtype, 0)
 
 
 def default_int8_config(qtype: QType, m: int, n: int, k: int) -> int8.Int8GemvConfig:

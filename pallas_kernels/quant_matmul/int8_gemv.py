@@ -16,9 +16,10 @@ nothing else would have produced the rounded x, a launch; it costs per-step redu
 25-35% of the kernel time for Q4_K at the 8B shapes, less than a launch at the 1B ones.
 `rounds_x_itself` says which (measured, benchmarks/NOTES-quant_matmul.md).
 
-Weights are read as 32-bit words, four packed bytes at a time: `words` takes the quant
-planes either already as int32 words (`as_words`, done once at load) or as bytes, which the
-kernel assembles into words itself.
+Weights are read as 32-bit words, four packed bytes at a time: the quant planes come either
+as int32 words (`rjax.quant.words.as_words`, the GPU layout, done once at load) or as bytes,
+which the kernel assembles into words itself (measured slower: for Q4_K XLA's Triton then
+spreads a chunk's words over 8 lanes and sums every dp4a with shuffles).
 
 Lowering: Pallas' Triton backend, with `dp4a` as inline PTX (`elementwise_inline_asm`):
 neither Pallas-Triton nor Mosaic GPU exposes an integer dot-product primitive. In Pallas'
@@ -48,6 +49,7 @@ from pallas_kernels.int8_activations import kernel as q8
 from pallas_kernels.quant_matmul.tiles import index, load_masked
 from rjax.quant.formats import Q4_KChunks
 from rjax.quant.qtensor import QTensor
+from rjax.quant.words import as_words  # noqa: F401 (re-exported)
 
 _I32, _F32 = jnp.int32, jnp.float32
 
@@ -56,22 +58,6 @@ def _f(v):
     return v.astype(_F32)
 LOW_NIBBLES = 0x0F0F0F0F
 TYPES = (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q4_K, QType.Q6_K)
-
-
-# --- weights as words ------------------------------------------------------------------------
-
-_WORD_FIELDS = {QType.Q8_0: ("qs",), QType.Q4_0: ("qs",), QType.Q4_1: ("qs",),
-                QType.Q4_K: ("scales", "qs"), QType.Q6_K: ("ql", "qh")}
-
-
-def as_words(w: QTensor) -> QTensor:
-    """The same QTensor with its packed quant planes viewed as int32 words (..., n // 4)."""
-    fields = _WORD_FIELDS[w.qtype]
-    planes = w.planes._replace(**{
-        f: jax.lax.bitcast_convert_type(
-            getattr(w.planes, f).reshape(*getattr(w.planes, f).shape[:-1], -1, 4), _I32)
-        for f in fields})
-    return QTensor(planes, w.qtype, w.shape)
 
 
 # --- in-kernel helpers -----------------------------------------------------------------------

@@ -73,6 +73,34 @@ def load_masked(ref, idx, mask):
     return plgpu.load(view, mask=m, other=0)
 
 
+def bytes_of_words(w: jax.Array) -> jax.Array:
+    """int32 words (..., W) -> their bytes, little-endian, as int32 0..255 (..., 4W). Built
+    from two-way joins, the one way Triton interleaves tensors: byte 2k + l of a word comes
+    from join(join(b0, b2), join(b1, b3))[..., k, l]."""
+    b = [(w >> (8 * i)) & 0xFF for i in range(4)]
+    pairs = jnp.stack([jnp.stack([b[0], b[2]], axis=-1), jnp.stack([b[1], b[3]], axis=-1)], axis=-1)
+    return pairs.reshape(*w.shape[:-1], 4 * w.shape[-1])
+
+
+def load_bytes(ref, idx, mask):
+    """The bytes of a quant plane at idx (the last index a whole-row slice), as int32 0..255:
+    a byte plane as stored, a word plane (rjax.quant.words) expanded in registers."""
+    v = load_masked(ref, idx, mask)
+    return bytes_of_words(v) if ref.dtype == jnp.int32 else v.astype(jnp.int32) & 0xFF
+
+
+def load_byte(ref, idx, i, mask):
+    """Byte i of the last axis of a byte or word plane, as int32 0..255."""
+    if ref.dtype == jnp.int32:
+        return (load_masked(ref, tuple(idx) + (i // 4,), mask) >> (8 * (i % 4))) & 0xFF
+    return load_masked(ref, tuple(idx) + (i,), mask).astype(jnp.int32) & 0xFF
+
+
+def bytes_view(p, *shape):
+    """A quant plane reshaped to `shape`, whose last axis counts bytes (words: a quarter)."""
+    return p.reshape(*shape[:-1], shape[-1] // 4) if p.dtype == jnp.int32 else p.reshape(shape)
+
+
 def _f(v):
     return v.astype(_F32)
 
@@ -92,8 +120,8 @@ def _col(v):
 def _q8_0_parts(refs, rows, blocks, mask):
     d_ref, qs_ref = refs
     d = _f(load_masked(d_ref, (rows, blocks), mask))
-    qs = load_masked(qs_ref, (rows, blocks, slice(None)), mask)           # int8 (BN, BKB, 32)
-    q = int_to_f32(qs.astype(jnp.int32) + 128, zero=128)
+    qs = load_bytes(qs_ref, (rows, blocks, slice(None)), mask)            # (BN, BKB, 32), int8 bits
+    q = int_to_f32(qs ^ 0x80, zero=128)
     return [Part(0, _run(q), _col(d), None)]
 
 
@@ -106,7 +134,7 @@ def _nibble_parts(qs, scale, bias, zero):
 def _q4_0_parts(refs, rows, blocks, mask):
     d_ref, qs_ref = refs
     d = _f(load_masked(d_ref, (rows, blocks), mask))
-    qs = load_masked(qs_ref, (rows, blocks, slice(None)), mask)           # uint8 (BN, BKB, 16)
+    qs = load_bytes(qs_ref, (rows, blocks, slice(None)), mask)            # (BN, BKB, 16)
     return _nibble_parts(qs, _col(d), None, zero=8)
 
 
@@ -114,7 +142,7 @@ def _q4_1_parts(refs, rows, blocks, mask):
     d_ref, m_ref, qs_ref = refs
     d = _f(load_masked(d_ref, (rows, blocks), mask))
     m = _f(load_masked(m_ref, (rows, blocks), mask))
-    qs = load_masked(qs_ref, (rows, blocks, slice(None)), mask)
+    qs = load_bytes(qs_ref, (rows, blocks, slice(None)), mask)
     return _nibble_parts(qs, _col(d), _col(m), zero=0)
 
 
@@ -139,7 +167,7 @@ def _q4_k_parts(refs, rows, blocks, mask):
     d_ref, dmin_ref, sc_ref, qs_ref = refs                          # qs viewed (N, nb, 4, 32)
     d = _f(load_masked(d_ref, (rows, blocks), mask))
     dmin = _f(load_masked(dmin_ref, (rows, blocks), mask))
-    b = [load_masked(sc_ref, (rows, blocks, i), mask).astype(jnp.int32) for i in range(12)]
+    b = [load_byte(sc_ref, (rows, blocks), i, mask) for i in range(12)]
 
     def scale_min(s):   # ggml's get_scale_min_k4
         if s < 4:
@@ -148,7 +176,7 @@ def _q4_k_parts(refs, rows, blocks, mask):
 
     parts = []
     for c in range(4):  # 32 quant bytes: low nibbles are run 2c, high nibbles run 2c + 1
-        qs = load_masked(qs_ref, (rows, blocks, c, slice(None)), mask)    # (BN, BKB, 32)
+        qs = load_bytes(qs_ref, (rows, blocks, c, slice(None)), mask)     # (BN, BKB, 32)
         for h, nib in enumerate((qs & 0x0F, qs >> 4)):
             sc, mn = scale_min(2 * c + h)
             parts.append(Part(2 * c + h, _run(int_to_f32(nib)),
@@ -164,7 +192,7 @@ def _q4_k_chunks_parts(refs, rows, blocks, mask):
     parts = []
     for c in range(4):
         cw = load_masked(cs_ref, (rows, blocks, c), mask)                  # (BN, BKB) int32
-        qs = load_masked(qs_ref, (rows, blocks, c, slice(None)), mask)    # (BN, BKB, 32)
+        qs = load_bytes(qs_ref, (rows, blocks, c, slice(None)), mask)     # (BN, BKB, 32)
         for h, nib in enumerate((qs & 0x0F, qs >> 4)):
             sc, mn = (cw >> (8 * h)) & 0xFF, (cw >> (16 + 8 * h)) & 0xFF
             parts.append(Part(2 * c + h, _run(int_to_f32(nib)),
@@ -183,12 +211,12 @@ def _q6_k_parts(refs, rows, blocks, mask):
         for j in range(4):
             key = (h, j % 2)
             if key not in ql_cache:
-                ql_cache[key] = load_masked(ql_ref, (rows, blocks, pl.ds(4 * h + 2 * (j % 2), 2), slice(None)), mask)
+                ql_cache[key] = load_bytes(ql_ref, (rows, blocks, pl.ds(4 * h + 2 * (j % 2), 2), slice(None)), mask)
             if h not in qh_cache:
-                qh_cache[h] = load_masked(qh_ref, (rows, blocks, pl.ds(2 * h, 2), slice(None)), mask)
+                qh_cache[h] = load_bytes(qh_ref, (rows, blocks, pl.ds(2 * h, 2), slice(None)), mask)
             low = (ql_cache[key] >> (4 * (j // 2))) & 0x0F
             high = (qh_cache[h] >> (2 * j)) & 0x03
-            q = int_to_f32(low.astype(jnp.int32) | (high.astype(jnp.int32) << 4), zero=32)
+            q = int_to_f32(low | (high << 4), zero=32)
             sc = _f(load_masked(sc_ref, (rows, blocks, pl.ds(8 * h + 2 * j, 2)), mask))   # (BN, BKB, 2)
             parts.append(Part(4 * h + j, q, sc * _col(d), None))
     return parts
@@ -200,17 +228,17 @@ def _same(p):
 
 def _q4_k_views(p):
     n, nb = p.d.shape
-    return p.d, p.dmin, p.scales, p.qs.reshape(n, nb, 4, 32)
+    return p.d, p.dmin, p.scales, bytes_view(p.qs, n, nb, 4, 32)
 
 
 def _q4_k_chunks_views(p):
     n, nb = p.d.shape
-    return p.d, p.dmin, p.chunk_scales, p.qs.reshape(n, nb, 4, 32)
+    return p.d, p.dmin, p.chunk_scales, bytes_view(p.qs, n, nb, 4, 32)
 
 
 def _q6_k_views(p):
     n, nb = p.d.shape
-    return p.ql.reshape(n, nb, 8, 16), p.qh.reshape(n, nb, 4, 16), p.scales, p.d
+    return bytes_view(p.ql, n, nb, 8, 16), bytes_view(p.qh, n, nb, 4, 16), p.scales, p.d
 
 
 FORMATS: dict[QType, TileFormat] = {

@@ -50,16 +50,16 @@ def for_backend(params, *, fuse: bool | None = None, gpu_layout: bool | None = N
     """Loaded params arranged for the default backend, the same values either way.
 
     `fuse`: stack q/k/v and gate/up weights (`rjax.model.fuse_projections`): fewer and larger
-    decode matmuls. `gpu_layout`: re-encode Q4_K scales per quant chunk
-    (`rjax.model.chunk_q4_k_scales`), which the GPU decode kernels read faster. Each defaults
+    decode matmuls. `gpu_layout`: Q4_K scales re-encoded per quant chunk and quant planes as
+    int32 words (`rjax.model.gpu_weight_layout`), which the GPU decode kernels read faster. Each defaults
     to on for a GPU backend and off elsewhere (the file's own layout)."""
     import jax
 
-    from rjax.model import chunk_q4_k_scales, fuse_projections
+    from rjax.model import gpu_weight_layout, fuse_projections
 
     on_gpu = jax.default_backend() == "gpu"
     if fuse if fuse is not None else on_gpu:
         params = fuse_projections(params)
     if gpu_layout if gpu_layout is not None else on_gpu:
-        params = chunk_q4_k_scales(params)
+        params = gpu_weight_layout(params)
     return params

@@ -15,6 +15,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
 from rjax.quant.formats import IQ4_NL_VALUES, QK_K, Q4_KChunks
+from rjax.quant.words import as_bytes
 from rjax.quant.qtensor import QTensor
 
 _F32 = jnp.float32
@@ -160,7 +161,7 @@ def q4_k_chunks(w: QTensor) -> QTensor:
     if not isinstance(w, QTensor) or w.qtype != QType.Q4_K or isinstance(w.planes, Q4_KChunks):
         return w
     p = w.planes
-    sc, mn = _k_scale_min(jnp.asarray(p.scales))                       # (rows, nb, 8) each
+    sc, mn = _k_scale_min(as_bytes(w.qtype, p).scales)                  # (rows, nb, 8) each
     b = jnp.stack([sc[..., 0::2], sc[..., 1::2], mn[..., 0::2], mn[..., 1::2]], axis=-1)
     words = jax.lax.bitcast_convert_type(b.astype(jnp.uint8), jnp.int32)   # (rows, nb, 4)
     return QTensor(Q4_KChunks(p.d, p.dmin, words, p.qs), w.qtype, w.shape)
@@ -168,7 +169,7 @@ def q4_k_chunks(w: QTensor) -> QTensor:
 
 def dequantize_blocks(qtype: QType, planes) -> jax.Array:
     """Planes with leading dims (..., n_blocks) -> float32 (..., n_blocks, block_size)."""
-    out = DEQUANTIZERS[qtype](jax.tree.map(jnp.asarray, planes))
+    out = DEQUANTIZERS[qtype](as_bytes(qtype, jax.tree.map(jnp.asarray, planes)))
     assert out.shape[-1] == GGML_QUANT_SIZES[qtype][0], (qtype, out.shape)
     return out
 
