@@ -108,7 +108,8 @@ def test_dispatch_uses_int8_for_large_half_precision_decode():
     big = (4096, 4096)
     assert gemv.uses_int8(QType.Q4_K, 1, *big, jnp.bfloat16)
     assert not gemv.uses_int8(QType.Q4_K, 1, *big, jnp.float32)       # f32 keeps the exact kernel
-    assert not gemv.uses_int8(QType.Q4_K, 4, *big, jnp.bfloat16)      # tensor cores win from M=4
+    assert gemv.uses_int8(QType.Q4_K, 4, *big, jnp.bfloat16)
+    assert not gemv.uses_int8(QType.Q4_K, 8, *big, jnp.bfloat16)      # tensor cores tie from M=8
     assert gemv.uses_int8(QType.Q8_0, 8, *big, jnp.bfloat16)
     assert not gemv.uses_int8(QType.Q6_K, 1, *big, jnp.bfloat16)
     assert not gemv.uses_int8(QType.Q4_1, 1, 576, 576, jnp.bfloat16)

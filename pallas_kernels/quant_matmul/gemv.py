@@ -49,9 +49,10 @@ FMA_AT_M1 = {
 # int8 kernel everywhere, 873 from 2**24). Q6_K measured no faster (24.8 vs 24.6 us at
 # 16384x2048; 350 vs 301 at the 8B output layer) and stays on the float kernel.
 # Per x row the int8 kernel repeats its dot products, so the float kernel's tensor-core path
-# wins from M=4 for Q4_K (72 vs 54 us at 14336x4096; M=2: 44.5 vs 54) and beyond M=8 for
-# Q8_0 (M=8: 37 vs 45).
-INT8_MAX_M = {QType.Q8_0: 8, QType.Q4_K: 2, QType.Q4_1: 4, QType.Q4_0: 4}
+# wins beyond some M: for Q4_K on word planes beyond M=4 (x rounded first; 14336x4096: M=3
+# 23 vs 50 us, M=4 28 vs 50, M=8 51 vs 51; 16384x2048: M=4 18 vs 27, M=8 31 vs 28), for
+# Q8_0 beyond M=8 (M=8: 37 vs 45).
+INT8_MAX_M = {QType.Q8_0: 8, QType.Q4_K: 4, QType.Q4_1: 4, QType.Q4_0: 4}
 INT8_MIN_VALUES = {QType.Q4_K: 0, QType.Q8_0: 0, QType.Q4_1: 2**24, QType.Q4_0: 2**24}
 # Beyond int8.ROUNDS_IN_KERNEL_MAX_M rows x is rounded in a pass of its own before the product
 # (as in session 3, when this threshold was measured for every type): Q8_0 at batch 8
