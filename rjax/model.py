@@ -11,7 +11,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from gguf import GGMLQuantizationType as QType
 
 from pallas_kernels.int8_activations import quantize
 from pallas_kernels.kv_append import apply_rope, split_qkv
@@ -89,17 +88,16 @@ def fuse_projections(params: Params) -> Params:
 def gpu_weight_layout(params: Params) -> Params:
     """The same values in the layout the GPU decode kernels read fastest: every Q4_K weight's
     packed 6-bit scales re-encoded per quant chunk (`Q4_KChunks`: fewer loads and integer
-    ops; 3% more bytes), with its quant plane viewed as int32 words (rjax.quant.words)."""
+    ops; 3% more bytes), and the quant planes of the weights whose kernels read words faster
+    viewed as int32 words (rjax.quant.words, `gemv.reads_words`)."""
     return jax.tree.map(_gpu_weight, params, is_leaf=lambda x: isinstance(x, QTensor))
 
 
 def _gpu_weight(w):
+    from pallas_kernels.quant_matmul.gemv import reads_words  # here: the kernels import rjax.quant
+
     w = q4_k_chunks(w)
-    # Words for Q4_K only. H100, per product (benchmarks/NOTES-quant_matmul.md, session 7):
-    # Q4_K's int8 GEMV ran 1.26-1.42x faster on words, its float kernel (M > 2) 1-8% slower;
-    # Q8_0's int8 GEMV gained 7-11% but its float kernel lost 15-28%; Q4_1's int8 GEMV lost
-    # 30%, Q6_K's float GEMV at M=1 45%.
-    return as_words(w) if isinstance(w, QTensor) and w.qtype == QType.Q4_K else w
+    return as_words(w) if isinstance(w, QTensor) and reads_words(w.qtype, *w.shape) else w
 
 
 def rope_inv_freq(cfg: ModelConfig, theta: float, linear: float = 1.0) -> jax.Array:

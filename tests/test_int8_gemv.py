@@ -112,6 +112,9 @@ def test_dispatch_uses_int8_for_large_half_precision_decode():
     assert not gemv.uses_int8(QType.Q4_K, 8, *big, jnp.bfloat16)      # tensor cores tie from M=8
     assert gemv.uses_int8(QType.Q8_0, 8, *big, jnp.bfloat16)
     assert not gemv.uses_int8(QType.Q6_K, 1, *big, jnp.bfloat16)
+    assert gemv.uses_int8(QType.Q6_K, 1, 128256, 2048, jnp.bfloat16)  # output layers only
+    assert not gemv.uses_int8(QType.Q6_K, 2, 128256, 2048, jnp.bfloat16)
+    assert gemv.reads_words(QType.Q6_K, 128256, 2048) and not gemv.reads_words(QType.Q6_K, *big)
     assert not gemv.uses_int8(QType.Q4_1, 1, 576, 576, jnp.bfloat16)
     assert gemv.uses_int8(QType.Q4_K, 1, 576, 576, jnp.bfloat16)      # no XLA fusions before it: all sizes
     # Rounding raw x per program is for 1-2 rows and, but for Q4_K, products below 2**25

@@ -46,14 +46,15 @@ FMA_AT_M1 = {
 # kernel or the norm before it does), it is used for Q4_K and Q8_0 at every size: llama-1b
 # decoded 872 tokens/s against 742 with it only from 2**24 values (Q8_0: 808 against 800,
 # within noise). For Q4_1 small weights stay on the float kernel (smollm2-135m: 846 with the
-# int8 kernel everywhere, 873 from 2**24). Q6_K measured no faster (24.8 vs 24.6 us at
-# 16384x2048; 350 vs 301 at the 8B output layer) and stays on the float kernel.
+# int8 kernel everywhere, 873 from 2**24). Q6_K on bytes measured no faster at layer shapes
+# (24.8 vs 24.6 us at 16384x2048); at the output layers, on word planes and 32 x 1024 tiles, it
+# is (128256x4096: 213 vs 295 us; session 7), so Q6_K takes it there only.
 # Per x row the int8 kernel repeats its dot products, so the float kernel's tensor-core path
 # wins beyond some M: for Q4_K on word planes beyond M=4 (x rounded first; 14336x4096: M=3
 # 23 vs 50 us, M=4 28 vs 50, M=8 51 vs 51; 16384x2048: M=4 18 vs 27, M=8 31 vs 28), for
 # Q8_0 beyond M=8 (M=8: 37 vs 45).
-INT8_MAX_M = {QType.Q8_0: 8, QType.Q4_K: 4, QType.Q4_1: 4, QType.Q4_0: 4}
-INT8_MIN_VALUES = {QType.Q4_K: 0, QType.Q8_0: 0, QType.Q4_1: 2**24, QType.Q4_0: 2**24}
+INT8_MAX_M = {QType.Q8_0: 8, QType.Q4_K: 4, QType.Q4_1: 4, QType.Q4_0: 4, QType.Q6_K: 1}
+INT8_MIN_VALUES = {QType.Q4_K: 0, QType.Q8_0: 0, QType.Q4_1: 2**24, QType.Q4_0: 2**24, QType.Q6_K: 2**27}
 # Beyond int8.ROUNDS_IN_KERNEL_MAX_M rows x is rounded in a pass of its own before the product
 # (as in session 3, when this threshold was measured for every type): Q8_0 at batch 8
 # decoded 2,079 tokens/s (llama-1b) with the kernel rounding 8 rows from 0 values, 2,644
@@ -72,6 +73,7 @@ INT8_TILES = {  # block_n, values per step, warps, prefetch (measured best at th
     QType.Q4_K: (8, 1024, 4, True),    # for Q4_KChunks (packed scales: prefetch 5% slower)
     QType.Q4_1: (32, 256, 4, False),
     QType.Q4_0: (32, 256, 4, False),
+    QType.Q6_K: (32, 1024, 4, True),   # 128256x4096 words: 213 us; 16 x 512: 254, 8 x 1024: 286
 }
 INT8_PROGRAMS = 264
 
@@ -82,6 +84,16 @@ def uses_int8(qtype: QType, m: int, n: int, k: int, dtype) -> bool:
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and m <= INT8_MAX_M.get(qtype, 0)
             and n * k >= (INT8_MIN_VALUES[qtype] if m <= int8.ROUNDS_IN_KERNEL_MAX_M else INT8_MIN_VALUES_ROUNDED_FIRST))
+
+
+def reads_words(qtype: QType, n: int, k: int) -> bool:
+    """Whether a GPU model holds this weight's quant planes as int32 words (rjax.quant.words),
+    which its decode kernels read faster. H100, per product (notes, session 7): Q4_K's int8
+    GEMV ran 1.26-1.42x faster on words, its float kernel (M > 4) 1-8% slower; Q6_K's int8
+    GEMV (output layers) gained up to 16%, its float kernel lost 45% at M=1 (so smaller Q6_K
+    weights stay bytes); Q8_0's int8 GEMV gained 7-11% but its float kernel lost 15-28%, and
+    Q4_1's int8 GEMV lost 30%."""
+    return qtype == QType.Q4_K or (qtype == QType.Q6_K and n * k >= INT8_MIN_VALUES[QType.Q6_K])
 
 
 def rounds_x_itself(qtype: QType, m: int, n: int, k: int) -> bool:
