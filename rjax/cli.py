@@ -64,8 +64,8 @@ def cmd_generate(a) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     if a.verbose:
-        print(f"[ttft {stats['ttft_s']:.3f} s, decode {stats['decode_tokens_per_s']:.1f} tokens/s, "
-              f"finish: {stats['finish_reasons'][0]}]", file=sys.stderr)
+        print(f"[compile {stats['compile_s']:.1f} s, ttft {stats['ttft_s']:.3f} s, "
+              f"decode {stats['decode_tokens_per_s']:.1f} tokens/s, finish: {stats['finish_reasons'][0]}]", file=sys.stderr)
     return 0
 
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from rjax import engine
 from rjax.cache import KVCache, init_cache
+from rjax.precompile import compile_programs, decode_program, prefill_program
 from rjax.loaders import Model
 from rjax.sampling import SamplingParams
 
@@ -75,7 +76,9 @@ def stream_ids(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens
 
     `cache` (optional, one slot per prompt): continue sequences it already holds, the prompts
     being appended after each slot's length (a conversation's new turn over its cached prefix).
-    `stats` (optional) receives timings, each prompt's finish reason and the final `cache`,
+    `stats` (optional) receives timings (`compile_s`: lowering and compiling the prefill and
+    decode programs, concurrently, before the first call; `ttft_s` then runs from the prefill
+    call to the first token on the host), each prompt's finish reason and the final `cache`,
     which holds every prompt and generated token but the last one generated."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -96,6 +99,10 @@ def stream_ids(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens
     sp = SamplingParams.make(B, temperature, top_k, top_p)
     stop_ids = jnp.asarray(sorted(tok.eos_ids) or [-1], jnp.int32)
     key, sub = jax.random.split(jax.random.key(seed))
+    # Both programs at once, before the first call (a no-op where they are compiled already).
+    compiled = compile_programs([prefill_program(cfg, model.params, B, tokens.shape[1], S, cache.dtype),
+                                 decode_program(cfg, model.params, B, S, cache.dtype, steps_per_dispatch,
+                                                int(stop_ids.shape[0]))])
 
     t0 = time.perf_counter()
     first, cache = engine.prefill_and_sample(cfg, model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
@@ -125,7 +132,7 @@ def stream_ids(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens
     decode_s = sum(d for d, _ in steady)
     if stats is not None:
         eos = set(tok.eos_ids)
-        stats.update(cache=cache, ttft_s=ttft, decode_s=decode_s,
+        stats.update(cache=cache, compile_s=compiled.total_s, ttft_s=ttft, decode_s=decode_s,
                      first_dispatch_s=dispatches[0][0] if dispatches else 0.0,
                      decode_tokens_per_s=(sum(n for _, n in steady) / decode_s) if decode_s > 0 else 0.0,
                      finish_reasons=["stop" if g and g[-1] in eos else

@@ -82,7 +82,14 @@ def test_json_has_every_field(cli_run, result):
     assert s["pp"] == result["prefill"][0]["tokens_per_s"]
     assert s["tg"] == max(d["tokens_per_s"] for d in result["decode"] if d["batch"] == 1)
     assert set(s["decode_by_batch"]) == {str(b) for b in BATCHES}
-    assert s["compile_s_total"] == pytest.approx(sum(v for prog in result["compile"].values() for v in prog.values()))
+    comp = result["compile"]
+    ahead = comp["ahead"]  # every program of the run, compiled before anything was timed
+    assert sorted(ahead["programs"]) == sorted([f"prefill B={b} T=32" for b in BATCHES]
+                                               + [f"decode B={b} N={n}" for b in BATCHES for n in STEPS])
+    assert ahead["total_s"] == pytest.approx(ahead["lower_s"] + ahead["wall_s"])
+    first_calls = [v for fn in ("prefill_and_sample", "decode_loop") for v in comp[fn].values()]
+    assert len(first_calls) == len(BATCHES) * (1 + len(STEPS))
+    assert s["compile_s_total"] == pytest.approx(ahead["total_s"] + sum(first_calls))
     assert set(s["host_s_per_token_by_steps"]) == {str(n) for n in STEPS}
 
 

@@ -1,0 +1,124 @@
+"""Compile the XLA programs a workload will call before it calls them, several at a time.
+
+XLA compiles a program mostly on one CPU core (the Pallas kernels go through Triton one after
+another inside it), and its time hardly depends on the number of layers: it is the kernels
+and fusions of distinct shapes that cost. The engine's programs for a set of batch sizes,
+prompt buckets and steps per dispatch are independent of each other, and XLA releases the
+GIL while it compiles, so compiling them in threads cuts the wait from their sum to about the
+slowest one (llama-8b, the 9 programs of `rjax bench`: 76.7 s one after another, 31.1 s in 9
+threads on the H100; benchmarks/NOTES-decode-step.md, session 8).
+
+Programs are lowered from abstract arguments (shapes and dtypes: no cache is allocated)
+through the same jitted functions the engine calls, so the later calls with real arrays find
+the compiled executables in JAX's in-memory cache (and in the persistent cache, where enabled).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from rjax import engine
+from rjax.cache import init_cache
+from rjax.config import ModelConfig
+from rjax.model import Params
+from rjax.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One call of a jitted engine function, by the shapes of its arguments."""
+
+    name: str
+    fn: Callable          # a jitted function of rjax.engine
+    args: tuple           # arrays, or jax.ShapeDtypeStruct trees standing for them
+
+    def lower(self):
+        # Positional, as the engine's callers pass them: JAX caches a call by how it was made.
+        return self.fn.trace(*self.args).lower()
+
+
+def _abstract(make: Callable[[], Any]):
+    return jax.eval_shape(make)
+
+
+def prefill_program(cfg: ModelConfig, params: Params, batch: int, bucket: int, cache_len: int, dtype,
+                    with_slots: bool = False) -> Program:
+    """`engine.prefill_and_sample` for `batch` prompts padded to `bucket` tokens into a cache of
+    `cache_len` positions (`with_slots`: into given cache rows, as the server does)."""
+    if bucket not in engine.PROMPT_BUCKETS:
+        raise ValueError(f"prompt bucket {bucket} is not one of engine.PROMPT_BUCKETS")
+    cache = _abstract(lambda: init_cache(cfg, batch, cache_len, dtype))
+    tokens = jax.ShapeDtypeStruct((batch, bucket), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    slots = jax.ShapeDtypeStruct((batch,), jnp.int32) if with_slots else None
+    key = _abstract(lambda: jax.random.key(0))
+    sp = _abstract(lambda: SamplingParams.make(batch))
+    return Program(f"prefill B={batch} T={bucket}", engine.prefill_and_sample,
+                   (cfg, params, cache, tokens, lengths, slots, key, sp))
+
+
+def decode_program(cfg: ModelConfig, params: Params, batch: int, cache_len: int, dtype, n_steps: int,
+                   n_stop_ids: int = 1) -> Program:
+    """`engine.decode_loop` of `n_steps` steps over `batch` slots of a `cache_len` cache, with a
+    stop set of `n_stop_ids` token ids."""
+    cache = _abstract(lambda: init_cache(cfg, batch, cache_len, dtype))
+    stop_ids = jax.ShapeDtypeStruct((n_stop_ids,), jnp.int32)
+    state = _abstract(lambda: engine.initial_state(jnp.zeros((batch,), jnp.int32), 1, jnp.full((n_stop_ids,), -1),
+                                                   jax.random.key(0), init_cache(cfg, batch, cache_len, dtype)))
+    sp = _abstract(lambda: SamplingParams.make(batch))
+    return Program(f"decode B={batch} N={n_steps}", engine.decode_loop, (cfg, params, cache, state, sp, stop_ids, n_steps))
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+    workers: int
+    lower_s: float                  # tracing and lowering, one program after another (Python)
+    wall_s: float                   # compiling them all, concurrently
+    compile_s: dict[str, float]     # each program's own compile time
+
+    @property
+    def total_s(self) -> float:
+        return self.lower_s + self.wall_s
+
+
+def compile_programs(programs: Sequence[Program], workers: int | None = None, progress: bool = False) -> CompileReport:
+    """Lower the programs one by one, then compile them in `workers` threads (default: one per
+    program, up to the CPU count). A failure names the program."""
+    from tqdm.auto import tqdm
+
+    if workers is None:
+        workers = min(len(programs), os.cpu_count() or 1)
+    workers = max(1, min(workers, len(programs) or 1))
+    t0 = time.perf_counter()
+    lowered = []
+    for p in tqdm(programs, desc="lower", unit="program", disable=not progress, leave=False):
+        try:
+            lowered.append((p.name, p.lower()))
+        except Exception as e:
+            raise RuntimeError(f"lowering {p.name} ({p.fn.__name__}) failed: {e}") from e
+    lower_s = time.perf_counter() - t0
+
+    def compile_one(item):
+        name, lo = item
+        t = time.perf_counter()
+        try:
+            lo.compile()
+        except Exception as e:
+            raise RuntimeError(f"compiling {name} failed: {e}") from e
+        return name, time.perf_counter() - t
+
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(lowered), desc="compile", unit="program", disable=not progress, leave=False)
+    times: dict[str, float] = {}
+    with ThreadPoolExecutor(workers) as pool:
+        for name, dt in pool.map(compile_one, lowered):
+            times[name] = dt
+            bar.update()
+    bar.close()
+    return CompileReport(workers, lower_s, time.perf_counter() - t0, times)

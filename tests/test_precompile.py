@@ -1,0 +1,116 @@
+"""rjax.precompile: programs compiled ahead, concurrently, are the ones the engine's calls then
+run (no XLA compile at call time), with the same results as compiling at the call."""
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rjax import engine
+from rjax.bench import load_for_bench
+from rjax.cache import init_cache
+from rjax.precompile import Program, compile_programs, decode_program, prefill_program
+from rjax.sampling import SamplingParams
+from rjax.synth import write_synthetic
+
+B, BUCKET, CACHE, STEPS = 2, 16, 64, 3
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = write_synthetic(tmp_path_factory.mktemp("precompile") / "tiny.gguf", "smollm2-135m", "q4_1",
+                           n_layers=2, vocab_size=512, tokenizer_from="builtin")
+    cfg, params, _ = load_for_bench(path, progress=False)
+    return cfg, params
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """The functions XLA compiled inside the block, by name, as JAX reports them."""
+    from jax._src import monitoring
+    from jax._src.dispatch import BACKEND_COMPILE_EVENT
+
+    seen = []
+
+    def listener(event, duration, fun_name="", **kw):
+        if event == BACKEND_COMPILE_EVENT:
+            seen.append(fun_name)
+
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+
+
+def _run(cfg, params):
+    """A prefill and one decode dispatch with real arrays, as rjax.generation makes them."""
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, BUCKET)), jnp.int32)
+    lengths = jnp.asarray([BUCKET, 9], jnp.int32)
+    key = jax.random.key(3)
+    sp = SamplingParams.make(B)
+    stop_ids = jnp.asarray([-1], jnp.int32)
+    cache = init_cache(cfg, B, CACHE, jnp.float32)
+    jax.block_until_ready((tokens, lengths, key, sp, stop_ids, cache))
+    with count_compiles() as compiles:
+        first, cache = engine.prefill_and_sample(cfg, params, cache, tokens, lengths, None, key, sp)
+        state = engine.initial_state(first, jnp.full((B,), 8, jnp.int32), stop_ids, key, cache)
+        jax.block_until_ready(state)
+        n_before = len(compiles)
+        out, state, cache = engine.decode_loop(cfg, params, cache, state, sp, stop_ids, STEPS)
+        out = np.asarray(out)
+    return np.asarray(first), out, compiles[:n_before], compiles[n_before:]
+
+
+def test_precompiled_calls_compile_nothing_and_match(model):
+    cfg, params = model
+    jax.clear_caches()
+    cold_first, cold_out, cold_prefill, cold_decode = _run(cfg, params)
+    assert cold_prefill and cold_decode, "without precompiling, the calls compile their programs"
+
+    jax.clear_caches()
+    programs = [prefill_program(cfg, params, B, BUCKET, CACHE, jnp.float32),
+                decode_program(cfg, params, B, CACHE, jnp.float32, STEPS)]
+    with count_compiles() as compiles:
+        report = compile_programs(programs, workers=2)
+    assert len(compiles) >= 2
+    assert set(report.compile_s) == {"prefill B=2 T=16", "decode B=2 N=3"}
+    assert report.workers == 2 and report.total_s == pytest.approx(report.lower_s + report.wall_s)
+    assert report.wall_s <= sum(report.compile_s.values()) + 1.0
+
+    assert {"jit(prefill_and_sample)", "jit(decode_loop)"} <= set(cold_prefill + cold_decode)
+    assert {"jit(prefill_and_sample)", "jit(decode_loop)"} <= set(compiles)
+
+    first, out, prefill_compiles, decode_compiles = _run(cfg, params)
+    # initial_state's few small ops may compile; the two engine programs must not.
+    assert "jit(prefill_and_sample)" not in prefill_compiles and not decode_compiles
+    np.testing.assert_array_equal(first, cold_first)
+    np.testing.assert_array_equal(out, cold_out)
+    assert (out >= 0).all()
+
+
+def test_bad_program_names_itself(model):
+    cfg, params = model
+    good = decode_program(cfg, params, B, CACHE, jnp.float32, STEPS)
+    bad = Program("decode with a wrong cache", good.fn, (cfg, params, "not a cache") + good.args[3:])
+    with pytest.raises(RuntimeError, match="decode with a wrong cache"):
+        compile_programs([bad])
+    with pytest.raises(ValueError, match="bucket 17"):
+        prefill_program(cfg, params, B, 17, CACHE, jnp.float32)
+
+
+def test_generation_compiles_each_program_once_ahead(model, tmp_path):
+    import rjax
+    from rjax.generation import stream_ids
+
+    path = write_synthetic(tmp_path / "tiny.gguf", "smollm2-135m", "q4_1", n_layers=2, vocab_size=512,
+                           tokenizer_from="builtin")
+    m = rjax.load(path, progress=False)
+    jax.clear_caches()
+    stats: dict = {}
+    with count_compiles() as compiles:
+        steps = list(stream_ids(m, [[1, 2, 3, 4, 5]], max_new_tokens=6, steps_per_dispatch=2, stats=stats))
+    assert compiles.count("jit(prefill_and_sample)") == 1 and compiles.count("jit(decode_loop)") == 1
+    assert stats["compile_s"] > 0 and sum(len(s[0]) for s in steps) == 6
