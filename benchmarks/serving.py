@@ -24,7 +24,6 @@ at 64 slots, llama-1b decodes at least 20x the batch-1 rate.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import os
 import sys
@@ -42,6 +41,7 @@ from rjax import engine  # noqa: E402
 from rjax.engine import DecodeState  # noqa: E402
 from rjax.memory import MemoryFitError, kv_bytes_per_position, plan_memory, tree_bytes  # noqa: E402
 from rjax.paged_cache import PagedKVCache  # noqa: E402
+from rjax.precompile import Program, compile_programs  # noqa: E402
 from rjax.sampling import SamplingParams  # noqa: E402
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -92,31 +92,17 @@ def decode_inputs(cfg, B: int, context: int, max_len: int, page_size: int, dtype
 
 
 def compile_all(cfg, params, batches, a, max_len, dtype, workers):
-    """{B: (compiled decode dispatch, seconds) or an error string}. Lowering (tracing) runs here in
-    turn; the XLA compilations run in parallel threads."""
-    out, lowered = {}, {}
+    """{B: (compiled decode dispatch, seconds lowering + compiling it) or an error string}: one
+    `rjax.precompile.compile_programs` call, the compilations in parallel threads."""
+    programs = [Program(f"B={B}", engine.decode_loop,
+                        (cfg, params, *decode_inputs(cfg, B, a.context, max_len, a.page_size, dtype, abstract=True),
+                         a.steps)) for B in batches]
+    report = compile_programs(programs, workers, on_error="record")
+    out = {}
     for B in batches:
-        t0 = time.perf_counter()
-        try:
-            cache, state, sp, stops = decode_inputs(cfg, B, a.context, max_len, a.page_size, dtype, abstract=True)
-            lowered[B] = (engine.decode_loop.lower(cfg, params, cache, state, sp, stops, a.steps),
-                          time.perf_counter() - t0)
-        except Exception as e:  # reported per batch size; the others still run
-            out[B] = f"lower failed: {type(e).__name__}: {str(e)[:400]}"
-
-    def compile_one(B):
-        low, lower_s = lowered[B]
-        t0 = time.perf_counter()
-        return low.compile(), lower_s + time.perf_counter() - t0
-
-    with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
-        futures = {pool.submit(compile_one, B): B for B in lowered}
-        for f in concurrent.futures.as_completed(futures):
-            B = futures[f]
-            try:
-                out[B] = f.result()
-            except Exception as e:
-                out[B] = f"compile failed: {type(e).__name__}: {str(e)[:400]}"
+        name = f"B={B}"
+        out[B] = report.errors[name][:400] if name in report.errors else \
+            (report.compiled[name], report.lowered_s[name] + report.compile_s[name])
     return out
 
 

@@ -80,45 +80,67 @@ class CompileReport:
     workers: int
     lower_s: float                  # tracing and lowering, one program after another (Python)
     wall_s: float                   # compiling them all, concurrently
+    lowered_s: dict[str, float]     # each program's own lowering time
     compile_s: dict[str, float]     # each program's own compile time
+    compiled: dict[str, Any]        # the executables (jax.stages.Compiled), by program name
+    errors: dict[str, str]          # with on_error="record": what failed, by program name
 
     @property
     def total_s(self) -> float:
         return self.lower_s + self.wall_s
 
 
-def compile_programs(programs: Sequence[Program], workers: int | None = None, progress: bool = False) -> CompileReport:
+def compile_programs(programs: Sequence[Program], workers: int | None = None, progress: bool = False,
+                     on_error: str = "raise") -> CompileReport:
     """Lower the programs one by one, then compile them in `workers` threads (default: one per
-    program, up to the CPU count). A failure names the program."""
+    program, up to the CPU count). A failure names the program; on_error="record" notes it in
+    `errors` and goes on with the others."""
     from tqdm.auto import tqdm
 
+    if on_error not in ("raise", "record"):
+        raise ValueError(f"on_error must be 'raise' or 'record', got {on_error!r}")
+    if len({p.name for p in programs}) != len(programs):
+        raise ValueError(f"program names must be unique: {[p.name for p in programs]}")
     if workers is None:
         workers = min(len(programs), os.cpu_count() or 1)
     workers = max(1, min(workers, len(programs) or 1))
+    errors: dict[str, str] = {}
+
+    def failed(what: str, name: str, e: Exception):
+        msg = f"{what} {name} failed: {type(e).__name__}: {e}"
+        if on_error == "raise":
+            raise RuntimeError(msg) from e
+        errors[name] = msg
+
     t0 = time.perf_counter()
-    lowered = []
+    lowered, lowered_s = [], {}
     for p in tqdm(programs, desc="lower", unit="program", disable=not progress, leave=False):
+        t = time.perf_counter()
         try:
             lowered.append((p.name, p.lower()))
         except Exception as e:
-            raise RuntimeError(f"lowering {p.name} ({p.fn.__name__}) failed: {e}") from e
+            failed("lowering", p.name, e)
+        lowered_s[p.name] = time.perf_counter() - t
     lower_s = time.perf_counter() - t0
 
     def compile_one(item):
         name, lo = item
         t = time.perf_counter()
         try:
-            lo.compile()
-        except Exception as e:
-            raise RuntimeError(f"compiling {name} failed: {e}") from e
-        return name, time.perf_counter() - t
+            return name, lo.compile(), time.perf_counter() - t, None
+        except Exception as e:  # raised in this thread, reported in the caller's
+            return name, None, time.perf_counter() - t, e
 
     t0 = time.perf_counter()
     bar = tqdm(total=len(lowered), desc="compile", unit="program", disable=not progress, leave=False)
     times: dict[str, float] = {}
+    compiled: dict[str, Any] = {}
     with ThreadPoolExecutor(workers) as pool:
-        for name, dt in pool.map(compile_one, lowered):
-            times[name] = dt
+        for name, exe, dt, err in pool.map(compile_one, lowered):
             bar.update()
+            if err is not None:
+                failed("compiling", name, err)
+                continue
+            times[name], compiled[name] = dt, exe
     bar.close()
-    return CompileReport(workers, lower_s, time.perf_counter() - t0, times)
+    return CompileReport(workers, lower_s, time.perf_counter() - t0, lowered_s, times, compiled, errors)

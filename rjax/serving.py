@@ -246,6 +246,39 @@ class ServingEngine:
         self.kv_bytes = (config.pool_pages * config.page_size if config.paged else config.n_slots * config.max_len) \
             * kv_bytes_per_position(cfg, dtype)
 
+    # -- compiling ahead --------------------------------------------------------------------
+
+    def prefill_shapes(self, prompt_lengths: Sequence[int] | None = None) -> list[tuple[int, int]]:
+        """The (prompt count bucket, prompt length bucket) pairs admission can form: a single
+        prompt of any length that fits, and packs of prompts within `max_prefill_tokens`.
+        `prompt_lengths`: only the buckets of these lengths (default: every bucket that fits)."""
+        c = self.config
+        longest = engine.prompt_bucket(c.max_len - 1)
+        lengths = [t for t in engine.PROMPT_BUCKETS if t <= longest] if prompt_lengths is None else \
+            sorted({engine.prompt_bucket(min(max(int(n), 1), c.max_len - 1)) for n in prompt_lengths})
+        counts = sorted({c.prefill_bucket(n) for n in range(1, min(c.n_slots, c.max_prefill_prompts) + 1)})
+        return [(p, t) for p in counts for t in lengths if p == 1 or p * t <= c.max_prefill_tokens]
+
+    def precompile(self, prompt_lengths: Sequence[int] | None = None, workers: int | None = None,
+                   progress: bool = False):
+        """Compile the programs `step` calls (the decode dispatch and every prefill shape of
+        `prefill_shapes(prompt_lengths)`) concurrently, before any request: a server pays its
+        compile time at start-up rather than on its first requests. -> rjax.precompile.CompileReport."""
+        from rjax.precompile import Program, compile_programs
+
+        c, n = self.config, self.config.n_slots
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+        programs = [Program(f"decode B={n} N={c.steps_per_dispatch}", engine.decode_loop,
+                            (self.cfg, self.params, self.cache, self.slots.state, self.slots.sampling,
+                             self.slots.stop_ids, c.steps_per_dispatch))]
+        for p, t in self.prefill_shapes(prompt_lengths):
+            programs.append(Program(f"prefill P={p} T={t}", prefill_into_slots, (
+                self.cfg, self.params, self.cache, self.slots, i32(p, t), i32(p), i32(p),
+                jax.ShapeDtypeStruct((p,), jnp.bool_), jax.eval_shape(lambda: jax.random.key(0)),
+                SamplingParams(f32(p), i32(p), f32(p)), i32(p), i32(p, c.max_stop_ids))))
+        return compile_programs(programs, workers, progress=progress)
+
     # -- requests ---------------------------------------------------------------------------
 
     def _check_stop_ids(self, stop_ids):

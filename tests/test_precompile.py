@@ -97,6 +97,11 @@ def test_bad_program_names_itself(model):
     bad = Program("decode with a wrong cache", good.fn, (cfg, params, "not a cache") + good.args[3:])
     with pytest.raises(RuntimeError, match="decode with a wrong cache"):
         compile_programs([bad])
+    report = compile_programs([good, bad], on_error="record")
+    assert set(report.compiled) == {good.name} and set(report.errors) == {bad.name}
+    assert "lowering decode with a wrong cache failed" in report.errors[bad.name]
+    with pytest.raises(ValueError, match="unique"):
+        compile_programs([good, good])
     with pytest.raises(ValueError, match="bucket 17"):
         prefill_program(cfg, params, B, 17, CACHE, jnp.float32)
 
@@ -114,3 +119,27 @@ def test_generation_compiles_each_program_once_ahead(model, tmp_path):
         steps = list(stream_ids(m, [[1, 2, 3, 4, 5]], max_new_tokens=6, steps_per_dispatch=2, stats=stats))
     assert compiles.count("jit(prefill_and_sample)") == 1 and compiles.count("jit(decode_loop)") == 1
     assert stats["compile_s"] > 0 and sum(len(s[0]) for s in steps) == 6
+
+
+@pytest.mark.parametrize("page_size", [16, None])
+def test_serving_engine_precompiles_every_shape_it_calls(model, page_size):
+    from rjax.serving import ServingConfig, ServingEngine
+
+    cfg, params = model
+    config = ServingConfig(n_slots=3, max_len=64, page_size=page_size, steps_per_dispatch=4,
+                           prefill_buckets=(1, 2), max_prefill_tokens=64)
+    eng = ServingEngine(cfg, params, config)
+    # One prompt of any bucketed length up to 63 tokens; two only while 2 x bucket <= 64.
+    assert eng.prefill_shapes() == [(1, 16), (1, 32), (1, 64), (2, 16), (2, 32)]
+    assert eng.prefill_shapes([5, 40]) == [(1, 16), (1, 64), (2, 16)]
+    jax.clear_caches()
+    report = eng.precompile()
+    assert sorted(report.compile_s) == sorted(["decode B=3 N=4"] + [f"prefill P={p} T={t}"
+                                                                    for p, t in eng.prefill_shapes()])
+    rng = np.random.default_rng(1)
+    lengths = [5, 20, 40, 3, 60, 11]  # singles and pairs over the 16, 32 and 64 buckets
+    with count_compiles() as compiles:
+        ids = [eng.submit(list(rng.integers(0, cfg.vocab_size, n)), max_new_tokens=3) for n in lengths]
+        done = {e.request_id: e.completion for e in eng.run() if e.finished}
+    assert sorted(done) == sorted(ids) and all(len(done[i].tokens) == 3 for i in ids)
+    assert "jit(prefill_into_slots)" not in compiles and "jit(decode_loop)" not in compiles
