@@ -15,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention import attention
+from pallas_kernels.attention import attention, rope_attention
 from pallas_kernels.kv_append import rope_append, write_positions
 from rjax.config import ModelConfig
 
@@ -55,6 +55,15 @@ class KVCache:
         q, k, v = rope_append(parts, bias, pos, self.k[layer], self.v[layer], inv_freq, rows, n_heads=n_heads,
                               pairing=pairing, dtype=dtype)
         return q, dataclasses.replace(self, k=_replace(self.k, layer, k), v=_replace(self.v, layer, v))
+
+    def rope_write_attend(self, layer: int, parts, bias, pos, inv_freq, *, n_heads: int, pairing: str, dtype,
+                          scale: float, window: int | None):
+        """`rope_write`, then `attend`, for one token per sequence in rows 0..B-1 (parts
+        [S, B, 1, (Hq + 2 Hkv) D], pos [B, 1]), as one kernel on the GPU
+        (pallas_kernels.attention.rope_attention). -> (attention output [B, 1, Hq, D], cache)."""
+        out, k, v = rope_attention(parts[:, :, 0], bias, pos[:, 0], self.k[layer], self.v[layer], inv_freq,
+                                   n_heads=n_heads, pairing=pairing, dtype=dtype, scale=scale, window=window)
+        return out, dataclasses.replace(self, k=_replace(self.k, layer, k), v=_replace(self.v, layer, v))
 
     def attend(self, layer: int, q, pos, slots, *, scale: float, window: int | None):
         k, v = self.k[layer], self.v[layer]

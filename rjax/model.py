@@ -12,6 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.attention import fuses_rope
 from pallas_kernels.int8_activations import quantize
 from pallas_kernels.kv_append import apply_rope, split_qkv
 from pallas_kernels.rms_norm import add_rms_norm, rms_norm
@@ -127,9 +128,16 @@ def _attention_block(cfg: ModelConfig, i: int, p: LayerParams, x, cache: KVCache
     inv_freq = rope_inv_freq(cfg, cfg.layer_rope_theta[i], cfg.layer_rope_linear[i])
     if p.wqkv is not None:
         if p.q_norm is None and isinstance(cache, KVCache):
-            # Sum of the split-K partials, bias, split, rotation and cache append: one kernel at decode.
+            # Sum of the split-K partials, bias, split, rotation and cache append: one kernel at
+            # decode, or one with the attention too (every slot decoding one token).
             bias = None if p.bq is None else jnp.concatenate([p.bq, p.bk, p.bv])
-            q, cache = cache.rope_write(i, matmul_partials(x, p.wqkv), bias, pos, slots, inv_freq,
+            parts = matmul_partials(x, p.wqkv)
+            if slots is None and fuses_rope(B, T):
+                out, cache = cache.rope_write_attend(i, parts, bias, pos, inv_freq, n_heads=cfg.n_heads,
+                                                     pairing=cfg.rope_pairing, dtype=x.dtype, scale=cfg.attn_scale,
+                                                     window=cfg.layer_windows[i])
+                return matmul_partials(out.reshape(B, T, cfg.n_heads * cfg.head_dim), p.wo), cache
+            q, cache = cache.rope_write(i, parts, bias, pos, slots, inv_freq,
                                         n_heads=cfg.n_heads, pairing=cfg.rope_pairing, dtype=x.dtype)
             return _attention_output(cfg, i, p, q, cache, pos, slots)
         qkv = matmul(x, p.wqkv)

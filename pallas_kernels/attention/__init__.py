@@ -2,6 +2,9 @@
 
 `attention` (contiguous cache [B, Hkv, S, D]) and `paged_attention` (page pool [P, Hkv, page_size, D]
 plus block tables) are the entry points the model calls; semantics are in reference.py.
+`rope_attention` is a one-token decode step from the QKV product on: kv_append's rotation and
+K/V append, then the attention, as one kernel (`decode_rope_attention`; the model takes it for
+up to FUSED_ROPE_MAX_ROWS sequences).
 
 implementation:
   None         choose: on a GPU backend the Pallas kernel (prefill kernel when T > 8, decode kernel
@@ -15,15 +18,17 @@ implementation:
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
-from .decode import decode_attention, paged_decode_attention
+from .decode import decode_attention, decode_rope_attention, paged_decode_attention
 from .prefill import paged_prefill_attention, prefill_attention
 from .prefill_mgpu import mgpu_prefill_attention, supports as mgpu_prefill_supports
 from .reference import attention_reference, paged_attention_reference
 
 __all__ = [
     "attention", "paged_attention", "attention_reference", "paged_attention_reference",
-    "prefill_attention", "mgpu_prefill_attention", "paged_prefill_attention", "decode_attention", "paged_decode_attention",
+    "prefill_attention", "mgpu_prefill_attention", "paged_prefill_attention", "decode_attention",
+    "paged_decode_attention", "decode_rope_attention", "rope_attention", "fuses_rope", "FUSED_ROPE_MAX_ROWS",
     "MAX_DECODE_TOKENS",
 ]
 
@@ -51,6 +56,38 @@ def attention(q, k, v, q_pos, kv_len, *, scale: float, window: int | None = None
     else:
         kernel = prefill_attention
     return kernel(q, k, v, q_pos, kv_len, scale=scale, window=window, interpret=impl == "interpret")
+
+
+# Sequences per decode step up to which the model runs the rotation, the K/V append and the
+# attention of a one-token step as one kernel (`decode_rope_attention`) instead of two
+# (`kv_append.rope_append`, then `decode_attention`): one launch fewer per layer. 0, so never,
+# until an end-to-end A/B on the H100 decides it.
+FUSED_ROPE_MAX_ROWS = 0
+
+
+def fuses_rope(batch: int, tokens: int) -> bool:
+    """Whether a decode step of `batch` sequences x `tokens` tokens takes `rope_attention`."""
+    return tokens == 1 and batch <= FUSED_ROPE_MAX_ROWS
+
+
+def rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, *, n_heads: int, pairing: str, dtype,
+                   scale: float, window: int | None = None, implementation=None):
+    """One decode token per sequence b (cache row b) from its QKV product's partial sums parts
+    [S, B, (Hq + 2 Hkv) D]: q and k rotated for pos [B], k and v appended there, attention over
+    positions 0..pos. -> (out [B, 1, Hq, D], k_cache, v_cache). The fused kernel on a GPU backend;
+    elsewhere kv_append's reference, then this package's."""
+    impl = _resolve(implementation)
+    kw = dict(n_heads=n_heads, pairing=pairing, dtype=dtype)
+    if impl == "reference":
+        from pallas_kernels.kv_append import rope_append_reference
+
+        B = parts.shape[1]
+        q, k_cache, v_cache = rope_append_reference(parts[:, :, None], bias, pos[:, None], k_cache, v_cache, inv_freq,
+                                                    jnp.arange(B), **kw)
+        out = attention_reference(q, k_cache, v_cache, pos[:, None], pos + 1, scale=scale, window=window)
+        return out.astype(dtype), k_cache, v_cache
+    return decode_rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, **kw, scale=scale, window=window,
+                                 interpret=impl == "interpret")
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, q_pos, kv_len, *, scale: float, window: int | None = None,

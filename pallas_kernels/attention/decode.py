@@ -10,6 +10,11 @@ K/V at memory bandwidth:
   writes an unnormalized partial (acc, running max, running sum) and a small XLA step combines them.
 - Key blocks no row can see (beyond kv_len, outside the window) are skipped; masks are applied only
   on edge blocks.
+- `decode_rope_attention` runs kv_append's pass (the QKV product's partial sums summed, q and k
+  rotated, k and v written into the cache) as the prologue of the same programs, so a decode
+  step spends one launch per layer on both: each program builds its group's query rows, the
+  program whose split holds the new position writes the key and value, and a block barrier
+  orders those writes before the program's own reads.
 
 Lowering: Pallas's Triton lowering (not Mosaic GPU). It runs under `interpret=True` on the CPU,
 which the tests rely on; a paged cache needs per-block gathers of pages, which are plain pointer
@@ -19,11 +24,14 @@ wgmma that Mosaic GPU builds on, while this kernel is bound by memory, not by th
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.kv_append.kernel import ProductRows, split_view
 
 from . import flash
 from .kv_blocks import CacheLayout, check_block_k, fit_block_k, load_block
@@ -57,19 +65,73 @@ def _kernel(kv_len_ref, row_pos_ref, q_ref, k_ref, v_ref, *rest, layout: CacheLa
     `group` rows are read (rows past them masked), and row_pos_ref the token's position."""
     n_out = 1 if group is not None and num_splits == 1 else 3
     table_ref = rest[0] if len(rest) > n_out else None
-    out_refs = rest[-n_out:]
+    _attend(kv_len_ref[()], row_pos_ref, q_ref, k_ref, v_ref, table_ref, rest[-n_out:], layout=layout, scale=scale,
+            window=window, block_k=block_k, num_splits=num_splits, group=group)
+
+
+def _rope_append_kernel(kv_len_ref, pos_ref, inv_ref, parts_ref, *refs, has_bias: bool, n_heads: int, n_parts: int,
+                        pairing: str, interpret: bool, layout: CacheLayout, scale: float, window: int | None,
+                        block_k: int, num_splits: int, group: int):
+    """One decode token per sequence: `kv_append`'s pass, then the attention, in one program.
+
+    The program of (split, KV head h, sequence b) rotates its group's query rows from the QKV
+    product's partial sums into `q_ref` (every split writes the same values), and the program
+    whose split holds the token's position writes the key and value into the cache there
+    (k_ref, v_ref are the outputs aliased to the donated caches, so they are read as well). A
+    block barrier makes those writes visible to the program's own threads before it attends
+    (the interpreter runs programs one at a time and needs none)."""
+    bias_ref = refs[0] if has_bias else None
+    refs = refs[1:] if has_bias else refs
+    out_refs, (k_ref, v_ref, q_ref) = refs[2:-3], refs[-3:]    # refs[:2]: the caches as inputs (aliased)
+    split, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    pos, kv_len = pos_ref[()], kv_len_ref[()]
+    product = ProductRows(parts_ref, bias_ref, inv_ref, b, pos, n_parts=n_parts, pairing=pairing, dtype=q_ref.dtype)
+    for g in range(group):
+        head = h * group + g
+        pltriton.store(q_ref.at[head, :], product.row(product.rotated(head)).astype(q_ref.dtype))
+
+    rows, r = _group_rows(group)
+    _, first, per_split = _split_range(jnp.where(r < group, pos, -1), kv_len, block_k, window, num_splits, split)
+    block = flash.idiv(jnp.maximum(pos, 0), block_k)
+    owner = (pos >= 0) & (block >= first) & (block < first + per_split)
+    at = jnp.maximum(pos, 0)
+    n_kv = pl.num_programs(1)
+    k_row = product.row(product.rotated(n_heads + h))
+    v_row = product.row((product.half(n_heads + n_kv + h, 0), product.half(n_heads + n_kv + h, 1)))
+    write = jnp.broadcast_to(owner, k_row.shape)
+    pltriton.store(k_ref.at[at, :], k_row.astype(k_ref.dtype), mask=write)
+    pltriton.store(v_ref.at[at, :], v_row.astype(v_ref.dtype), mask=write)
+    if not interpret:
+        pltriton.debug_barrier()
+    _attend(kv_len, pos_ref, q_ref, k_ref, v_ref, None, out_refs, layout=layout, scale=scale, window=window,
+            block_k=block_k, num_splits=num_splits, group=group)
+
+
+def _split_range(pos, kv_len, block_k: int, window: int | None, num_splits: int, split):
+    """(block ranges, first block, blocks per split) of split `split` for query rows `pos`."""
+    ranges = flash.block_ranges(pos, kv_len, block_k, window)
+    per_split = flash.idiv(ranges.hi - ranges.lo + (num_splits - 1), num_splits)
+    return ranges, ranges.lo + split * per_split, per_split
+
+
+def _group_rows(group: int):
+    rows = max(16, pl.next_power_of_2(group))
+    return rows, jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
+
+
+def _attend(kv_len, row_pos_ref, q_ref, k_ref, v_ref, table_ref, out_refs, *, layout: CacheLayout, scale: float,
+            window: int | None, block_k: int, num_splits: int, group: int | None):
+    """The program's attention over its split of the cache, written to `out_refs` (see _kernel)."""
     split, kv_head = pl.program_id(0), pl.program_id(1)
     if group is None:
         pos = row_pos_ref[...]
         q = q_ref[...]
         rows = q.shape[0]
     else:
-        rows = max(16, pl.next_power_of_2(group))
-        r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
+        rows, r = _group_rows(group)
         first_row = pl.ds(kv_head * group, rows)
         pos = jnp.where(r < group, row_pos_ref[()], -1)
         q = pltriton.load(q_ref.at[first_row, :], mask=(r < group)[:, None], other=0)
-    kv_len = kv_len_ref[()]
     qk_scale = scale * flash.LOG2E
 
     def step(block, state, masked):
@@ -79,9 +141,7 @@ def _kernel(kv_len_ref, row_pos_ref, q_ref, k_ref, v_ref, *rest, layout: CacheLa
         mask = flash.visibility(pos, start, block_k, kv_len, window) if masked else None
         return flash.attend_block(state, q, k, v, qk_scale=qk_scale, mask=mask)
 
-    ranges = flash.block_ranges(pos, kv_len, block_k, window)
-    per_split = flash.idiv(ranges.hi - ranges.lo + (num_splits - 1), num_splits)
-    first = ranges.lo + split * per_split
+    ranges, first, per_split = _split_range(pos, kv_len, block_k, window, num_splits, split)
     state = flash.init_state(q.shape[0], q.shape[1])
     acc, m, l = flash.walk_blocks(ranges, state, step, within=(first, first + per_split))
     if len(out_refs) == 1:
@@ -109,8 +169,18 @@ def _combine(acc, m, l, row_pos, kv_len, window):
     return jnp.where(sees[:, None, :, None], out, 0.0)
 
 
+class RopeAppend(NamedTuple):
+    """What the fused kernel builds the queries, keys and values from (see kv_append)."""
+
+    parts: jax.Array          # [S, B, (Hq + 2 Hkv) D] float32 partial sums of the QKV product
+    bias: jax.Array | None    # [(Hq + 2 Hkv) D]
+    inv_freq: jax.Array       # [D / 2]
+    pairing: str
+
+
 def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, block_k, num_splits,
-          num_warps, num_stages, interpret):
+          num_warps, num_stages, interpret, rope: RopeAppend | None = None):
+    """q: the queries [B, T, Hq, D], or with `rope` their shape and dtype (a ShapeDtypeStruct)."""
     B, T, Hq, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
@@ -126,12 +196,23 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
     # Query rows of one KV head, token-major: row t*G + g is token t of query head kv_head*G + g.
     row_pos = jnp.repeat(q_pos.astype(jnp.int32), G, axis=1)
     row_pos = jnp.pad(row_pos, ((0, 0), (0, rows - T * G)), constant_values=-1)
-    if T == 1:
+    q_spec = pl.BlockSpec((None, Hq, D), lambda s, h, b: (b, 0, 0))
+    if rope is not None:
+        # The queries are built in the kernel (into a scratch output), from the product's parts.
+        group = G
+        heads = rope.parts.reshape(*rope.parts.shape[:2], -1, D)
+        views = [rope.inv_freq.astype(jnp.float32), split_view(heads, rope.pairing)]
+        if rope.bias is not None:
+            views.append(split_view(rope.bias.reshape(-1, D), rope.pairing))
+        whole = lambda x: pl.BlockSpec(x.shape, lambda s, h, b, n=x.ndim: (0,) * n)  # noqa: E731
+        q_args = [q_pos[:, 0].astype(jnp.int32), *views]
+        q_specs = [pl.BlockSpec((None,), lambda s, h, b: (b,)), *map(whole, views)]
+    elif T == 1:
         # One token: the kernel reads its heads [Hq, D] in place and, with one split, writes
         # the normalized output in the same layout: no padding, transposes or combine step.
         group = G
         q_args = [q_pos[:, 0].astype(jnp.int32), q[:, 0]]
-        q_specs = [pl.BlockSpec((None,), lambda s, h, b: (b,)), pl.BlockSpec((None, Hq, D), lambda s, h, b: (b, 0, 0))]
+        q_specs = [pl.BlockSpec((None,), lambda s, h, b: (b,)), q_spec]
     else:
         group = None
         q_rows = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Hkv, T * G, D)
@@ -147,8 +228,13 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
     else:
         kv_spec = pl.BlockSpec((None, None, k.shape[2], D), lambda s, h, b: (b, h, 0, 0))
         extra_specs, extra_args = [], []
-    kernel = functools.partial(_kernel, layout=layout, scale=float(scale), window=window, block_k=block_k,
-                               num_splits=num_splits, group=group)
+    attend_kw = dict(layout=layout, scale=float(scale), window=window, block_k=block_k, num_splits=num_splits,
+                     group=group)
+    if rope is None:
+        kernel = functools.partial(_kernel, **attend_kw)
+    else:
+        kernel = functools.partial(_rope_append_kernel, has_bias=rope.bias is not None, n_heads=Hq,
+                                   n_parts=rope.parts.shape[0], pairing=rope.pairing, interpret=interpret, **attend_kw)
     direct = group is not None and num_splits == 1
     part = (B, Hkv, num_splits, rows)
     if direct:
@@ -162,22 +248,34 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
         ]
         out_shape = [jax.ShapeDtypeStruct(part + (D,), jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32),
                      jax.ShapeDtypeStruct(part, jnp.float32)]
+    aliases = {}
+    if rope is not None:
+        # The caches come back as outputs aliased to them (updated in place), then the queries.
+        n_in, n_out = 1 + len(q_args), len(out_shape)
+        aliases = {n_in: n_out, n_in + 1: n_out + 1}
+        out_specs = [*out_specs, kv_spec, kv_spec, q_spec]
+        out_shape = [*out_shape, jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
+                     jax.ShapeDtypeStruct((B, Hq, D), q.dtype)]
     outs = pl.pallas_call(
         kernel,
         grid=(num_splits, Hkv, B),
         in_specs=[pl.BlockSpec((None,), lambda s, h, b: (b,)), *q_specs, kv_spec, kv_spec, *extra_specs],
         out_specs=out_specs,
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="rjax_decode_attention",
+        name="rjax_decode_attention" if rope is None else "rjax_decode_rope_attention",
     )(kv_len, *q_args, k, v, *extra_args)
+    caches = ()
+    if rope is not None:
+        caches, outs = tuple(outs[-3:-1]), outs[:-3]
     if direct:
-        return outs[0][:, None]
-
-    out = _combine(*outs, row_pos, kv_len, window)[:, :, : T * G]
-    out = out.reshape(B, Hkv, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
-    return out.astype(q.dtype)
+        out = outs[0][:, None]
+    else:
+        out = _combine(*outs, row_pos, kv_len, window)[:, :, : T * G]
+        out = out.reshape(B, Hkv, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D).astype(q.dtype)
+    return (out, *caches) if rope is not None else out
 
 
 def _tiles(D, block_k, num_warps, num_stages):
@@ -199,6 +297,30 @@ def decode_attention(q, k, v, q_pos, kv_len, *, scale: float, window: int | None
     layout = CacheLayout(num_keys=k.shape[2])
     return _call(q, k, v, None, q_pos, kv_len, layout, scale=scale, window=window, num_splits=num_splits,
                  interpret=interpret, **_tiles(q.shape[-1], block_k, num_warps, num_stages))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("n_heads", "pairing", "dtype"))
+def decode_rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, *, n_heads: int, pairing: str, dtype,
+                          scale: float, window: int | None = None, block_k: int | None = None,
+                          num_splits: int | None = None, num_warps: int | None = None,
+                          num_stages: int | None = None, interpret: bool = False):
+    """One decode token per sequence, from its QKV product to its attention output in one kernel:
+    the rotation of q and k and the append of k, v at `pos` [B] (-1: an inactive sequence, nothing
+    written) into the contiguous caches [B, Hkv, S, D] (row b is sequence b), as
+    `kv_append.rope_append`, then `decode_attention` over positions 0..pos. parts [S, B, (Hq + 2
+    Hkv) D] are the product's float32 partial sums, bias [(Hq + 2 Hkv) D] or None, and `dtype` the
+    compute dtype they are rounded to. -> (out [B, 1, Hq, D] in `dtype`, k_cache, v_cache)."""
+    n_parts, B, n = parts.shape
+    n_slots, n_kv, _, D = k_cache.shape
+    if n_slots != B or n != (n_heads + 2 * n_kv) * D or n_heads % n_kv or D % 2:
+        raise ValueError(f"decode_rope_attention: a product of {n} columns for {B} sequences does not match "
+                         f"{n_heads} query heads and a cache of {k_cache.shape}")
+    layout = CacheLayout(num_keys=k_cache.shape[2])
+    pos = pos.astype(jnp.int32)
+    q = jax.ShapeDtypeStruct((B, 1, n_heads, D), jnp.dtype(dtype))
+    return _call(q, k_cache, v_cache, None, pos[:, None], pos + 1, layout, scale=scale, window=window,
+                 num_splits=num_splits, interpret=interpret, rope=RopeAppend(parts, bias, inv_freq, pairing),
+                 **_tiles(D, block_k, num_warps, num_stages))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)

@@ -36,27 +36,46 @@ def _half(ref, idx: tuple, j: int, pairing: str):
     return ref.at[(*idx, j, slice(None)) if pairing == "halves" else (*idx, slice(None), j)]
 
 
+class ProductRows:
+    """Rows (heads) of sequence b's QKV product inside a kernel program, from its split-K partial
+    sums in the split view (`split_view`): summed with the bias, rounded to `dtype` (as the
+    product would have been), in float32; and rotated for position `pos`. Shared with the
+    decode attention kernel that runs this pass as its prologue (pallas_kernels.attention)."""
+
+    def __init__(self, parts_ref, bias_ref, inv_ref, b, pos, *, n_parts: int, pairing: str, dtype):
+        self.parts_ref, self.bias_ref, self.b = parts_ref, bias_ref, b
+        self.n_parts, self.pairing, self.dtype = n_parts, pairing, dtype
+        angles = pos.astype(_F32) * inv_ref[...].astype(_F32)
+        self.cos, self.sin = jnp.cos(angles), jnp.sin(angles)
+
+    def half(self, head, j):
+        """Half j of row `head`: its partial sums and bias, rounded to the dtype."""
+        x = plgpu.load(_half(self.parts_ref, (jnp.int32(0), self.b, head), j, self.pairing)).astype(_F32)
+        for s in range(1, self.n_parts):
+            x = x + plgpu.load(_half(self.parts_ref, (jnp.int32(s), self.b, head), j, self.pairing)).astype(_F32)
+        if self.bias_ref is not None:
+            x = x + plgpu.load(_half(self.bias_ref, (head,), j, self.pairing)).astype(_F32)
+        return x.astype(self.dtype).astype(_F32)
+
+    def rotated(self, head):
+        """(first, second) rotation half of row `head`, rotated."""
+        x1, x2 = self.half(head, 0), self.half(head, 1)
+        return x1 * self.cos - x2 * self.sin, x2 * self.cos + x1 * self.sin
+
+    def row(self, halves):
+        """The two halves as one [D] row in the natural order of the head dim."""
+        pairs = jnp.stack(halves, axis=-1)  # [D/2, 2]: the one join Triton lowers
+        return (pairs.T if self.pairing == "halves" else pairs).reshape(2 * halves[0].shape[-1])
+
+
 def _kernel(pos_ref, row_ref, inv_ref, parts_ref, *refs, n_heads: int, group: int, n_parts: int,
             pairing: str, has_bias: bool):
     bias_ref = refs[0] if has_bias else None
     q_ref, k_ref, v_ref = refs[-3:]
     b, h = pl.program_id(0), pl.program_id(1)
     pos = pos_ref[b]
-    angles = pos.astype(_F32) * inv_ref[...].astype(_F32)
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-
-    def load(head, j):
-        """Half j of row `head` of the product: its partial sums and bias, in q's dtype."""
-        x = plgpu.load(_half(parts_ref, (jnp.int32(0), b, head), j, pairing)).astype(_F32)
-        for s in range(1, n_parts):
-            x = x + plgpu.load(_half(parts_ref, (jnp.int32(s), b, head), j, pairing)).astype(_F32)
-        if has_bias:
-            x = x + plgpu.load(_half(bias_ref, (head,), j, pairing)).astype(_F32)
-        return x.astype(q_ref.dtype).astype(_F32)
-
-    def rotate(head):
-        x1, x2 = load(head, 0), load(head, 1)
-        return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    product = ProductRows(parts_ref, bias_ref, inv_ref, b, pos, n_parts=n_parts, pairing=pairing, dtype=q_ref.dtype)
+    cos, load, rotate = product.cos, product.half, product.rotated
 
     for g in range(group):  # G loads of D/2 values: no gathers or masks for any G
         head = h * group + g
@@ -74,7 +93,8 @@ def _kernel(pos_ref, row_ref, inv_ref, parts_ref, *refs, n_heads: int, group: in
         plgpu.store(_half(v_ref, (row, h, at), j, pairing), val.astype(v_ref.dtype), mask=write)
 
 
-def _split_view(x: jax.Array, pairing: str) -> jax.Array:
+def split_view(x: jax.Array, pairing: str) -> jax.Array:
+    """x [..., D] as [..., 2, D/2] ("halves") or [..., D/2, 2] ("pairs"): each rotation half one index."""
     d = x.shape[-1]
     return x.reshape(*x.shape[:-1], *((2, d // 2) if pairing == "halves" else (d // 2, 2)))
 
@@ -93,7 +113,7 @@ def rope_append_kernel(parts, bias, pos, k_cache, v_cache, inv_freq, rows, *, n_
         raise ValueError(f"rope_append: a product of {n} columns is not q, k, v of {n_heads} + 2 x {n_kv} heads "
                          f"of dim {d}")
     group = n_heads // n_kv
-    view = functools.partial(_split_view, pairing=pairing)
+    view = functools.partial(split_view, pairing=pairing)
     heads = lambda x: x.reshape(*x.shape[:-1], n_heads + 2 * n_kv, d)  # noqa: E731
     bias_args = [] if bias is None else [view(heads(bias))]
     kernel = functools.partial(_kernel, n_heads=n_heads, group=group, n_parts=n_parts, pairing=pairing,

@@ -1,0 +1,151 @@
+"""pallas_kernels.attention.decode_rope_attention: the rotation and K/V append of one decode token
+and its attention in one kernel, against the two references in sequence (kv_append's
+rope_append_reference, then attention_reference), in interpret mode, lowered for sm_90, and on
+the GPU against the two kernels it replaces."""
+from __future__ import annotations
+
+import warnings
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.attention import attention_reference, decode_attention, decode_rope_attention
+from pallas_kernels.kv_append import rope_append_kernel, rope_append_reference
+
+THETA = 10000.0
+
+
+def _inputs(B, hq, hkv, d, S, dtype, seed, n_parts, bias, fill):
+    """Partial sums of a QKV product, caches holding `fill` random positions per sequence, the
+    new token's positions (right after them; the last sequence inactive when B > 1)."""
+    r = np.random.default_rng(seed)
+    n = (hq + 2 * hkv) * d
+    parts = jnp.asarray(r.standard_normal((n_parts, B, n)) / n_parts, jnp.float32)
+    kc = jnp.asarray(r.standard_normal((B, hkv, S, d)), dtype)
+    vc = jnp.asarray(r.standard_normal((B, hkv, S, d)), dtype)
+    pos = jnp.asarray(fill, jnp.int32)
+    if B > 1:
+        pos = pos.at[-1].set(-1)
+    inv = 1.0 / THETA ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    b = jnp.asarray(r.standard_normal(n), jnp.float32) if bias else None
+    return parts, b, pos, kc, vc, inv
+
+
+def _reference(parts, bias, pos, kc, vc, inv, *, n_heads, pairing, dtype, scale, window):
+    B = parts.shape[1]
+    q, k2, v2 = rope_append_reference(parts[:, :, None], bias, pos[:, None], kc, vc, inv, jnp.arange(B),
+                                      n_heads=n_heads, pairing=pairing, dtype=dtype)
+    out = attention_reference(q, k2, v2, pos[:, None], pos + 1, scale=scale, window=window)
+    return out.astype(dtype), k2, v2
+
+
+CASES = [  # B, hq, hkv, d, S, dtype, n_parts, bias, fill, window, num_splits
+    (2, 9, 3, 64, 64, jnp.float32, 1, False, [37, 0], None, 1),
+    (3, 8, 8, 32, 96, jnp.bfloat16, 3, True, [95, 40, 0], None, 2),
+    (1, 32, 8, 128, 128, jnp.bfloat16, 2, False, [70], None, 3),
+    (2, 12, 2, 64, 160, jnp.float32, 2, True, [150, 5], 32, 2),
+    (2, 4, 4, 64, 48, jnp.float32, 1, False, [16, 47], None, 4),   # the token opens a block / ends the cache
+]
+
+
+@pytest.mark.parametrize("pairing", ["pairs", "halves"])
+@pytest.mark.parametrize("B,hq,hkv,d,S,dtype,n_parts,bias,fill,window,splits", CASES)
+def test_matches_the_references_interpret(pairing, B, hq, hkv, d, S, dtype, n_parts, bias, fill, window, splits):
+    parts, b, pos, kc, vc, inv = _inputs(B, hq, hkv, d, S, dtype, B + d, n_parts, bias, fill)
+    kw = dict(n_heads=hq, pairing=pairing, dtype=dtype, scale=d ** -0.5, window=window)
+    want = _reference(parts, b, pos, kc, vc, inv, **kw)
+    got = decode_rope_attention(parts, b, pos, kc, vc, inv, **kw, block_k=16, num_splits=splits, interpret=True)
+    assert got[0].shape == (B, 1, hq, d) and got[0].dtype == jnp.dtype(dtype)
+    tol = 2e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), rtol=tol, atol=tol)
+    for g, w in zip(got[1:], want[1:]):   # the caches: the new rows written, nothing else changed
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tol, atol=tol)
+    if B > 1:  # the inactive sequence: output zeros, its cache rows untouched
+        assert not np.asarray(got[0][-1], np.float32).any()
+        np.testing.assert_array_equal(np.asarray(got[1][-1]), np.asarray(kc[-1]))
+
+
+def test_errors():
+    parts, b, pos, kc, vc, inv = _inputs(2, 4, 2, 32, 32, jnp.float32, 0, 1, False, [3, 4])
+    kw = dict(pairing="pairs", dtype=jnp.float32, scale=0.2, interpret=True)
+    with pytest.raises(ValueError, match="does not match 6 query heads"):
+        decode_rope_attention(parts, b, pos, kc, vc, inv, n_heads=6, **kw)
+    with pytest.raises(ValueError, match="for 2 sequences"):
+        decode_rope_attention(parts, b, pos, kc[:1], vc[:1], inv, n_heads=4, **kw)
+
+
+def test_lowers_to_triton_for_h100():
+    from jax._src.pallas.triton import gpu_info
+
+    h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+    S = jax.ShapeDtypeStruct
+    n = (32 + 16) * 128
+    kv = S((1, 8, 1024, 128), jnp.bfloat16)
+    with warnings.catch_warnings(), mock.patch.object(gpu_info, "get_gpu_info", lambda: h100):
+        warnings.simplefilter("ignore")
+        for pairing, splits, bias in (("pairs", 1, None), ("halves", 2, S((n,), jnp.float32))):
+            lowered = decode_rope_attention.trace(
+                S((4, 1, n), jnp.float32), bias, S((1,), jnp.int32), kv, kv, S((64,), jnp.float32), n_heads=32,
+                pairing=pairing, dtype=jnp.bfloat16, scale=0.088, num_splits=splits).lower(lowering_platforms=("cuda",))
+            assert "__gpu$xla.gpu.triton" in lowered.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pairing", ["pairs", "halves"])
+@pytest.mark.parametrize("B,hq,hkv,d,splits", [(1, 9, 3, 64, None), (1, 32, 8, 128, None), (8, 32, 8, 128, 3)])
+def test_gpu_matches_the_two_kernels(pairing, B, hq, hkv, d, splits):
+    S = 1024
+    fill = [577 + 61 * i for i in range(B)]
+    parts, b, pos, kc, vc, inv = _inputs(B, hq, hkv, d, S, jnp.bfloat16, 7, 4, True, fill)
+    kw = dict(n_heads=hq, pairing=pairing, dtype=jnp.bfloat16)
+    q, k2, v2 = rope_append_kernel(parts, b, pos, kc, vc, inv, jnp.arange(B), **kw)
+    want = decode_attention(q[:, None], k2, v2, pos[:, None], pos + 1, scale=d ** -0.5, num_splits=splits)
+    got = decode_rope_attention(parts, b, pos, kc, vc, inv, **kw, scale=d ** -0.5, num_splits=splits)
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(k2))
+    np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(v2))
+
+
+@pytest.mark.parametrize("kernels", ["reference", "interpret"])
+def test_model_decode_step_takes_it_when_enabled(tmp_path, monkeypatch, kernels):
+    """The model's one-token step with the fused path switched on: the same logits and caches as
+    with rope_append + attention (both through references, or both through the kernels in
+    interpret mode), and the fused path was taken."""
+    import pallas_kernels.attention as attention
+    from rjax import engine
+    from rjax.bench import load_for_bench
+    from rjax.cache import init_cache
+    from rjax.model import fuse_projections
+    from rjax.synth import write_synthetic
+
+    path = write_synthetic(tmp_path / "m.gguf", "smollm2-135m", "q4_1", n_layers=2, vocab_size=512,
+                           tokenizer_from="builtin")
+    cfg, params, _ = load_for_bench(path, progress=False)
+    params = fuse_projections(params)  # as on a GPU: the path needs the fused QKV weight
+    if kernels == "interpret":
+        resolve = attention._resolve
+        monkeypatch.setattr(attention, "_resolve", lambda impl: "interpret" if impl is None else resolve(impl))
+    calls = []
+    fused = attention.rope_attention
+    monkeypatch.setattr("rjax.cache.rope_attention", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    tokens, lengths = engine.pad_prompts([[5, 6, 7, 8, 9], [11, 12]])
+
+    def run(max_rows):
+        monkeypatch.setattr(attention, "FUSED_ROPE_MAX_ROWS", max_rows)
+        jax.clear_caches()  # the switch is read at trace time
+        cache = init_cache(cfg, 2, 64)
+        _, cache = engine.prefill(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
+        logits, cache = engine.decode_step(cfg, params, cache, jnp.asarray([3, 4], jnp.int32))
+        logits2, cache = engine.decode_step(cfg, params, cache, jnp.asarray([1, 2], jnp.int32),
+                                            jnp.asarray([True, False]))
+        return logits, logits2, cache
+
+    want = run(0)
+    assert not calls
+    got = run(256)
+    assert calls, "the fused path was not taken"
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
