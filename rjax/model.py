@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention import fuses_rope
-from pallas_kernels.int8_activations import quantize
+from pallas_kernels.int8_activations import GatedX, quantize
 from pallas_kernels.kv_append import apply_rope, split_qkv
 from pallas_kernels.rms_norm import add_rms_norm, rms_norm
 from rjax.cache import KVCache
@@ -180,7 +180,7 @@ def _layer(cfg: ModelConfig, i: int, p: LayerParams, x, delta, cache, pos, slots
     layer) and is added by the same pass that norms the sum; the layer returns its own output
     the same way. The blocks compute in `dtype` (bfloat16 on GPU)."""
     # Imported here: the kernels import QTensor from rjax, whose package imports this module.
-    from pallas_kernels.quant_matmul import takes_quantized_x
+    from pallas_kernels.quant_matmul import takes_gated_x, takes_quantized_x
 
     rows = x.shape[0] * x.shape[1]
     int8_in = lambda *ws: all(takes_quantized_x(w, rows, dtype) for w in ws if w is not None)
@@ -193,6 +193,9 @@ def _layer(cfg: ModelConfig, i: int, p: LayerParams, x, delta, cache, pos, slots
         gate_up = matmul(h, p.w_gate_up)
         if int8_in(p.w_down):  # act(gate) * up rounded to int8 in one kernel
             return x, _post_norm(cfg, matmul_partials(quantize(gate_up, cfg.activation), p.w_down),
+                                 p.post_ffn_norm), cache
+        if takes_gated_x(p.w_down, rows, dtype):  # act(gate) * up applied by the down product's kernel
+            return x, _post_norm(cfg, matmul_partials(GatedX(gate_up, cfg.activation), p.w_down),
                                  p.post_ffn_norm), cache
         gate, up = gate_up[..., :cfg.d_ff], gate_up[..., cfg.d_ff:]
     else:

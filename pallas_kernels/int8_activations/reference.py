@@ -32,6 +32,31 @@ class QuantizedX:
         return jax.tree.map(lambda a: a.reshape(*lead, a.shape[-1]), self)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GatedX:
+    """The activations act(gate) * up (..., K) of an FFN, handed to the down product as the
+    [gate | up] (..., 2K) they come from, so the product's kernel applies the GLU as it loads
+    them (no pass of its own). `materialize` is what every other consumer multiplies."""
+    gate_up: jax.Array   # (..., 2K)
+    activation: str = dataclasses.field(default="silu", metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.gate_up.shape[:-1], self.gate_up.shape[-1] // 2)
+
+    @property
+    def dtype(self):
+        return self.gate_up.dtype
+
+    def reshape(self, *lead: int) -> "GatedX":
+        return GatedX(self.gate_up.reshape(*lead, self.gate_up.shape[-1]), self.activation)
+
+    def materialize(self) -> jax.Array:
+        """act(gate) * up in float32, rounded to the activations' dtype."""
+        return glu(self.gate_up, self.activation).astype(self.dtype)
+
+
 def quantize_x(x: jax.Array) -> QuantizedX:
     """Round x (..., K), K a multiple of 32, to int8 per 32 values.
 

@@ -8,6 +8,9 @@
         is large enough that their producer should hand them over already rounded (a
         QuantizedX); any other x is rounded by the int8 kernel itself, and a QuantizedX given
         to a float path is expanded
+    takes_gated_x(w, rows, dtype) -> bool       the FFN's down product should be given the
+        GLU's [gate | up] (a GatedX), which the decode kernels apply as they load x; any
+        other path multiplies its materialized act(gate) * up
 
 `implementation`: None picks the kernels on a GPU backend for supported types (the decode
 GEMV for M <= 64 rows, the prefill GEMM above) and the reference elsewhere; "reference",
@@ -20,7 +23,8 @@ import jax
 import jax.numpy as jnp
 from gguf import GGMLQuantizationType as QType
 
-from pallas_kernels.int8_activations import QuantizedX, dequantize_x
+from pallas_kernels.int8_activations import GatedX, QuantizedX, dequantize_x
+from pallas_kernels.quant_matmul import gemv
 from pallas_kernels.quant_matmul.gemm import qmatmul_gemm
 from pallas_kernels.quant_matmul.gemv import MAX_M, qmatmul_gemv, rounds_x_itself, uses_int8
 from pallas_kernels.quant_matmul.reference import qmatmul_reference
@@ -35,6 +39,15 @@ def supports(qtype: QType) -> bool:
     return qtype in FORMATS
 
 
+def takes_gated_x(w, rows: int, dtype) -> bool:
+    """Whether the FFN's down product x (rows, K) @ w should be given x as the GLU's
+    [gate | up] (a GatedX, its GLU applied by the decode kernel as it loads x) rather than
+    act(gate) * up from a pass of its own: on this backend's decode kernels, for at most
+    gemv.GATED_X_MAX_M rows, where x is not handed over rounded (`takes_quantized_x`)."""
+    return (isinstance(w, QTensor) and jax.default_backend() == "gpu" and supports(w.qtype)
+            and 0 < rows <= min(MAX_M, gemv.GATED_X_MAX_M) and not takes_quantized_x(w, rows, dtype))
+
+
 def takes_quantized_x(w, rows: int, dtype) -> bool:
     """Whether x (rows, K) @ w would go to the int8 decode kernel on this backend."""
     return (isinstance(w, QTensor) and jax.default_backend() == "gpu" and supports(w.qtype)
@@ -42,7 +55,7 @@ def takes_quantized_x(w, rows: int, dtype) -> bool:
             and not rounds_x_itself(w.qtype, rows, *w.shape))
 
 
-def qmatmul(x: jax.Array | QuantizedX, w: QTensor, *, implementation: str | None = None,
+def qmatmul(x: jax.Array | QuantizedX | GatedX, w: QTensor, *, implementation: str | None = None,
             partials: bool = False) -> jax.Array:
     """x (..., K) @ dequantize(w).T with w of logical shape (N, K) -> (..., N) in x.dtype, or
     with `partials` its S partial sums (S, ..., N) in float32."""
@@ -58,7 +71,11 @@ def qmatmul(x: jax.Array | QuantizedX, w: QTensor, *, implementation: str | None
     rows = 1
     for d in lead:
         rows *= d
-    if isinstance(x, QuantizedX):
+    if isinstance(x, GatedX) and (implementation == "reference" or not 0 < rows <= MAX_M or not supports(w.qtype)):
+        x = x.materialize()
+    if isinstance(x, GatedX):
+        x2 = x.reshape(rows)
+    elif isinstance(x, QuantizedX):
         x2 = x.reshape(rows)
         if implementation == "reference" or not uses_int8(w.qtype, rows, n, k, x.dtype):
             x2 = dequantize_x(x2).astype(x.dtype)

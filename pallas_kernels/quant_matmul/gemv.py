@@ -68,6 +68,12 @@ INT8_MIN_VALUES_ROUNDED_FIRST = 2**24
 # 982 with the 2**25 threshold, llama-8b 337 against 321 (H100, one machine, session 7).
 # Q8_0 keeps 2**25 (llama-1b Q8_0 810 tokens/s against 785 from 0, session 4).
 INT8_PRODUCER_MIN_VALUES = {QType.Q4_K: 0, QType.Q8_0: 2**25, QType.Q4_1: 2**25, QType.Q4_0: 2**25}
+# Down products of up to this many rows are given the GLU's [gate | up] (a GatedX, applied
+# by the kernel as it loads x) where they would otherwise multiply act(gate) * up from an XLA
+# pass of its own (`takes_gated_x`): one launch fewer per layer, against every program
+# evaluating the activation for its K range. 0, so never, until an end-to-end A/B on the H100
+# decides it.
+GATED_X_MAX_M = 0
 INT8_TILES = {  # block_n, values per step, warps, prefetch (measured best at the 8B shapes, notes)
     QType.Q8_0: (8, 512, 4, True),
     QType.Q4_K: (8, 1024, 4, True),    # for Q4_KChunks (packed scales: prefetch 5% slower)

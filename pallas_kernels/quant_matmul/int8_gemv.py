@@ -44,8 +44,9 @@ from gguf import GGMLQuantizationType as QType
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.int8_activations import QuantizedX, dequantize_x, quantize, quantize_x  # noqa: F401 (re-exported)
+from pallas_kernels.int8_activations import GatedX, QuantizedX, dequantize_x, quantize, quantize_x  # noqa: F401
 from pallas_kernels.int8_activations import kernel as q8
+from pallas_kernels.int8_activations.reference import activate
 from pallas_kernels.quant_matmul.tiles import index, load_masked
 from rjax.quant.formats import Q4_KChunks
 from rjax.quant.qtensor import QTensor
@@ -99,10 +100,29 @@ def _lanes(x_ref, idx, mask):
     return [load_masked(x_ref, tuple(idx) + (i,), mask) for i in range(4)]
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _GatedLane:
+    """A lane of a GatedX's x, loaded as its gate and up lanes; its value is act(gate) * up,
+    evaluated with the rounding (in `dot`, after the step's loads were issued). A pytree: the
+    prefetched tile rides in the loop's carry."""
+    gate: jax.Array
+    up: jax.Array
+    activation: str = dataclasses.field(metadata=dict(static=True))
+
+    def value(self):
+        return activate(self.gate, self.activation) * _f(self.up)
+
+
+def _gated(gate, up, activation: str):
+    """The loaded x structure of a GatedX: gate's and up's (same structure) lane by lane."""
+    return jax.tree.map(lambda g, u: _GatedLane(g, u, activation), gate, up)
+
+
 def _quantize(parts, ip):
     """Round one 32-value group per index, as `quantize_x`: parts are lane quads of shape
     S + (W,) that together make the group. -> words per part, d (S), q sums per part (S)."""
-    parts = [[_f(v) for v in lanes] for lanes in parts]
+    parts = [[v.value() if isinstance(v, _GatedLane) else _f(v) for v in lanes] for lanes in parts]
     amax = None
     for lanes in parts:
         for v in lanes:
@@ -403,7 +423,8 @@ def _iota(n):
     return jax.lax.broadcasted_iota(_I32, (n,), 0)
 
 
-def _kernel(*refs, fmt, cfg, split_out, m_rows, n_rows, n_blocks, blocks_per_split, n_x, n_w, interpret):
+def _kernel(*refs, fmt, cfg, split_out, m_rows, n_rows, n_blocks, blocks_per_split, n_x, n_w, interpret,
+            activation=None):
     x_refs, w_refs, o_ref = refs[:n_x], refs[n_x:n_x + n_w], refs[-1]
     bn, bkb = cfg.block_n, cfg.block_k
     pid_n, pid_s = pl.program_id(0), pl.program_id(1)
@@ -419,8 +440,13 @@ def _kernel(*refs, fmt, cfg, split_out, m_rows, n_rows, n_blocks, blocks_per_spl
         blocks = pl.ds(b0, bkb)
         bmask = (b0 + _iota(bkb)) < kb_end     # past the split's end (the prefetch after the
         wmask = rmask[:, None] & bmask[None, :]  # last step): masked, nothing is read
-        xs = ([fmt.load_xq(x_refs, m, blocks, bmask) for m in ms] if n_x == 3
-              else [fmt.load_x(x_refs[0], m, blocks, bmask) for m in ms])
+        if n_x == 3:
+            xs = [fmt.load_xq(x_refs, m, blocks, bmask) for m in ms]
+        elif activation is None:
+            xs = [fmt.load_x(x_refs[0], m, blocks, bmask) for m in ms]
+        else:  # a GatedX: row 2m of the view is row m's gate, row 2m + 1 its up
+            xs = [_gated(fmt.load_x(x_refs[0], 2 * m, blocks, bmask), fmt.load_x(x_refs[0], 2 * m + 1, blocks, bmask),
+                         activation) for m in ms]
         return fmt.load_w(w_refs, rows, blocks, wmask), xs
 
     def step(i, carry):
@@ -451,11 +477,12 @@ def supports(qtype: QType) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret", "partials"))
-def int8_gemv(x: jax.Array | QuantizedX, w: QTensor, cfg: Int8GemvConfig = Int8GemvConfig(),
+def int8_gemv(x: jax.Array | QuantizedX | GatedX, w: QTensor, cfg: Int8GemvConfig = Int8GemvConfig(),
               interpret: bool = False, partials: bool = False) -> jax.Array:
     """x (M <= MAX_M, K) @ dequantize(w).T -> (M, N) on int8 dot products, in x's dtype (a
     QuantizedX's `dtype`); with `partials`, the split-K partial sums (split_k, M, N) in
-    float32, for the consumer to add."""
+    float32, for the consumer to add. A GatedX's GLU is applied where x is rounded: in the
+    kernel's programs, or in the rounding pass before it."""
     if w.qtype not in FORMATS:
         raise NotImplementedError(f"int8_gemv: no kernel for {w.qtype.name}")
     fmt = _format_of(w)
@@ -469,9 +496,14 @@ def int8_gemv(x: jax.Array | QuantizedX, w: QTensor, cfg: Int8GemvConfig = Int8G
     if not isinstance(x, QuantizedX) and (w.qtype == QType.Q6_K or m_rows > ROUNDS_IN_KERNEL_MAX_M):
         # Rounded first, in one small kernel: per program, Q6_K's 16-value groups made the
         # kernel 6x slower (H100, notes), and many rows multiply the rounding work.
-        x = quantize(x, implementation="interpret" if interpret else "pallas")
+        impl = "interpret" if interpret else "pallas"
+        x = (quantize(x.gate_up, x.activation, implementation=impl) if isinstance(x, GatedX)
+             else quantize(x, implementation=impl))
+    activation = x.activation if isinstance(x, GatedX) else None
     if isinstance(x, QuantizedX):
         x_views = fmt.xq_views(x, m_rows, n_blocks)
+    elif activation is not None:
+        x_views = (fmt.x_view(x.gate_up.reshape(2 * m_rows, k), 2 * m_rows, n_blocks),)
     else:
         x_views = (fmt.x_view(x, m_rows, n_blocks),)
     w_views = fmt.w_views(w.planes, n_rows, n_blocks)
@@ -483,7 +515,7 @@ def int8_gemv(x: jax.Array | QuantizedX, w: QTensor, cfg: Int8GemvConfig = Int8G
         out_shape = jax.ShapeDtypeStruct((cfg.split_k, m_rows, n_rows), _F32)
     kernel = functools.partial(_kernel, fmt=fmt, cfg=cfg, split_out=len(out_shape.shape) == 3, m_rows=m_rows,
                                n_rows=n_rows, n_blocks=n_blocks, blocks_per_split=blocks_per_split,
-                               n_x=len(x_views), n_w=len(w_views), interpret=interpret)
+                               n_x=len(x_views), n_w=len(w_views), interpret=interpret, activation=activation)
     wbytes = sum(math.prod(v.shape) * v.dtype.itemsize for v in w_views)
     xbytes = sum(math.prod(v.shape) * v.dtype.itemsize for v in x_views)
     out = pl.pallas_call(

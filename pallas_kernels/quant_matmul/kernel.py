@@ -33,6 +33,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.int8_activations import GatedX
+from pallas_kernels.int8_activations.reference import activate
 from pallas_kernels.quant_matmul.tiles import FORMATS, format_of, index
 from rjax.quant.qtensor import QTensor
 
@@ -62,8 +64,19 @@ def _iota(n):
     return jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
 
 
-def _kernel(x_ref, *refs, fmt, cfg: TileConfig, split_out, m_rows, n_rows, n_blocks, blocks_per_split, cdt):
+def _kernel(x_ref, *refs, fmt, cfg: TileConfig, split_out, m_rows, n_rows, n_blocks, blocks_per_split, cdt,
+            activation):
+    """activation: None, x_ref is x by block; else x_ref is [gate | up] by half and block, and x
+    is act(gate) * up, evaluated in float32 as each tile is loaded (a GatedX)."""
     *w_refs, o_ref = refs
+
+    def load_x(rows, blocks, seg, mask):
+        if activation is None:
+            return plgpu.load(x_ref.at[rows, blocks, seg, :, :], mask=mask, other=0)
+        gate = plgpu.load(x_ref.at[rows, jnp.int32(0), blocks, seg, :, :], mask=mask, other=0)
+        up = plgpu.load(x_ref.at[rows, jnp.int32(1), blocks, seg, :, :], mask=mask, other=0)
+        return activate(gate, activation) * up.astype(jnp.float32)
+
     bm, bn, bkb = cfg.block_m, cfg.block_n, cfg.block_k
     pid_n, pid_m, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     n0, m0 = pid_n * bn, pid_m * bm
@@ -87,8 +100,7 @@ def _kernel(x_ref, *refs, fmt, cfg: TileConfig, split_out, m_rows, n_rows, n_blo
             if part.bias is not None:
                 w = w + part.bias[..., None]
             w = w.reshape(bn, bkb * run).astype(cdt)
-            xp = plgpu.load(x_ref.at[xrows, blocks, index(part.seg), :, :], mask=xm, other=0)
-            xp = xp.reshape(bm, bkb * run).astype(cdt)
+            xp = load_x(xrows, blocks, index(part.seg), xm).reshape(bm, bkb * run).astype(cdt)
             acc = acc + jax.lax.dot_general(w, xp, (((1,), (1,)), ((), ())), precision=precision,
                                             preferred_element_type=jnp.float32)
         return acc
@@ -107,8 +119,7 @@ def _kernel(x_ref, *refs, fmt, cfg: TileConfig, split_out, m_rows, n_rows, n_blo
                 w = w + part.bias[..., None]
             for m in range(bm):
                 xmask_m = bmask & (m0 + m < m_rows)
-                xp = plgpu.load(x_ref.at[m0 + m, blocks, index(part.seg), :, :],
-                                mask=xmask_m.reshape(bkb, 1, 1), other=0).astype(jnp.float32)
+                xp = load_x(m0 + m, blocks, index(part.seg), xmask_m.reshape(bkb, 1, 1)).astype(jnp.float32)
                 accs[m] = accs[m] + w * xp[None]
         return tuple(accs)
 
@@ -135,17 +146,18 @@ def compute_dtype(dtype) -> jnp.dtype:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret", "partials"))
-def fused_qmatmul(x: jax.Array, w: QTensor, cfg: TileConfig, interpret: bool = False,
+def fused_qmatmul(x: jax.Array | GatedX, w: QTensor, cfg: TileConfig, interpret: bool = False,
                   partials: bool = False) -> jax.Array:
     """x (M, K) @ dequantize(w).T -> (M, N) in x.dtype, by the fused kernel with tiles `cfg`;
-    with `partials`, the split-K partial sums (split_k, M, N) in float32."""
+    with `partials`, the split-K partial sums (split_k, M, N) in float32. x may be a GatedX,
+    whose GLU the kernel applies as it loads x."""
     if w.qtype not in FORMATS:
         raise NotImplementedError(f"fused_qmatmul: no kernel for {w.qtype.name}; have "
                                   f"{', '.join(t.name for t in FORMATS)}")
     fmt = format_of(w)
     n_rows, k = w.shape
     m_rows = x.shape[0]
-    if x.ndim != 2 or x.shape[1] != k:
+    if len(x.shape) != 2 or x.shape[1] != k:
         raise ValueError(f"fused_qmatmul: x of shape {x.shape} does not match weight {w.qtype.name} {w.shape}")
     if k % fmt.block_size:
         raise ValueError(f"fused_qmatmul: K={k} is not a multiple of the {w.qtype.name} block size {fmt.block_size}")
@@ -153,7 +165,9 @@ def fused_qmatmul(x: jax.Array, w: QTensor, cfg: TileConfig, interpret: bool = F
         raise ValueError(f"fused_qmatmul: 'fma' unrolls over x rows; block_m={cfg.block_m} > 8")
     n_blocks = k // fmt.block_size
     blocks_per_split = pl.cdiv(pl.cdiv(n_blocks, cfg.split_k), cfg.block_k) * cfg.block_k
-    x5 = x.reshape(m_rows, n_blocks, fmt.segments, fmt.sub, fmt.seg_len // fmt.sub)
+    by_block = (n_blocks, fmt.segments, fmt.sub, fmt.seg_len // fmt.sub)
+    activation = x.activation if isinstance(x, GatedX) else None
+    x5 = x.reshape(m_rows, *by_block) if activation is None else x.gate_up.reshape(m_rows, 2, *by_block)
     views = fmt.views(w.planes)
     grid = (pl.cdiv(n_rows, cfg.block_n), pl.cdiv(m_rows, cfg.block_m), cfg.split_k)
     if cfg.split_k == 1 and not partials:
@@ -162,7 +176,7 @@ def fused_qmatmul(x: jax.Array, w: QTensor, cfg: TileConfig, interpret: bool = F
         out_shape = jax.ShapeDtypeStruct((cfg.split_k, m_rows, n_rows), jnp.float32)
     kernel = functools.partial(
         _kernel, fmt=fmt, cfg=cfg, split_out=len(out_shape.shape) == 3, m_rows=m_rows, n_rows=n_rows, n_blocks=n_blocks,
-        blocks_per_split=blocks_per_split, cdt=compute_dtype(x.dtype))
+        blocks_per_split=blocks_per_split, cdt=compute_dtype(x.dtype), activation=activation)
     wbytes = sum(math.prod(v.shape) * v.dtype.itemsize for v in views)
     out = pl.pallas_call(
         kernel,
@@ -171,7 +185,7 @@ def fused_qmatmul(x: jax.Array, w: QTensor, cfg: TileConfig, interpret: bool = F
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         cost_estimate=pl.CostEstimate(
             flops=2 * m_rows * n_rows * k, transcendentals=0,
-            bytes_accessed=wbytes * grid[1] + x.size * x.dtype.itemsize * grid[0]
+            bytes_accessed=wbytes * grid[1] + x5.size * x5.dtype.itemsize * grid[0]
             + m_rows * n_rows * jnp.dtype(out_shape.dtype).itemsize * cfg.split_k),
         interpret=interpret,
         name=f"qmatmul_{w.qtype.name.lower()}",

@@ -48,9 +48,12 @@ Weight = QTensor | jax.Array
 
 
 def _plain(x):
-    """Activations a producer rounded to int8 (a QuantizedX), expanded for a dense weight."""
-    from pallas_kernels.int8_activations import QuantizedX, dequantize_x
+    """Activations a producer rounded to int8 (a QuantizedX) or left as a GLU's [gate | up] (a
+    GatedX), as the plain array a dense weight multiplies."""
+    from pallas_kernels.int8_activations import GatedX, QuantizedX, dequantize_x
 
+    if isinstance(x, GatedX):
+        return x.materialize()
     return dequantize_x(x).astype(x.dtype) if isinstance(x, QuantizedX) else x
 
 
