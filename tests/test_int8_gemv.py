@@ -60,6 +60,19 @@ def test_int8_gemv_matches_rounded_activations(qtype, layout, m, cfg):
     assert _rel(out, _oracle(x, w)) < EXACT_TOL
 
 
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q8_0], ids=lambda t: t.name)
+def test_int8_gemv_sixteen_rows(qtype):
+    """The most rows a call takes (x rounded first, as beyond two rows always)."""
+    k = 512 if qtype == QType.Q4_K else 256
+    w = jax.tree.map(jnp.asarray, random_qtensor(qtype, 24, k, seed=16))
+    x = _x(int8_gemv.MAX_M, k, seed=17)
+    out = int8_gemv.int8_gemv(x, as_words(w) if qtype == QType.Q4_K else w, Int8GemvConfig(8, 1), interpret=True)
+    assert out.shape == (16, 24)
+    assert _rel(out, _oracle(dequantize_x(quantize_x(x)), w)) < 1e-2  # bf16 output
+    with pytest.raises(ValueError, match="M must be 1..16"):
+        int8_gemv.int8_gemv(_x(17, k, seed=1), w, Int8GemvConfig(8, 1), interpret=True)
+
+
 @pytest.mark.parametrize("m,cfg", [(1, Int8GemvConfig(16, 2)), (2, Int8GemvConfig(8, 1, split_k=3, prefetch=False))])
 def test_int8_gemv_q4_k_chunks_equals_packed_scales(m, cfg):
     """The GPU layout of Q4_K (scales per quant chunk) gives the same sums, bit for bit."""

@@ -466,7 +466,9 @@ def _kernel(*refs, fmt, cfg, split_out, m_rows, n_rows, n_blocks, blocks_per_spl
         plgpu.store(o_ref.at[idx], jnp.sum(acc, axis=1).astype(o_ref.dtype), mask=rmask)
 
 
-MAX_M = 8
+# Rows per call (the kernel unrolls them): up to 16, so that its tiles can be measured there
+# against the float kernel; the dispatch uses it up to gemv.INT8_MAX_M rows per type.
+MAX_M = 16
 # Raw x is rounded in the kernel for at most this many rows (measured at M=1): every program
 # rounds every row for its K range, so that work grows with M while the weight tile does not.
 ROUNDS_IN_KERNEL_MAX_M = 2
