@@ -6,7 +6,9 @@ and fusions of distinct shapes that cost. The engine's programs for a set of bat
 prompt buckets and steps per dispatch are independent of each other, and XLA releases the
 GIL while it compiles, so compiling them in threads cuts the wait from their sum to about the
 slowest one (llama-8b, the 9 programs of `rjax bench`: 76.7 s one after another, 31.1 s in 9
-threads on the H100; benchmarks/NOTES-decode-step.md, session 8).
+threads on the H100; benchmarks/NOTES-decode-step.md, session 8). Each program starts
+compiling as soon as it is lowered, while the next one lowers (lowering is Python, one
+program at a time: 7.5-12.7 s of those totals), which that measurement did not yet do.
 
 Programs are lowered from abstract arguments (shapes and dtypes: no cache is allocated)
 through the same jitted functions the engine calls, so the later calls with real arrays find
@@ -78,8 +80,9 @@ def decode_program(cfg: ModelConfig, params: Params, batch: int, cache_len: int,
 @dataclasses.dataclass(frozen=True)
 class CompileReport:
     workers: int
-    lower_s: float                  # tracing and lowering, one program after another (Python)
-    wall_s: float                   # compiling them all, concurrently
+    lower_s: float                  # tracing and lowering, one program after another (Python),
+                                    # while the programs lowered so far compile
+    wall_s: float                   # from the last lowering until every program is compiled
     lowered_s: dict[str, float]     # each program's own lowering time
     compile_s: dict[str, float]     # each program's own compile time
     compiled: dict[str, Any]        # the executables (jax.stages.Compiled), by program name
@@ -92,9 +95,9 @@ class CompileReport:
 
 def compile_programs(programs: Sequence[Program], workers: int | None = None, progress: bool = False,
                      on_error: str = "raise") -> CompileReport:
-    """Lower the programs one by one, then compile them in `workers` threads (default: one per
-    program, up to the CPU count). A failure names the program; on_error="record" notes it in
-    `errors` and goes on with the others."""
+    """Lower the programs one by one, each compiled in one of `workers` threads (default: one
+    per program, up to the CPU count) as soon as it is lowered. A failure names the program;
+    on_error="record" notes it in `errors` and goes on with the others."""
     from tqdm.auto import tqdm
 
     if on_error not in ("raise", "record"):
@@ -112,35 +115,43 @@ def compile_programs(programs: Sequence[Program], workers: int | None = None, pr
             raise RuntimeError(msg) from e
         errors[name] = msg
 
-    t0 = time.perf_counter()
-    lowered, lowered_s = [], {}
-    for p in tqdm(programs, desc="lower", unit="program", disable=not progress, leave=False):
-        t = time.perf_counter()
-        try:
-            lowered.append((p.name, p.lower()))
-        except Exception as e:
-            failed("lowering", p.name, e)
-        lowered_s[p.name] = time.perf_counter() - t
-    lower_s = time.perf_counter() - t0
-
-    def compile_one(item):
-        name, lo = item
+    def compile_one(name, lo):
         t = time.perf_counter()
         try:
             return name, lo.compile(), time.perf_counter() - t, None
         except Exception as e:  # raised in this thread, reported in the caller's
             return name, None, time.perf_counter() - t, e
 
+    # Each program starts compiling as soon as it is lowered, while the next one lowers (XLA
+    # releases the GIL): the wait is the lowering plus about the last compile, not their sum.
     t0 = time.perf_counter()
-    bar = tqdm(total=len(lowered), desc="compile", unit="program", disable=not progress, leave=False)
+    bar = tqdm(total=len(programs), desc="compile", unit="program", disable=not progress, leave=False)
+    lowered_s: dict[str, float] = {}
     times: dict[str, float] = {}
     compiled: dict[str, Any] = {}
-    with ThreadPoolExecutor(workers) as pool:
-        for name, exe, dt, err in pool.map(compile_one, lowered):
+    pool = ThreadPoolExecutor(workers)
+    try:
+        futures = []
+        for p in programs:
+            t = time.perf_counter()
+            try:
+                lo = p.lower()
+            except Exception as e:
+                failed("lowering", p.name, e)
+                continue
+            finally:
+                lowered_s[p.name] = time.perf_counter() - t
+            futures.append(pool.submit(compile_one, p.name, lo))
+        lower_end = time.perf_counter()
+        for f in futures:
+            name, exe, dt, err = f.result()
             bar.update()
             if err is not None:
                 failed("compiling", name, err)
                 continue
             times[name], compiled[name] = dt, exe
-    bar.close()
-    return CompileReport(workers, lower_s, time.perf_counter() - t0, lowered_s, times, compiled, errors)
+    finally:  # on a failure: return now, leaving compiles already running to finish on their own
+        pool.shutdown(wait=False, cancel_futures=True)
+        bar.close()
+    lower_s = lower_end - t0
+    return CompileReport(workers, lower_s, time.perf_counter() - lower_end, lowered_s, times, compiled, errors)
