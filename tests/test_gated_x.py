@@ -128,3 +128,28 @@ def test_both_kernels_lower_to_triton_for_h100(qtype):
             lowered = jax.jit(fn, static_argnames=("cfg", "interpret")).trace(x, w, cfg).lower(
                 lowering_platforms=("cuda",))
             assert "__gpu$xla.gpu.triton" in lowered.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_1, QType.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_gpu_kernels_apply_the_glu(qtype, m):
+    """Compiled for the GPU: the int8 GEMV equals the GLU kernel then the product exactly, and
+    the float kernel (the model's tiles) is as close to the float32 oracle as with XLA's GLU."""
+    from pallas_kernels.quant_matmul import gemv
+
+    n, k = 2048, 8192 if qtype != QType.Q4_K else 4096
+    w = _w(qtype, n, k, 1)
+    if qtype == QType.Q4_K:
+        w = as_words(w)
+    gu = _gate_up(m, k, 2)
+    if m <= gemv.int8.MAX_M:
+        cfg = gemv.default_int8_config(qtype, m, n, k)
+        got = int8_gemv(GatedX(gu, "silu"), w, cfg)
+        want = int8_gemv(quantize(gu, "silu"), w, cfg)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    cfg = gemv.default_gemv_config(qtype, m, n, k)
+    oracle = np.asarray(qmatmul(glu(gu, "silu"), w, implementation="reference"), np.float64)
+    rel = lambda out: np.linalg.norm(np.asarray(out, np.float64) - oracle) / np.linalg.norm(oracle)  # noqa: E731
+    assert rel(fused_qmatmul(GatedX(gu, "silu"), w, cfg)) < 2 * rel(fused_qmatmul(GatedX(gu, "silu").materialize(), w,
+                                                                                  cfg)) + 1e-3
