@@ -16,6 +16,7 @@ import glob
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,6 +52,18 @@ def kernel_times(trace_dir: str, device_prefix: str = "/device:GPU") -> tuple[co
     return total, count
 
 
+def set_constants(items: list[str]) -> None:
+    import importlib
+
+    for item in items:
+        target, value = item.split("=")
+        module, name = target.split(":")
+        mod = importlib.import_module(module)
+        if not isinstance(getattr(mod, name), int):
+            raise SystemExit(f"profile_decode: {module}.{name} is not an integer constant")
+        setattr(mod, name, int(value))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT", "profile-out"))
@@ -61,7 +74,11 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--layers", type=int, default=None, help="override the layer count (smoke tests)")
+    p.add_argument("--set", action="append", default=[], metavar="module:CONST=value",
+                   help="set an integer dispatch constant before rjax is imported (as benchmarks/ab.py)")
+    p.add_argument("--tag", default="", help="appended to the report's file name")
     a = p.parse_args()
+    set_constants(a.set)
 
     import jax
     import jax.numpy as jnp
@@ -92,13 +109,14 @@ def main() -> int:
     state = engine.initial_state(first, jnp.full((b,), 3 * a.steps, jnp.int32), stop, key, cache)
     toks, state, cache = engine.decode_loop(cfg, params, cache, state, sp, stop, a.steps)   # compile
     np.asarray(toks)
-    trace = str(out / "trace")
-    t0 = time.perf_counter()
-    with jax.profiler.trace(trace):
-        toks, state, cache = engine.decode_loop(cfg, params, cache, state, sp, stop, a.steps)
-        np.asarray(toks)
-    wall = time.perf_counter() - t0
-    total, count = kernel_times(trace)
+    # A fresh directory per run: kernel_times reads the one trace file it finds.
+    with tempfile.TemporaryDirectory(prefix="rjax-trace-") as trace:
+        t0 = time.perf_counter()
+        with jax.profiler.trace(trace):
+            toks, state, cache = engine.decode_loop(cfg, params, cache, state, sp, stop, a.steps)
+            np.asarray(toks)
+        wall = time.perf_counter() - t0
+        total, count = kernel_times(trace)
     steps = a.steps
     kernel_us = sum(total.values()) / 1e3 / steps
     fams = collections.Counter()
@@ -106,19 +124,19 @@ def main() -> int:
     for name, ns in total.items():
         fams[family(name)] += ns
         fam_n[family(name)] += count[name]
-    report = dict(shape=a.shape, quant=a.quant, batch=b, steps=steps, wall_us_per_step=wall * 1e6 / steps,
+    report = dict(shape=a.shape, quant=a.quant, batch=b, constants=a.set, steps=steps, wall_us_per_step=wall * 1e6 / steps,
                   kernel_us_per_step=kernel_us, kernels_per_step=sum(count.values()) / steps,
                   families={f: dict(us_per_step=ns / 1e3 / steps, kernels_per_step=fam_n[f] / steps)
                             for f, ns in fams.most_common()},
                   top=[dict(name=n[:120], us_per_step=ns / 1e3 / steps, calls_per_step=count[n] / steps)
                        for n, ns in total.most_common(a.top)])
-    print(f"{a.shape} {a.quant} B={b}: {report['wall_us_per_step']:.0f} us/step wall (profiled), "
+    print(f"{a.shape} {a.quant} B={b} {' '.join(a.set)}: {report['wall_us_per_step']:.0f} us/step wall (profiled), "
           f"{kernel_us:.0f} us/step in {report['kernels_per_step']:.0f} kernels")
     for f, v in report["families"].items():
         print(f"  {f:22s} {v['us_per_step']:8.1f} us/step  {v['kernels_per_step']:6.1f} kernels/step")
     for t in report["top"]:
         print(f"    {t['us_per_step']:8.1f} us  x{t['calls_per_step']:5.1f}  {t['name']}")
-    (out / f"profile-{a.shape}-{a.quant}-b{b}.json").write_text(json.dumps(report, indent=1))
+    (out / f"profile-{a.shape}-{a.quant}-b{b}{a.tag}.json").write_text(json.dumps(report, indent=1))
     return 0
 
 

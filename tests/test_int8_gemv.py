@@ -122,8 +122,9 @@ def test_dispatch_uses_int8_for_large_half_precision_decode():
     assert gemv.uses_int8(QType.Q4_K, 1, *big, jnp.bfloat16)
     assert not gemv.uses_int8(QType.Q4_K, 1, *big, jnp.float32)       # f32 keeps the exact kernel
     assert gemv.uses_int8(QType.Q4_K, 4, *big, jnp.bfloat16)
-    assert not gemv.uses_int8(QType.Q4_K, 8, *big, jnp.bfloat16)      # tensor cores tie from M=8
-    assert gemv.uses_int8(QType.Q8_0, 8, *big, jnp.bfloat16)
+    assert not gemv.uses_int8(QType.Q4_K, 8, *big, jnp.bfloat16)      # tensor cores win from M=8
+    assert gemv.uses_int8(QType.Q8_0, 4, *big, jnp.bfloat16)
+    assert not gemv.uses_int8(QType.Q8_0, 8, *big, jnp.bfloat16)
     assert not gemv.uses_int8(QType.Q6_K, 1, *big, jnp.bfloat16)
     assert gemv.uses_int8(QType.Q6_K, 1, 128256, 2048, jnp.bfloat16)  # output layers only
     assert not gemv.uses_int8(QType.Q6_K, 2, 128256, 2048, jnp.bfloat16)

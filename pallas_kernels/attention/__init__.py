@@ -60,9 +60,11 @@ def attention(q, k, v, q_pos, kv_len, *, scale: float, window: int | None = None
 
 # Sequences per decode step up to which the model runs the rotation, the K/V append and the
 # attention of a one-token step as one kernel (`decode_rope_attention`) instead of two
-# (`kv_append.rope_append`, then `decode_attention`): one launch fewer per layer. 0, so never,
-# until an end-to-end A/B on the H100 decides it.
-FUSED_ROPE_MAX_ROWS = 0
+# (`kv_append.rope_append`, then `decode_attention`): one launch fewer per layer. On the H100 at
+# batch 1 it took 20-25 us of kernel time out of a step (llama-1b 772 -> 752 us, smollm2 831 ->
+# 805 us); end to end the change was inside the run-to-run spread at batch 1 and 8
+# (benchmarks/NOTES-decode-step.md, session 9).
+FUSED_ROPE_MAX_ROWS = 256
 
 
 def fuses_rope(batch: int, tokens: int) -> bool:

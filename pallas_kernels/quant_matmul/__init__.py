@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as QType
 from pallas_kernels.int8_activations import GatedX, QuantizedX, dequantize_x
 from pallas_kernels.quant_matmul import gemv
 from pallas_kernels.quant_matmul.gemm import qmatmul_gemm
-from pallas_kernels.quant_matmul.gemv import MAX_M, qmatmul_gemv, rounds_x_itself, uses_int8
+from pallas_kernels.quant_matmul.gemv import MAX_M, int8_path, qmatmul_gemv, rounds_x_itself
 from pallas_kernels.quant_matmul.reference import qmatmul_reference
 from pallas_kernels.quant_matmul.tiles import FORMATS
 from rjax.quant.qtensor import QTensor
@@ -51,7 +51,7 @@ def takes_gated_x(w, rows: int, dtype) -> bool:
 def takes_quantized_x(w, rows: int, dtype) -> bool:
     """Whether x (rows, K) @ w would go to the int8 decode kernel on this backend."""
     return (isinstance(w, QTensor) and jax.default_backend() == "gpu" and supports(w.qtype)
-            and 0 < rows <= MAX_M and uses_int8(w.qtype, rows, *w.shape, dtype)
+            and 0 < rows <= MAX_M and int8_path(w, rows, dtype) is not None
             and not rounds_x_itself(w.qtype, rows, *w.shape))
 
 
@@ -77,7 +77,7 @@ def qmatmul(x: jax.Array | QuantizedX | GatedX, w: QTensor, *, implementation: s
         x2 = x.reshape(rows)
     elif isinstance(x, QuantizedX):
         x2 = x.reshape(rows)
-        if implementation == "reference" or not uses_int8(w.qtype, rows, n, k, x.dtype):
+        if implementation == "reference" or int8_path(w, rows, x.dtype) is None:
             x2 = dequantize_x(x2).astype(x.dtype)
     else:
         x2 = x.reshape(rows, k)

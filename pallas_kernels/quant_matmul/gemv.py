@@ -1,8 +1,10 @@
 """Decode GEMV / skinny GEMM (M = 1..64): each weight byte is read from HBM once per call and
-dequantized on chip, by one of two kernels:
+dequantized on chip, by one of three kernels:
 
 - int8_gemv.py: int8-quantized activations and dp4a integer dot products, for half-precision
   activations, the types and row counts where it measured faster (`uses_int8`);
+- int8_mma.py: int8-quantized activations on the tensor cores' integer MMA, for Q8_0 and Q4_K
+  at more rows than the dp4a kernel takes (`int8_path`);
 - kernel.py: the float kernel with one M tile (CUDA-core FMAs or tensor-core MMAs), for
   everything else, and for float32 activations, where it is exact.
 
@@ -18,6 +20,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
 from pallas_kernels.quant_matmul import int8_gemv as int8
+from pallas_kernels.quant_matmul import int8_mma as mma
 from pallas_kernels.quant_matmul.kernel import TileConfig, fused_qmatmul
 from rjax.quant.qtensor import QTensor
 
@@ -53,7 +56,9 @@ FMA_AT_M1 = {
 # wins beyond some M: for Q4_K on word planes beyond M=4 (x rounded first; 14336x4096: M=3
 # 23 vs 50 us, M=4 28 vs 50, M=8 51 vs 51; 16384x2048: M=4 18 vs 27, M=8 31 vs 28), for
 # Q8_0 beyond M=8 (M=8: 37 vs 45).
-INT8_MAX_M = {QType.Q8_0: 8, QType.Q4_K: 4, QType.Q4_1: 4, QType.Q4_0: 4, QType.Q6_K: 1}
+# Q8_0 stops at 4 since session 9: at M=8 it measured 84-95 us against 45-51 for the MMA
+# kernels at 14336x4096 and 4096x14336 (37 against 45 in session 3).
+INT8_MAX_M = {QType.Q8_0: 4, QType.Q4_K: 4, QType.Q4_1: 4, QType.Q4_0: 4, QType.Q6_K: 1}
 INT8_MIN_VALUES = {QType.Q4_K: 0, QType.Q8_0: 0, QType.Q4_1: 2**24, QType.Q4_0: 2**24, QType.Q6_K: 2**27}
 # Beyond int8.ROUNDS_IN_KERNEL_MAX_M rows x is rounded in a pass of its own before the product
 # (as in session 3, when this threshold was measured for every type): Q8_0 at batch 8
@@ -82,6 +87,17 @@ INT8_TILES = {  # block_n, values per step, warps, prefetch (measured best at th
     QType.Q6_K: (32, 1024, 4, True),   # 128256x4096 words: 213 us; 16 x 512: 254, 8 x 1024: 286
 }
 INT8_PROGRAMS = 264
+# Rows beyond INT8_MAX_M up to which products go to the int8 MMA kernel (int8_mma.py) instead
+# of the float kernel, per type (Q4_K in the GPU layout), under a cap for all types. H100, GPU
+# kernel time in us against the float kernel alone (notes, session 9): Q4_K M=8 40.5 vs 51.1 at
+# 14336x4096, 44.4 vs 49.5 at 4096x14336, 23.2 vs 28.0 at 16384x2048; M=16 46.6 vs 52.1, 49.2
+# vs 51.4, 27.4 vs 29.3; M=32 slower (79.6 vs 55.5). Q8_0 M=8 45.5 vs 47.1, 48.5 vs 51.2, 26.3 vs
+# 28.8; M=16 no faster. In a llama-8b batch-8 step the products gained 48 us of 1,896 and the
+# int8 rounding of x cost as much (1,883 us of kernels against 1,896), and end to end batch 8
+# decoded at the same rate (llama-8b 1,205 both ways, llama-1b Q8_0 4,796 vs 4,789), so the cap
+# is 0: the kernel is kept, tested, for the day its per-group scaling gets cheaper.
+INT8_MMA_MAX_M = 0
+MMA_MAX_M = {QType.Q4_K: 16, QType.Q8_0: 8}
 
 
 def uses_int8(qtype: QType, m: int, n: int, k: int, dtype) -> bool:
@@ -90,6 +106,30 @@ def uses_int8(qtype: QType, m: int, n: int, k: int, dtype) -> bool:
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
             and m <= INT8_MAX_M.get(qtype, 0)
             and n * k >= (INT8_MIN_VALUES[qtype] if m <= int8.ROUNDS_IN_KERNEL_MAX_M else INT8_MIN_VALUES_ROUNDED_FIRST))
+
+
+def int8_path(w: QTensor, m: int, dtype) -> str | None:
+    """Which int8 kernel a decode product x (m, K) @ w takes: "gemv" (dp4a, int8_gemv.py),
+    "mma" (tensor cores, int8_mma.py), or None (the float kernel)."""
+    n, k = w.shape
+    if uses_int8(w.qtype, m, n, k, dtype):
+        return "gemv"
+    if (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and w.qtype in mma.TYPES
+            and INT8_MAX_M.get(w.qtype, 0) < m <= min(INT8_MMA_MAX_M, MMA_MAX_M.get(w.qtype, 0)) and mma.supports(w)
+            and n * k >= INT8_MIN_VALUES_ROUNDED_FIRST):
+        return "mma"
+    return None
+
+
+def default_mma_config(qtype: QType, m: int, n: int, k: int) -> mma.Int8MmaConfig:
+    """The int8 MMA kernel's measured tiles (H100, session 9): 64 weight rows per program up to
+    8 x rows, 128 beyond; one Q4_K super-block or four Q8_0 blocks per step (more lost); K split
+    until there are about 448 programs (336 beyond 8 rows)."""
+    block_n, programs = (64, 448) if m <= 8 else (128, 336)
+    block_size = GGML_QUANT_SIZES[qtype][0]
+    block_k = 1 if block_size == 256 else 4
+    split = max(1, min(-(-programs // -(-n // block_n)), k // block_size // block_k))
+    return mma.Int8MmaConfig(block_n=block_n, block_k=block_k, split_k=split)
 
 
 def reads_words(qtype: QType, n: int, k: int) -> bool:
@@ -148,11 +188,14 @@ def gemv_config(qtype: QType, m: int, n: int, k: int, *, method: str = "mma", bl
 
 def qmatmul_gemv(x: jax.Array, w: QTensor, *, config: TileConfig | None = None,
                  interpret: bool = False, partials: bool = False) -> jax.Array:
-    """x (M <= 64, K) @ dequantize(w).T -> (M, N) in x.dtype: the int8 kernel for a QuantizedX
-    x and where `uses_int8` says so (and no float tiles are given), the float kernel otherwise. With
+    """x (M <= 64, K) @ dequantize(w).T -> (M, N) in x.dtype: an int8 kernel where `int8_path`
+    says so (and no float tiles are given) or for a QuantizedX x, the float kernel otherwise. With
     `partials`: the split-K partial sums (S, M, N), float32."""
     m, (n, k) = x.shape[0], w.shape
-    if isinstance(x, int8.QuantizedX) or (config is None and uses_int8(w.qtype, m, n, k, x.dtype)):
+    path = None if config is not None else int8_path(w, m, x.dtype)
+    if path == "mma":
+        return mma.int8_mma(x, w, default_mma_config(w.qtype, m, n, k), interpret=interpret, partials=partials)
+    if path == "gemv" or isinstance(x, int8.QuantizedX):
         return int8.int8_gemv(x, w, default_int8_config(w.qtype, m, n, k), interpret=interpret,
                               partials=partials)
     cfg = config or default_gemv_config(w.qtype, m, n, k)

@@ -73,13 +73,18 @@ def load_masked(ref, idx, mask):
     return plgpu.load(view, mask=m, other=0)
 
 
-def bytes_of_words(w: jax.Array) -> jax.Array:
-    """int32 words (..., W) -> their bytes, little-endian, as int32 0..255 (..., 4W). Built
-    from two-way joins, the one way Triton interleaves tensors: byte 2k + l of a word comes
-    from join(join(b0, b2), join(b1, b3))[..., k, l]."""
-    b = [(w >> (8 * i)) & 0xFF for i in range(4)]
+def join_lanes(lanes: list[jax.Array]) -> jax.Array:
+    """Four lanes (..., W), lane i holding byte i of each of W words -> (..., 4W) in byte order
+    (byte 4j + i is lanes[i][..., j]). Built from two-way joins, the one way Triton interleaves
+    tensors: byte 2k + l of a word comes from join(join(b0, b2), join(b1, b3))[..., k, l]."""
+    b = lanes
     pairs = jnp.stack([jnp.stack([b[0], b[2]], axis=-1), jnp.stack([b[1], b[3]], axis=-1)], axis=-1)
-    return pairs.reshape(*w.shape[:-1], 4 * w.shape[-1])
+    return pairs.reshape(*b[0].shape[:-1], 4 * b[0].shape[-1])
+
+
+def bytes_of_words(w: jax.Array) -> jax.Array:
+    """int32 words (..., W) -> their bytes, little-endian, as int32 0..255 (..., 4W)."""
+    return join_lanes([(w >> (8 * i)) & 0xFF for i in range(4)])
 
 
 def load_bytes(ref, idx, mask):
