@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as QType
 from pallas_kernels.quant_matmul import gemv, int8_gemv, qmatmul
 from pallas_kernels.quant_matmul.int8_gemv import (Int8GemvConfig, as_words, dequantize_x, dp4a,
                                                    quantize_x)
-from pallas_kernels.quant_matmul.testing import random_qtensor, raw_bytes
+from pallas_kernels.quant_matmul.testing import dequantized_product, random_qtensor, rel_error
 from rjax.quant.reference import q4_k_chunks
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -28,15 +28,7 @@ TYPES = list(int8_gemv.FORMATS)
 ROUNDED_TOL, EXACT_TOL = 1e-6, 1.5e-2
 
 
-def _oracle(x, w):
-    wd = gguf.quants.dequantize(raw_bytes(w), w.qtype).reshape(w.shape).astype(np.float64)
-    return np.asarray(jnp.asarray(x, jnp.float32), np.float64) @ wd.T
-
-
-def _rel(out, ref):
-    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
-    assert np.all(np.isfinite(out))
-    return np.linalg.norm(out - ref) / np.linalg.norm(ref)
+_oracle, _rel = dequantized_product, rel_error
 
 
 def _x(m, k, seed, dtype=jnp.bfloat16):

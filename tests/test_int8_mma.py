@@ -11,7 +11,6 @@ from __future__ import annotations
 import unittest.mock as mock
 import warnings
 
-import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +20,7 @@ from gguf import GGMLQuantizationType as QType
 from pallas_kernels.int8_activations import dequantize_x, quantize_x
 from pallas_kernels.quant_matmul import int8_mma
 from pallas_kernels.quant_matmul.int8_mma import Int8MmaConfig, int8_lanes
-from pallas_kernels.quant_matmul.testing import random_qtensor, raw_bytes
+from pallas_kernels.quant_matmul.testing import dequantized_product, random_qtensor, rel_error
 from rjax.quant.reference import q4_k_chunks
 from rjax.quant.words import as_words
 
@@ -40,15 +39,7 @@ def _weight(name, n, k, seed):
     return w, layout(w)
 
 
-def _oracle(x, w):
-    wd = gguf.quants.dequantize(raw_bytes(w), w.qtype).reshape(w.shape).astype(np.float64)
-    return np.asarray(jnp.asarray(x, jnp.float32), np.float64) @ wd.T
-
-
-def _rel(out, ref):
-    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
-    assert np.all(np.isfinite(out))
-    return np.linalg.norm(out - ref) / np.linalg.norm(ref)
+_oracle, _rel = dequantized_product, rel_error
 
 
 def _x(m, k, seed, dtype=jnp.bfloat16):

@@ -47,7 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.int8_activations import GatedX, QuantizedX, dequantize_x, quantize, quantize_x  # noqa: F401
 from pallas_kernels.int8_activations import kernel as q8
 from pallas_kernels.int8_activations.reference import activate
-from pallas_kernels.quant_matmul.tiles import index, load_masked
+from pallas_kernels.quant_matmul.tiles import index, load_masked, split_k_launch
 from rjax.quant.formats import Q4_KChunks
 from rjax.quant.qtensor import QTensor
 from rjax.quant.words import as_words  # noqa: F401 (re-exported)
@@ -509,12 +509,9 @@ def int8_gemv(x: jax.Array | QuantizedX | GatedX, w: QTensor, cfg: Int8GemvConfi
     else:
         x_views = (fmt.x_view(x, m_rows, n_blocks),)
     w_views = fmt.w_views(w.planes, n_rows, n_blocks)
-    blocks_per_split = pl.cdiv(pl.cdiv(n_blocks, cfg.split_k), cfg.block_k) * cfg.block_k
+    blocks_per_split, out_shape = split_k_launch(n_blocks, cfg.block_k, cfg.split_k, m_rows, n_rows, out_dtype,
+                                                 partials)
     grid = (pl.cdiv(n_rows, cfg.block_n), cfg.split_k)
-    if cfg.split_k == 1 and not partials:
-        out_shape = jax.ShapeDtypeStruct((m_rows, n_rows), out_dtype)
-    else:
-        out_shape = jax.ShapeDtypeStruct((cfg.split_k, m_rows, n_rows), _F32)
     kernel = functools.partial(_kernel, fmt=fmt, cfg=cfg, split_out=len(out_shape.shape) == 3, m_rows=m_rows,
                                n_rows=n_rows, n_blocks=n_blocks, blocks_per_split=blocks_per_split,
                                n_x=len(x_views), n_w=len(w_views), interpret=interpret, activation=activation)

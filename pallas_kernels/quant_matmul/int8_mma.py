@@ -36,7 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.int8_activations import GatedX, QuantizedX, quantize
 from pallas_kernels.quant_matmul.int8_gemv import LOW_NIBBLES, _words_view
-from pallas_kernels.quant_matmul.tiles import index, join_lanes, load_masked
+from pallas_kernels.quant_matmul.tiles import index, join_lanes, load_masked, split_k_launch
 from rjax.quant.formats import Q4_KChunks
 from rjax.quant.qtensor import QTensor
 
@@ -187,12 +187,9 @@ def int8_mma(x: jax.Array | QuantizedX | GatedX, w: QTensor, cfg: Int8MmaConfig 
                x.dsum32.reshape(m_rows, n_blocks, *x_groups))
     w_views = views(w, n_rows, n_blocks)
     block_m = max(16, pl.next_power_of_2(m_rows))
-    blocks_per_split = pl.cdiv(pl.cdiv(n_blocks, cfg.split_k), cfg.block_k) * cfg.block_k
+    blocks_per_split, out_shape = split_k_launch(n_blocks, cfg.block_k, cfg.split_k, m_rows, n_rows, out_dtype,
+                                                 partials)
     grid = (pl.cdiv(n_rows, cfg.block_n), cfg.split_k)
-    if cfg.split_k == 1 and not partials:
-        out_shape = jax.ShapeDtypeStruct((m_rows, n_rows), out_dtype)
-    else:
-        out_shape = jax.ShapeDtypeStruct((cfg.split_k, m_rows, n_rows), _F32)
     kernel = functools.partial(_kernel, block=block, cfg=cfg, block_m=block_m, split_out=len(out_shape.shape) == 3,
                                m_rows=m_rows, n_rows=n_rows, n_blocks=n_blocks, blocks_per_split=blocks_per_split)
     nbytes = sum(math.prod(v.shape) * v.dtype.itemsize for v in (*x_views, *w_views))

@@ -35,7 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.int8_activations import GatedX
 from pallas_kernels.int8_activations.reference import activate
-from pallas_kernels.quant_matmul.tiles import FORMATS, format_of, index
+from pallas_kernels.quant_matmul.tiles import FORMATS, format_of, index, split_k_launch
 from rjax.quant.qtensor import QTensor
 
 
@@ -164,16 +164,13 @@ def fused_qmatmul(x: jax.Array | GatedX, w: QTensor, cfg: TileConfig, interpret:
     if cfg.method == "fma" and cfg.block_m > 8:
         raise ValueError(f"fused_qmatmul: 'fma' unrolls over x rows; block_m={cfg.block_m} > 8")
     n_blocks = k // fmt.block_size
-    blocks_per_split = pl.cdiv(pl.cdiv(n_blocks, cfg.split_k), cfg.block_k) * cfg.block_k
+    blocks_per_split, out_shape = split_k_launch(n_blocks, cfg.block_k, cfg.split_k, m_rows, n_rows, x.dtype,
+                                                 partials)
     by_block = (n_blocks, fmt.segments, fmt.sub, fmt.seg_len // fmt.sub)
     activation = x.activation if isinstance(x, GatedX) else None
     x5 = x.reshape(m_rows, *by_block) if activation is None else x.gate_up.reshape(m_rows, 2, *by_block)
     views = fmt.views(w.planes)
     grid = (pl.cdiv(n_rows, cfg.block_n), pl.cdiv(m_rows, cfg.block_m), cfg.split_k)
-    if cfg.split_k == 1 and not partials:
-        out_shape = jax.ShapeDtypeStruct((m_rows, n_rows), x.dtype)
-    else:
-        out_shape = jax.ShapeDtypeStruct((cfg.split_k, m_rows, n_rows), jnp.float32)
     kernel = functools.partial(
         _kernel, fmt=fmt, cfg=cfg, split_out=len(out_shape.shape) == 3, m_rows=m_rows, n_rows=n_rows, n_blocks=n_blocks,
         blocks_per_split=blocks_per_split, cdt=compute_dtype(x.dtype), activation=activation)

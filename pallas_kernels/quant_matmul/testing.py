@@ -58,3 +58,16 @@ def quantized_qtensor(qtype: QType, w: np.ndarray) -> QTensor:
 def raw_bytes(w: QTensor) -> np.ndarray:
     """The QTensor's blocks as the file's bytes (rows, n_blocks * type_size): for gguf.quants."""
     return formats.join_planes(w.qtype, [np.asarray(p) for p in w.planes])
+
+
+def dequantized_product(x, w: QTensor) -> np.ndarray:
+    """x (M, K) @ gguf-py's dequantized w, in float64: the oracle of the kernels' tests."""
+    wd = gguf.quants.dequantize(raw_bytes(w), w.qtype).reshape(w.shape).astype(np.float64)
+    return np.asarray(np.asarray(x, np.float32), np.float64) @ wd.T
+
+
+def rel_error(out, ref: np.ndarray) -> float:
+    """Relative Frobenius error of out against ref; out must be finite."""
+    out = np.asarray(np.asarray(out, np.float32), np.float64)
+    assert np.all(np.isfinite(out)), "non-finite output"
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))

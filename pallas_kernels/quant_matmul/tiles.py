@@ -260,3 +260,13 @@ Q4_K_CHUNKS = TileFormat(256, 8, 32, 1, _q4_k_chunks_views, _q4_k_chunks_parts)
 def format_of(w: QTensor) -> TileFormat:
     """The tile format for w's type and plane layout (Q4_K comes in two, see formats.Q4_KChunks)."""
     return Q4_K_CHUNKS if isinstance(w.planes, Q4_KChunks) else FORMATS[w.qtype]
+
+
+def split_k_launch(n_blocks: int, block_k: int, split_k: int, m: int, n: int, out_dtype, partials: bool):
+    """(blocks per split, output shape) of a decode kernel splitting K `split_k` ways: the
+    (m, n) result in `out_dtype`, or its (split_k, m, n) float32 partial sums where there is
+    more than one split or the caller wants them (`partials`)."""
+    blocks_per_split = pl.cdiv(pl.cdiv(n_blocks, split_k), block_k) * block_k
+    if split_k == 1 and not partials:
+        return blocks_per_split, jax.ShapeDtypeStruct((m, n), out_dtype)
+    return blocks_per_split, jax.ShapeDtypeStruct((split_k, m, n), jnp.float32)
