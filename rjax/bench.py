@@ -64,7 +64,7 @@ class BenchSettings:
     copy_bytes: int = 1 << 30      # bandwidth probe array size
     copy_repeats: int = 5
     seed: int = 0
-    time_budget_s: float | None = None  # stop cleanly (remaining measurements "skipped") after this
+    time_budget_s: float | None = None  # seconds of measuring (after load and compile), then the rest "skipped"
     # Compile the run's programs before measuring, in this many threads (None: one per program
     # up to the CPU count; 0: each at its first call, one after another).
     compile_workers: int | None = None
@@ -211,7 +211,6 @@ def run_bench(model: str | os.PathLike | tuple[ModelConfig, Params], settings: B
     name or path, or an already loaded (config, params). `on_update(result)` is called after
     each measurement with the result so far (for writing it out as it grows)."""
     s = settings
-    budget = _Budget(s.time_budget_s)
     say = log or (lambda msg: None)
     t_start = time.perf_counter()
     dev = jax.devices()[0]
@@ -288,6 +287,8 @@ def run_bench(model: str | os.PathLike | tuple[ModelConfig, Params], settings: B
         _compile_ahead(cfg, params, s, tasks, bucket, S, dtype, result, progress, say)
         update()
 
+    # The budget counts the measurements only: loading and the compile ahead take what they take.
+    budget = _Budget(s.time_budget_s)
     bar = tqdm(tasks, desc="bench", unit="run", disable=not progress, leave=False)
     for b, n in bar:
         label = f"prefill B={b}" if n is None else f"decode B={b} N={n}"
@@ -651,7 +652,8 @@ def register_cli(subparsers) -> None:
                    help="bandwidth probe array size in MiB (default 1024 on accelerators, 64 on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
-                   help="skip the remaining measurements after this long (they are listed as skipped)")
+                   help="skip the remaining measurements after this long, counted from the end of loading "
+                        "and compiling (they are listed as skipped)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the result here (rewritten as it grows)")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="plot tokens/s against batch size (matplotlib)")
     p.add_argument("--compile-workers", type=int, default=None, metavar="N",
