@@ -7,8 +7,13 @@ M = 8 on, two to three times the M = 1 time (H100, benchmarks/NOTES-quant_matmul
 the weight's quants go to the MMA as they are, int8: Q8_0's bytes need no work at all, Q4_K's
 nibbles a shift and a mask. Each 32-value group is one [BM, 32] x [32, BN] int8 product with
 int32 sums, scaled once per group and column in float32 (x's scale per row, the weight's per
-column), as llama.cpp's MMQ does. The cost per weight is then independent of M up to the MMA
-tile (16 rows; 32 or 64 with bigger tiles).
+column), as llama.cpp's MMQ does.
+
+Measured on the H100 (benchmarks/NOTES-quant_matmul.md, session 9): 10-21% faster than the
+float kernel for Q4_K at M=8, 4-11% at M=16, slower at M=32, and no faster for Q8_0 even though
+its quants need no unpacking: both kernels stop at about 45-52 us at the 8B shapes, against 19-27
+at M=1. In a model step the rounding of x that it needs cost what its products saved, so the
+dispatch leaves it off (`gemv.INT8_MMA_MAX_M`).
 
 x comes rounded (a QuantizedX from the norm or GLU kernel before the product), or is rounded
 by `pallas_kernels.int8_activations.quantize` first. Byte order within a group does not
