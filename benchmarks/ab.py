@@ -6,7 +6,9 @@ one way or another, each arm in a fresh process, arms alternated so drift hits t
         --arm gated=pallas_kernels.quant_matmul.gemv:GATED_X_MAX_M=64 --rounds 2 --out ab.json
 
 The baseline arm ("base") runs the constants as committed. An arm sets integer constants
-(`module:NAME=value`, several separated by commas) before rjax is imported in its process.
+(`module:NAME=value`, several separated by commas) before rjax is imported in its process, or
+runs another source tree as it is (`NAME=@PATH`, e.g. a `git archive` of an earlier commit;
+the child runs from PATH, so `python -c` imports that tree's rjax, and prints which it took).
 Every run is `rjax bench` with the given batches, N=16 steps per dispatch, prompt 512 and 128
 generated (--bench-args to change); the table gives tokens/s per model, batch and arm, each
 round's value and the median, and the ratio of each arm's median to the baseline's.
@@ -28,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Runs in the child: patch, then the bench's own command line.
 _CHILD = """
 import importlib, os, sys
+import rjax
+print("[ab] rjax from", os.path.dirname(rjax.__file__), file=sys.stderr)
 for item in filter(None, os.environ["RJAX_AB_PATCH"].split(",")):
     target, value = item.split("=")
     module, name = target.split(":")
@@ -42,8 +46,8 @@ sys.exit(main(sys.argv[1:]))
 
 def _arm(text: str) -> tuple[str, str]:
     name, _, patch = text.partition("=")
-    if not name or not patch or ":" not in patch:
-        raise argparse.ArgumentTypeError(f"expected NAME=module:CONSTANT=value[,...], got {text!r}")
+    if not name or not patch or (":" not in patch and not patch.startswith("@")):
+        raise argparse.ArgumentTypeError(f"expected NAME=module:CONSTANT=value[,...] or NAME=@PATH, got {text!r}")
     return name, patch
 
 
@@ -52,10 +56,14 @@ def run_arm(model: str, patch: str, batches: str, bench_args: list[str], timeout
         out = Path(tmp) / "bench.json"
         cmd = [sys.executable, "-c", _CHILD, "bench", "-m", model, "--batch", batches, "--steps-per-dispatch", "16",
                "-q", "--json", str(out), *bench_args]
-        env = dict(os.environ, RJAX_AB_PATCH=patch, PYTHONPATH=os.pathsep.join(
-            [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        tree = Path(patch[1:]).resolve() if patch.startswith("@") else ROOT
+        env = dict(os.environ, RJAX_AB_PATCH="" if patch.startswith("@") else patch, PYTHONPATH=os.pathsep.join(
+            [str(tree), *filter(None, [os.environ.get("PYTHONPATH")])]))
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, timeout=timeout)
+        took = [line for line in proc.stderr.splitlines() if line.startswith("[ab] rjax from")]
+        if took:
+            print(took[0], file=sys.stderr, flush=True)
         if proc.returncode != 0 or not out.exists():
             return {"error": (proc.stderr or proc.stdout)[-800:], "seconds": time.perf_counter() - t0}
         summary = json.loads(out.read_text())["summary"]

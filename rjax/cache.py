@@ -26,6 +26,10 @@ class KVCache:
     k: tuple[jax.Array, ...]  # per layer [n_slots, n_kv_heads, max_len, head_dim]
     v: tuple[jax.Array, ...]
     lengths: jax.Array  # [n_slots] int32
+    # [n_slots, n_kv_heads] int32, zero between calls: the decode attention kernel's count of
+    # the split programs that have finished (it merges their partials in the last one).
+    # Carried here so that a step need not make fresh zeros for every layer. None: it does.
+    arrivals: jax.Array | None = None
 
     @property
     def n_slots(self) -> int:
@@ -61,9 +65,11 @@ class KVCache:
         """`rope_write`, then `attend`, for one token per sequence in rows 0..B-1 (parts
         [S, B, 1, (Hq + 2 Hkv) D], pos [B, 1]), as one kernel on the GPU
         (pallas_kernels.attention.rope_attention). -> (attention output [B, 1, Hq, D], cache)."""
-        out, k, v = rope_attention(parts[:, :, 0], bias, pos[:, 0], self.k[layer], self.v[layer], inv_freq,
-                                   n_heads=n_heads, pairing=pairing, dtype=dtype, scale=scale, window=window)
-        return out, dataclasses.replace(self, k=_replace(self.k, layer, k), v=_replace(self.v, layer, v))
+        out, k, v, arrivals = rope_attention(parts[:, :, 0], bias, pos[:, 0], self.k[layer], self.v[layer], inv_freq,
+                                             n_heads=n_heads, pairing=pairing, dtype=dtype, scale=scale,
+                                             window=window, arrivals=self.arrivals)
+        return out, dataclasses.replace(self, k=_replace(self.k, layer, k), v=_replace(self.v, layer, v),
+                                        arrivals=arrivals)
 
     def attend(self, layer: int, q, pos, slots, *, scale: float, window: int | None):
         k, v = self.k[layer], self.v[layer]
@@ -89,4 +95,4 @@ def init_cache(cfg: ModelConfig, n_slots: int, max_len: int, dtype=jnp.float32) 
         raise ValueError(f"cache length {max_len} exceeds the model's context length {cfg.context_length}")
     shape = (n_slots, cfg.n_kv_heads, max_len, cfg.head_dim)
     zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))  # noqa: E731
-    return KVCache(zeros(), zeros(), jnp.zeros((n_slots,), jnp.int32))
+    return KVCache(zeros(), zeros(), jnp.zeros((n_slots,), jnp.int32), jnp.zeros(shape[:2], jnp.int32))

@@ -57,8 +57,10 @@ def test_matches_the_references_interpret(pairing, B, hq, hkv, d, S, dtype, n_pa
     parts, b, pos, kc, vc, inv = _inputs(B, hq, hkv, d, S, dtype, B + d, n_parts, bias, fill)
     kw = dict(n_heads=hq, pairing=pairing, dtype=dtype, scale=d ** -0.5, window=window)
     want = _reference(parts, b, pos, kc, vc, inv, **kw)
-    got = decode_rope_attention(parts, b, pos, kc, vc, inv, **kw, block_k=16, num_splits=splits, interpret=True)
+    got = decode_rope_attention(parts, b, pos, kc, vc, inv, **kw, block_k=16, num_splits=splits, interpret=True,
+                                arrivals=jnp.zeros((B, hkv), jnp.int32))
     assert got[0].shape == (B, 1, hq, d) and got[0].dtype == jnp.dtype(dtype)
+    np.testing.assert_array_equal(np.asarray(got[3]), 0)  # the merge's counts, left zero for the next call
     tol = 2e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), rtol=tol, atol=tol)
     for g, w in zip(got[1:], want[1:]):   # the caches: the new rows written, nothing else changed

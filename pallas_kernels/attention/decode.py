@@ -7,7 +7,9 @@ K/V at memory bandwidth:
   each cache block is read once, not G times.
 - Split-K ("flash decoding"): the visible key range of each sequence is cut into `num_splits` equal
   runs of blocks handled by separate programs, so a small batch still fills the GPU; each program
-  writes an unnormalized partial (acc, running max, running sum) and a small XLA step combines them.
+  writes an unnormalized partial (acc, running max, running sum). With one query token, the last
+  program of a KV head to finish (an atomic count per head says which) merges the partials and
+  writes the output, so the step is one launch; with several tokens a small XLA step merges them.
 - Key blocks no row can see (beyond kv_len, outside the window) are skipped; masks are applied only
   on edge blocks.
 - `decode_rope_attention` runs kv_append's pass (the QKV product's partial sums summed, q and k
@@ -47,64 +49,99 @@ def default_tiles(head_dim: int) -> dict:
     return dict(block_k=64, num_warps=4, num_stages=3)
 
 
-def default_num_splits(batch: int, kv_heads: int, num_keys: int, block_k: int) -> int:
-    """Enough programs for about two waves on the GPU, but at least 4 key blocks per split.
+MAX_MERGED_SPLITS = 16
 
-    Down to one block per split, batch-1 decode of smollm2 (3 KV heads, ~600 keys) spent less
-    kernel time in attention (4.6 vs 7.5 us per layer) but decoded 8% slower end to end (761
-    vs 840 tokens/s): the extra partials cost more in the combine and launches than they saved."""
+
+def default_num_splits(batch: int, kv_heads: int, num_keys: int, block_k: int, merged_in_kernel: bool) -> int:
+    """Enough programs for about two waves on the GPU.
+
+    Merged in the kernel (one query token), a split may be one key block: at batch 1 the time
+    is the latency of a program's chain of blocks, and 8 splits of one block took 4.7 against
+    8.0 us for one split of a 1,024-key smollm2 cache (benchmarks/decode_attention_tiles.py).
+    Merged by XLA, each split keeps at least 4 blocks: there the extra partials cost two more
+    launches, and one block per split decoded smollm2 8% slower end to end (761 vs 840 tokens/s)."""
     programs = batch * kv_heads
     want = pl.cdiv(2 * NUM_SMS_H100, programs)
+    if merged_in_kernel:
+        return max(1, min(want, num_keys // block_k, MAX_MERGED_SPLITS))
     return max(1, min(want, num_keys // (4 * block_k)))
 
 
+def _n_outputs(group: int | None, num_splits: int) -> int:
+    """The attention outputs of a program: the output alone (one token, one split); the output,
+    the partials and the arrival count (one token, merged in the kernel); or the partials."""
+    if group is None:
+        return 3
+    return 1 if num_splits == 1 else 5
+
+
 def _kernel(kv_len_ref, row_pos_ref, q_ref, k_ref, v_ref, *rest, layout: CacheLayout, scale: float,
-            window: int | None, block_k: int, num_splits: int, group: int | None):
+            window: int | None, block_k: int, num_splits: int, group: int | None, interpret: bool):
     """group: None, q_ref holds the padded query rows of this program and row_pos_ref their
     positions; else (one query token) q_ref is the token's [Hq, D] heads, of which this KV head's
-    `group` rows are read (rows past them masked), and row_pos_ref the token's position."""
-    n_out = 1 if group is not None and num_splits == 1 else 3
-    table_ref = rest[0] if len(rest) > n_out else None
-    _attend(kv_len_ref[()], row_pos_ref, q_ref, k_ref, v_ref, table_ref, rest[-n_out:], layout=layout, scale=scale,
-            window=window, block_k=block_k, num_splits=num_splits, group=group)
+    `group` rows are read (rows past them masked), and row_pos_ref the token's position.
+    rest: the page table (paged layout), the arrival counts' input (merged), then the outputs."""
+    table_ref = rest[0] if layout.paged else None
+    if group is None:
+        pos, q = row_pos_ref[...], q_ref[...]
+    else:
+        rows, r = _group_rows(group)
+        pos = jnp.where(r < group, row_pos_ref[()], -1)
+        q = pltriton.load(q_ref.at[pl.ds(pl.program_id(1) * group, rows), :], mask=(r < group)[:, None], other=0)
+    _attend(kv_len_ref[()], pos, q, k_ref, v_ref, table_ref, rest[-_n_outputs(group, num_splits):],
+            layout=layout, scale=scale, window=window, block_k=block_k, num_splits=num_splits, group=group,
+            interpret=interpret)
 
 
 def _rope_append_kernel(kv_len_ref, pos_ref, inv_ref, parts_ref, *refs, has_bias: bool, n_heads: int, n_parts: int,
-                        pairing: str, interpret: bool, layout: CacheLayout, scale: float, window: int | None,
-                        block_k: int, num_splits: int, group: int):
+                        pairing: str, q_dtype, interpret: bool, layout: CacheLayout, scale: float,
+                        window: int | None, block_k: int, num_splits: int, group: int):
     """One decode token per sequence: `kv_append`'s pass, then the attention, in one program.
 
-    The program of (split, KV head h, sequence b) rotates its group's query rows from the QKV
-    product's partial sums into `q_ref` (every split writes the same values), and the program
-    whose split holds the token's position writes the key and value into the cache there
-    (k_ref, v_ref are the outputs aliased to the donated caches, so they are read as well). A
-    block barrier makes those writes visible to the program's own threads before it attends
-    (the interpreter runs programs one at a time and needs none)."""
+    The program of (split, KV head h, sequence b) builds its group's rotated query rows from the
+    QKV product's partial sums in registers (every split builds the same), attends over the
+    cached keys before the token's position, and the last split also folds in the token's own
+    key and value from registers and writes them into the cache (k_ref, v_ref: the outputs
+    aliased to the donated caches). No program reads what this call writes, so the cache loads
+    wait on nothing but the position. With "halves" pairing the key cache is in the halves view
+    [S, 2, D/2] and the scores are the sum of the two halves' products, so no rotated row is
+    reassembled; with "pairs" the query halves are interleaved into [R, D] in registers."""
     bias_ref = refs[0] if has_bias else None
     refs = refs[1:] if has_bias else refs
-    out_refs, (k_ref, v_ref, q_ref) = refs[2:-3], refs[-3:]    # refs[:2]: the caches as inputs (aliased)
+    # refs: the caches and (merged) the arrival counts as inputs (aliased), the attention's
+    # outputs, then the caches as outputs.
+    out_refs, (k_ref, v_ref) = refs[-2 - _n_outputs(group, num_splits):-2], refs[-2:]
     split, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     pos, kv_len = pos_ref[()], kv_len_ref[()]
-    product = ProductRows(parts_ref, bias_ref, inv_ref, b, pos, n_parts=n_parts, pairing=pairing, dtype=q_ref.dtype)
-    for g in range(group):
-        head = h * group + g
-        pltriton.store(q_ref.at[head, :], product.row(product.rotated(head)).astype(q_ref.dtype))
-
+    product = ProductRows(parts_ref, bias_ref, inv_ref, b, pos, n_parts=n_parts, pairing=pairing, dtype=q_dtype)
     rows, r = _group_rows(group)
-    _, first, per_split = _split_range(jnp.where(r < group, pos, -1), kv_len, block_k, window, num_splits, split)
-    block = flash.idiv(jnp.maximum(pos, 0), block_k)
-    owner = (pos >= 0) & (block >= first) & (block < first + per_split)
-    at = jnp.maximum(pos, 0)
+    q1, q2 = product.rotated_rows(h * group, rows, r < group)
+    halves = pairing == "halves"
+    q = (q1.astype(q_dtype), q2.astype(q_dtype)) if halves else _interleave(q1, q2).astype(q_dtype)
+
     n_kv = pl.num_programs(1)
-    k_row = product.row(product.rotated(n_heads + h))
-    v_row = product.row((product.half(n_heads + n_kv + h, 0), product.half(n_heads + n_kv + h, 1)))
-    write = jnp.broadcast_to(owner, k_row.shape)
-    pltriton.store(k_ref.at[at, :], k_row.astype(k_ref.dtype), mask=write)
-    pltriton.store(v_ref.at[at, :], v_row.astype(v_ref.dtype), mask=write)
-    if not interpret:
-        pltriton.debug_barrier()
-    _attend(kv_len, pos_ref, q_ref, k_ref, v_ref, None, out_refs, layout=layout, scale=scale, window=window,
-            block_k=block_k, num_splits=num_splits, group=group)
+    k_halves = [x.astype(k_ref.dtype) for x in product.rotated(n_heads + h)]
+    v_row = product.row((product.half(n_heads + n_kv + h, 0), product.half(n_heads + n_kv + h, 1))).astype(v_ref.dtype)
+    owner = (split == num_splits - 1) & (pos >= 0)
+    at = jnp.maximum(pos, 0)
+    write = jnp.broadcast_to(owner, k_halves[0].shape)
+    if halves:
+        for j, half in enumerate(k_halves):
+            pltriton.store(k_ref.at[at, jnp.int32(j), :], half, mask=write)
+        k_new = tuple(k_halves)
+    else:
+        k_new = product.row(k_halves).astype(k_ref.dtype)
+        pltriton.store(k_ref.at[at, :], k_new, mask=jnp.broadcast_to(owner, k_new.shape))
+    pltriton.store(v_ref.at[at, :], v_row, mask=jnp.broadcast_to(owner, v_row.shape))
+    cached = jnp.minimum(kv_len, at)  # the keys before the token's position
+    _attend(cached, jnp.where(r < group, pos, -1), q, k_ref, v_ref, None, out_refs, layout=layout, scale=scale,
+            window=window, block_k=block_k, num_splits=num_splits, group=group, interpret=interpret,
+            new_key=(owner, k_new, v_row))
+
+
+def _interleave(a, b):
+    """[R, n] pieces a, b -> [R, 2n] with a in the even and b in the odd columns (a Triton join)."""
+    return jnp.stack([a, b], axis=-1).reshape(a.shape[0], 2 * a.shape[1])
 
 
 def _split_range(pos, kv_len, block_k: int, window: int | None, num_splits: int, split):
@@ -119,31 +156,40 @@ def _group_rows(group: int):
     return rows, jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
 
 
-def _attend(kv_len, row_pos_ref, q_ref, k_ref, v_ref, table_ref, out_refs, *, layout: CacheLayout, scale: float,
-            window: int | None, block_k: int, num_splits: int, group: int | None):
-    """The program's attention over its split of the cache, written to `out_refs` (see _kernel)."""
+def _attend(kv_len, pos, q, k_ref, v_ref, table_ref, out_refs, *, layout: CacheLayout, scale: float,
+            window: int | None, block_k: int, num_splits: int, group: int | None, interpret: bool,
+            new_key=None):
+    """The program's attention over its split of the cache, written to `out_refs` (see _kernel).
+
+    pos [R]: the query rows' positions (-1: padding); q [R, D], or its two rotation halves with
+    k_ref in the halves view (see _rope_append_kernel). new_key: (fold, k, v), a key and value at
+    the rows' position that the cache does not hold yet, folded in where `fold` is true."""
     split, kv_head = pl.program_id(0), pl.program_id(1)
-    if group is None:
-        pos = row_pos_ref[...]
-        q = q_ref[...]
-        rows = q.shape[0]
-    else:
-        rows, r = _group_rows(group)
-        first_row = pl.ds(kv_head * group, rows)
-        pos = jnp.where(r < group, row_pos_ref[()], -1)
-        q = pltriton.load(q_ref.at[first_row, :], mask=(r < group)[:, None], other=0)
+    halves = isinstance(q, tuple)
+    rows = (q[0] if halves else q).shape[0]
     qk_scale = scale * flash.LOG2E
 
     def step(block, state, masked):
         start = block * block_k
-        k = load_block(k_ref, table_ref, start, block_k, layout, bounds_check=masked)
+        if halves:
+            k = tuple(load_block(k_ref, table_ref, start, block_k, layout, bounds_check=masked, half=j)
+                      for j in range(2))
+        else:
+            k = load_block(k_ref, table_ref, start, block_k, layout, bounds_check=masked)
         v = load_block(v_ref, table_ref, start, block_k, layout, bounds_check=masked)
         mask = flash.visibility(pos, start, block_k, kv_len, window) if masked else None
         return flash.attend_block(state, q, k, v, qk_scale=qk_scale, mask=mask)
 
     ranges, first, per_split = _split_range(pos, kv_len, block_k, window, num_splits, split)
-    state = flash.init_state(q.shape[0], q.shape[1])
-    acc, m, l = flash.walk_blocks(ranges, state, step, within=(first, first + per_split))
+    state = flash.init_state(rows, v_ref.shape[-1])
+    state = flash.walk_blocks(ranges, state, step, within=(first, first + per_split))
+    if new_key is not None:
+        fold, k_new, v_new = new_key
+        state = flash.attend_key(state, q, k_new, v_new, qk_scale=qk_scale, rows=(pos >= 0) & fold)
+    acc, m, l = state
+    if group is not None:
+        r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
+        first_row = pl.ds(kv_head * group, rows)
     if len(out_refs) == 1:
         # One split and one token: the normalized rows go straight to the [Hq, D] output
         # (a row that sees no key has l == 0 and gets zeros), so no combine step runs.
@@ -151,10 +197,39 @@ def _attend(kv_len, row_pos_ref, q_ref, k_ref, v_ref, table_ref, out_refs, *, la
         out = acc / jnp.where(l > 0, l, 1.0)[:, None]
         pltriton.store(o_ref.at[first_row, :], out.astype(o_ref.dtype), mask=(r < group)[:, None])
         return
-    acc_ref, m_ref, l_ref = out_refs
-    acc_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = l
+    if len(out_refs) == 3:
+        acc_ref, m_ref, l_ref = out_refs
+        acc_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l
+        return
+    # One token over several splits: every program leaves its partial in this head's slots, and
+    # the one that arrives last merges them into the output. The barrier puts all of the
+    # program's partial stores before the count's increment, whose release/acquire (at GPU
+    # scope) makes the other programs' partials visible to the last one.
+    o_ref, acc_ref, m_ref, l_ref, count_ref = out_refs
+    acc_ref[split] = acc
+    m_ref[split] = m
+    l_ref[split] = l
+    if not interpret:
+        pltriton.debug_barrier()
+    arrived = pltriton.atomic_add(count_ref, (jnp.int32(0),), jnp.int32(1))
+
+    @pl.when(arrived == num_splits - 1)
+    def _merge():
+        load = functools.partial(pltriton.load, volatile=True)  # past L1, which other SMs do not update
+        ms = [load(m_ref.at[jnp.int32(i)]) for i in range(num_splits)]
+        m_max = functools.reduce(jnp.maximum, ms)
+        m_max = jnp.where(m_max > -jnp.inf, m_max, 0.0)  # no split saw a key
+        num = jnp.zeros_like(acc)
+        den = jnp.zeros_like(l)
+        for i in range(num_splits):
+            w = jnp.where(ms[i] > -jnp.inf, jnp.exp2(ms[i] - m_max), 0.0)
+            num = num + w[:, None] * load(acc_ref.at[jnp.int32(i)])
+            den = den + w * load(l_ref.at[jnp.int32(i)])
+        out = num / jnp.where(den > 0, den, 1.0)[:, None]
+        pltriton.store(o_ref.at[first_row, :], out.astype(o_ref.dtype), mask=(r < group)[:, None])
+        count_ref[0] = jnp.int32(0)  # every program has arrived: the count is free for the next call
 
 
 def _combine(acc, m, l, row_pos, kv_len, window):
@@ -179,8 +254,10 @@ class RopeAppend(NamedTuple):
 
 
 def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, block_k, num_splits,
-          num_warps, num_stages, interpret, rope: RopeAppend | None = None):
-    """q: the queries [B, T, Hq, D], or with `rope` their shape and dtype (a ShapeDtypeStruct)."""
+          num_warps, num_stages, interpret, rope: RopeAppend | None = None, arrivals=None):
+    """q: the queries [B, T, Hq, D], or with `rope` their shape and dtype (a ShapeDtypeStruct).
+    arrivals: None or [B, Hkv] int32 zeros for the in-kernel merge (see below); with `rope`,
+    returned after the caches (zeros again; as given when no merge ran)."""
     B, T, Hq, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
@@ -189,7 +266,7 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
     block_k = fit_block_k(layout, block_k)
     check_block_k(layout, block_k)
     if num_splits is None:
-        num_splits = default_num_splits(B, Hkv, layout.num_keys, block_k)
+        num_splits = default_num_splits(B, Hkv, layout.num_keys, block_k, merged_in_kernel=T == 1)
     rows = max(16, pl.next_power_of_2(T * G))
     kv_len = jnp.minimum(kv_len.astype(jnp.int32), layout.num_keys)  # never read past the cache
 
@@ -198,7 +275,7 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
     row_pos = jnp.pad(row_pos, ((0, 0), (0, rows - T * G)), constant_values=-1)
     q_spec = pl.BlockSpec((None, Hq, D), lambda s, h, b: (b, 0, 0))
     if rope is not None:
-        # The queries are built in the kernel (into a scratch output), from the product's parts.
+        # The queries are built in the kernel's registers, from the product's parts.
         group = G
         heads = rope.parts.reshape(*rope.parts.shape[:2], -1, D)
         views = [rope.inv_freq.astype(jnp.float32), split_view(heads, rope.pairing)]
@@ -228,49 +305,71 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
     else:
         kv_spec = pl.BlockSpec((None, None, k.shape[2], D), lambda s, h, b: (b, h, 0, 0))
         extra_specs, extra_args = [], []
+    k_spec, k_arg = kv_spec, k
+    if rope is not None and rope.pairing == "halves":
+        k_arg = split_view(k, "halves")  # a bitcast; see _rope_append_kernel
+        k_spec = pl.BlockSpec((None, None, k.shape[2], 2, D // 2), lambda s, h, b: (b, h, 0, 0, 0))
     attend_kw = dict(layout=layout, scale=float(scale), window=window, block_k=block_k, num_splits=num_splits,
-                     group=group)
+                     group=group, interpret=interpret)
     if rope is None:
         kernel = functools.partial(_kernel, **attend_kw)
     else:
         kernel = functools.partial(_rope_append_kernel, has_bias=rope.bias is not None, n_heads=Hq,
-                                   n_parts=rope.parts.shape[0], pairing=rope.pairing, interpret=interpret, **attend_kw)
-    direct = group is not None and num_splits == 1
+                                   n_parts=rope.parts.shape[0], pairing=rope.pairing, q_dtype=q.dtype, **attend_kw)
+    n_out = _n_outputs(group, num_splits)
     part = (B, Hkv, num_splits, rows)
-    if direct:
-        out_specs = [pl.BlockSpec((None, Hq, D), lambda s, h, b: (b, 0, 0))]
-        out_shape = [jax.ShapeDtypeStruct((B, Hq, D), q.dtype)]
-    else:
+    o_spec = pl.BlockSpec((None, Hq, D), lambda s, h, b: (b, 0, 0))
+    o_shape = jax.ShapeDtypeStruct((B, Hq, D), q.dtype)
+    part_shapes = [jax.ShapeDtypeStruct(part + (D,), jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32),
+                   jax.ShapeDtypeStruct(part, jnp.float32)]
+    aliases = {}
+    if n_out == 1:
+        out_specs, out_shape = [o_spec], [o_shape]
+    elif n_out == 3:
         out_specs = [
             pl.BlockSpec((None, None, None, rows, D), lambda s, h, b: (b, h, s, 0, 0)),
             pl.BlockSpec((None, None, None, rows), lambda s, h, b: (b, h, s, 0)),
             pl.BlockSpec((None, None, None, rows), lambda s, h, b: (b, h, s, 0)),
         ]
-        out_shape = [jax.ShapeDtypeStruct(part + (D,), jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32),
-                     jax.ShapeDtypeStruct(part, jnp.float32)]
-    aliases = {}
+        out_shape = part_shapes
+    else:
+        # Each program sees all of its head's partial slots (the last one reads them all), and
+        # the head's arrival count, aliased in place: zero on entry, and reset to zero by the
+        # last program. A caller that keeps `arrivals` across calls (the KV cache does) spares
+        # XLA a copy of fresh zeros at every call.
+        count_spec = pl.BlockSpec((None, 1), lambda s, h, b: (b, h))
+        out_specs = [
+            o_spec,
+            pl.BlockSpec((None, None, num_splits, rows, D), lambda s, h, b: (b, h, 0, 0, 0)),
+            pl.BlockSpec((None, None, num_splits, rows), lambda s, h, b: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, num_splits, rows), lambda s, h, b: (b, h, 0, 0)),
+            count_spec,
+        ]
+        out_shape = [o_shape, *part_shapes, jax.ShapeDtypeStruct((B, Hkv), jnp.int32)]
+        extra_specs = [*extra_specs, count_spec]
+        extra_args = [*extra_args, jnp.zeros((B, Hkv), jnp.int32) if arrivals is None else arrivals]
+        aliases[1 + len(q_args) + 2 + len(extra_args) - 1] = 4
     if rope is not None:
-        # The caches come back as outputs aliased to them (updated in place), then the queries.
-        n_in, n_out = 1 + len(q_args), len(out_shape)
-        aliases = {n_in: n_out, n_in + 1: n_out + 1}
-        out_specs = [*out_specs, kv_spec, kv_spec, q_spec]
-        out_shape = [*out_shape, jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
-                     jax.ShapeDtypeStruct((B, Hq, D), q.dtype)]
+        # The caches come back as outputs aliased to them (updated in place).
+        n_in = 1 + len(q_args)
+        aliases.update({n_in: n_out, n_in + 1: n_out + 1})
+        out_specs = [*out_specs, k_spec, kv_spec]
+        out_shape = [*out_shape, jax.ShapeDtypeStruct(k_arg.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     outs = pl.pallas_call(
         kernel,
         grid=(num_splits, Hkv, B),
-        in_specs=[pl.BlockSpec((None,), lambda s, h, b: (b,)), *q_specs, kv_spec, kv_spec, *extra_specs],
+        in_specs=[pl.BlockSpec((None,), lambda s, h, b: (b,)), *q_specs, k_spec, kv_spec, *extra_specs],
         out_specs=out_specs,
         out_shape=out_shape,
         input_output_aliases=aliases,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="rjax_decode_attention" if rope is None else "rjax_decode_rope_attention",
-    )(kv_len, *q_args, k, v, *extra_args)
+    )(kv_len, *q_args, k_arg, v, *extra_args)
     caches = ()
     if rope is not None:
-        caches, outs = tuple(outs[-3:-1]), outs[:-3]
-    if direct:
+        caches, outs = (outs[-2].reshape(k.shape), outs[-1], outs[4] if n_out == 5 else arrivals), outs[:-2]
+    if n_out != 3:
         out = outs[0][:, None]
     else:
         out = _combine(*outs, row_pos, kv_len, window)[:, :, : T * G]
@@ -303,13 +402,15 @@ def decode_attention(q, k, v, q_pos, kv_len, *, scale: float, window: int | None
 def decode_rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, *, n_heads: int, pairing: str, dtype,
                           scale: float, window: int | None = None, block_k: int | None = None,
                           num_splits: int | None = None, num_warps: int | None = None,
-                          num_stages: int | None = None, interpret: bool = False):
+                          num_stages: int | None = None, interpret: bool = False, arrivals=None):
     """One decode token per sequence, from its QKV product to its attention output in one kernel:
     the rotation of q and k and the append of k, v at `pos` [B] (-1: an inactive sequence, nothing
     written) into the contiguous caches [B, Hkv, S, D] (row b is sequence b), as
     `kv_append.rope_append`, then `decode_attention` over positions 0..pos. parts [S, B, (Hq + 2
     Hkv) D] are the product's float32 partial sums, bias [(Hq + 2 Hkv) D] or None, and `dtype` the
-    compute dtype they are rounded to. -> (out [B, 1, Hq, D] in `dtype`, k_cache, v_cache)."""
+    compute dtype they are rounded to. arrivals: None, or [B, Hkv] int32 zeros that the split
+    merge counts in and leaves zero (kept by the caller across calls, it saves a copy per call).
+    -> (out [B, 1, Hq, D] in `dtype`, k_cache, v_cache, arrivals)."""
     n_parts, B, n = parts.shape
     n_slots, n_kv, _, D = k_cache.shape
     if n_slots != B or n != (n_heads + 2 * n_kv) * D or n_heads % n_kv or D % 2:
@@ -320,7 +421,7 @@ def decode_rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, *, n_hea
     q = jax.ShapeDtypeStruct((B, 1, n_heads, D), jnp.dtype(dtype))
     return _call(q, k_cache, v_cache, None, pos[:, None], pos + 1, layout, scale=scale, window=window,
                  num_splits=num_splits, interpret=interpret, rope=RopeAppend(parts, bias, inv_freq, pairing),
-                 **_tiles(D, block_k, num_warps, num_stages))
+                 arrivals=arrivals, **_tiles(D, block_k, num_warps, num_stages))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)

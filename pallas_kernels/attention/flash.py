@@ -13,6 +13,7 @@ that never see a key are zeroed by `finish`, so no inf - inf ever makes a NaN.
 """
 from __future__ import annotations
 
+import functools
 import math
 import typing
 
@@ -64,16 +65,31 @@ def init_state(rows: int, head_dim: int):
             jnp.zeros((rows,), jnp.float32))
 
 
+def _precision(x):
+    return lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+
+
+def scores(q, k):
+    """[R, bk] float32 scores of queries q [R, D] against keys k [bk, D]; or of q and k given as
+    matching tuples of column pieces (the two rotation halves), summed over the pieces."""
+    if not isinstance(q, tuple):
+        q, k = (q,), (k,)
+    dims = (((1,), (1,)), ((), ()))
+    out = [lax.dot_general(a, b, dims, precision=_precision(a), preferred_element_type=jnp.float32)
+           for a, b in zip(q, k)]
+    return functools.reduce(jnp.add, out)
+
+
 def attend_block(state, q, k, v, *, qk_scale: float, mask=None):
     """Fold keys k [bk, D] / values v [bk, D] into state for queries q [R, D]; mask [R, bk] bool or None.
+    q and k may be tuples of column pieces (see `scores`).
 
     The running max m is kept in scaled units, so the scale meets each raw score once, inside the
     exponent's argument (one fused multiply-add per score instead of a multiply and a subtract).
     float32 inputs multiply in full float32 (the Triton lowering would otherwise use tf32).
     """
     acc, m, l = state
-    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+    s = scores(q, k)
     if mask is None:
         m_new = jnp.maximum(m, jnp.max(s, axis=1) * qk_scale)
         p = jnp.exp2(s * qk_scale - m_new[:, None])
@@ -85,10 +101,28 @@ def attend_block(state, q, k, v, *, qk_scale: float, mask=None):
         p = jnp.exp2(s - m_new[:, None])
     alpha = jnp.exp2(m - m_new)
     l = l * alpha + jnp.sum(p, axis=1)
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_precision(v),
                          preferred_element_type=jnp.float32)
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l
+
+
+def attend_key(state, q, k, v, *, qk_scale: float, rows):
+    """Fold one key k [D] / value v [D] (or k as pieces matching q's) into the state of the query
+    rows where `rows` [R] is true, with the rounding `attend_block` gives them (the products of
+    q and k summed in float32, the weight rounded to v's dtype); other rows keep their state."""
+    acc, m, l = state
+    if not isinstance(q, tuple):
+        q, k = (q,), (k,)
+    s = functools.reduce(jnp.add, [jnp.sum(a.astype(jnp.float32) * b.astype(jnp.float32)[None, :], axis=1)
+                                   for a, b in zip(q, k)])
+    m_new = jnp.maximum(m, s * qk_scale)
+    p = jnp.exp2(s * qk_scale - m_new)
+    alpha = jnp.exp2(m - m_new)
+    p_v = p.astype(v.dtype).astype(jnp.float32)
+    acc_new = acc * alpha[:, None] + p_v[:, None] * v.astype(jnp.float32)[None, :]
+    return (jnp.where(rows[:, None], acc_new, acc), jnp.where(rows, m_new, m),
+            jnp.where(rows, l * alpha + p, l))
 
 
 def visibility(pos, start, block_k: int, kv_len, window: int | None):

@@ -49,17 +49,23 @@ def check_block_k(layout: CacheLayout, block_k: int) -> None:
             raise ValueError(f"paged attention kernel: block_k={block_k} is not a multiple of page_size={ps}")
 
 
-def load_block(ref, table_ref, start, block_k: int, layout: CacheLayout, *, bounds_check: bool):
+def load_block(ref, table_ref, start, block_k: int, layout: CacheLayout, *, bounds_check: bool,
+               half: int | None = None):
     """The [block_k, D] block of cache positions start .. start + block_k - 1 (start a multiple of block_k).
 
     bounds_check: mask rows at or past the capacity (needed only for a block that can cross it).
+    half: a contiguous cache in the rotation-halves view [S, 2, D/2]: the block's half `half`,
+    [block_k, D/2].
     """
     if not layout.paged:
         rows = pl.ds(start, block_k)
+        idx = (rows, slice(None)) if half is None else (rows, jnp.int32(half), slice(None))
         if bounds_check and layout.num_keys % block_k:
             inside = (start + jnp.arange(block_k, dtype=jnp.int32)) < layout.num_keys
-            return pltriton.load(ref.at[rows, :], mask=inside[:, None], other=0)
-        return ref[rows, :]
+            return pltriton.load(ref.at[idx], mask=inside[:, None], other=0)
+        return ref[idx]
+    if half is not None:
+        raise NotImplementedError("load_block: the halves view of a paged cache")
 
     ps, last_page = layout.page_size, layout.num_pages - 1
     max_pages = layout.num_keys // ps

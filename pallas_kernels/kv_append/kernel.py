@@ -62,6 +62,23 @@ class ProductRows:
         x1, x2 = self.half(head, 0), self.half(head, 1)
         return x1 * self.cos - x2 * self.sin, x2 * self.cos + x1 * self.sin
 
+    def rotated_rows(self, first_head, n: int, valid):
+        """(first, second) rotation half, rotated, of the n rows (heads) from `first_head`, each
+        [n, D/2]; rows where `valid` [n] is false read nothing and hold zeros."""
+        heads, mask = pl.ds(first_head, n), valid[:, None]
+
+        def half(j):
+            at = lambda ref, *idx: _half(ref, idx, j, self.pairing)  # noqa: E731
+            x = sum(plgpu.load(at(self.parts_ref, jnp.int32(s), self.b, heads), mask=mask, other=0).astype(_F32)
+                    for s in range(self.n_parts))
+            if self.bias_ref is not None:
+                x = x + plgpu.load(at(self.bias_ref, heads), mask=mask, other=0).astype(_F32)
+            return x.astype(self.dtype).astype(_F32)
+
+        x1, x2 = half(0), half(1)
+        cos, sin = self.cos[None, :], self.sin[None, :]
+        return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
     def row(self, halves):
         """The two halves as one [D] row in the natural order of the head dim."""
         pairs = jnp.stack(halves, axis=-1)  # [D/2, 2]: the one join Triton lowers
