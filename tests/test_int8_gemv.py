@@ -37,7 +37,8 @@ def _x(m, k, seed, dtype=jnp.bfloat16):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("layout", ["bytes", "words"])
-@pytest.mark.parametrize("m,cfg", [(1, Int8GemvConfig(16, 2)), (3, Int8GemvConfig(8, 1, split_k=3))])
+@pytest.mark.parametrize("m,cfg", [(1, Int8GemvConfig(16, 2)), (3, Int8GemvConfig(8, 1, split_k=3)),
+                                   (1, Int8GemvConfig(4, 4, split_k=2))])
 def test_int8_gemv_matches_rounded_activations(qtype, layout, m, cfg):
     """Edge tiles everywhere: 40 rows (not a multiple of block_n), 3 or 9 blocks per row (not
     a multiple of block_k or of the K split)."""
