@@ -53,18 +53,20 @@ MAX_MERGED_SPLITS = 16
 
 
 def default_num_splits(batch: int, kv_heads: int, num_keys: int, block_k: int, merged_in_kernel: bool) -> int:
-    """Enough programs for about two waves on the GPU.
+    """Merged in the kernel (one query token): up to one wave of programs, down to one key block
+    per split. At batch 1 the time is the latency of a program's chain of blocks: 8 splits of one
+    block took 4.7 against 8.0 us for one split of a 1,024-key smollm2 cache
+    (benchmarks/decode_attention_tiles.py). Beyond one wave the extra programs and partials cost
+    more than they save: llama-8b at batch 8 spent 19.4 us per layer with 5 splits, 13.7 with 2
+    (profile_decode.py, session 10).
 
-    Merged in the kernel (one query token), a split may be one key block: at batch 1 the time
-    is the latency of a program's chain of blocks, and 8 splits of one block took 4.7 against
-    8.0 us for one split of a 1,024-key smollm2 cache (benchmarks/decode_attention_tiles.py).
-    Merged by XLA, each split keeps at least 4 blocks: there the extra partials cost two more
-    launches, and one block per split decoded smollm2 8% slower end to end (761 vs 840 tokens/s)."""
+    Merged by XLA: about two waves, and at least 4 blocks per split: there the extra partials
+    cost two more launches, and one block per split decoded smollm2 8% slower end to end (761 vs
+    840 tokens/s)."""
     programs = batch * kv_heads
-    want = pl.cdiv(2 * NUM_SMS_H100, programs)
     if merged_in_kernel:
-        return max(1, min(want, num_keys // block_k, MAX_MERGED_SPLITS))
-    return max(1, min(want, num_keys // (4 * block_k)))
+        return max(1, min(NUM_SMS_H100 // programs, num_keys // block_k, MAX_MERGED_SPLITS))
+    return max(1, min(pl.cdiv(2 * NUM_SMS_H100, programs), num_keys // (4 * block_k)))
 
 
 def _n_outputs(group: int | None, num_splits: int) -> int:

@@ -151,13 +151,14 @@ def rounds_x_itself(qtype: QType, m: int, n: int, k: int) -> bool:
 def default_int8_config(qtype: QType, m: int, n: int, k: int) -> int8.Int8GemvConfig:
     """The int8 kernel's measured tiles; K is split until there are about INT8_PROGRAMS programs.
 
-    One row of Q4_K with K <= 2048 or at most 2**24 values: 4 weight rows per program and twice
-    the programs. H100, x rounded before, us per product (benchmarks/int8_gemv_tiles.py,
-    session 10): 3072x2048 3.05-3.17 vs 3.65, 16384x2048 9.01 vs 9.78, 4096x4096 5.52-5.62
-    vs 5.97, 2048x2048 and 2048x8192 equal; 6144x4096 lost (8.17 vs 7.82), the rest equal."""
+    One row of Q4_K with K <= 2048 < N: 4 weight rows per program and twice the programs. H100,
+    us per product in llama-1b's decode step (profile_decode.py, session 10): 3072x2048 3.2 vs
+    3.6, 16384x2048 8.7 vs 9.4. Alone (benchmarks/int8_gemv_tiles.py) the square products gained
+    too (4096x4096 5.6 vs 6.0), but in the model they lost (9.8 vs 7.5 us at llama-8b, 3.5 vs
+    3.3 at llama-1b), so they keep the default."""
     block_n, values, warps, prefetch = INT8_TILES[qtype]
     programs = INT8_PROGRAMS
-    if qtype == QType.Q4_K and m == 1 and (k <= 2048 or n * k <= 2**24):
+    if qtype == QType.Q4_K and m == 1 and k <= 2048 < n:
         block_n, programs = 4, 2 * INT8_PROGRAMS
     block_size = GGML_QUANT_SIZES[qtype][0]
     block_k = max(1, values // block_size)
