@@ -11,10 +11,8 @@ HBM, not L2; the time is the traced kernels' summed durations divided by LAYERS.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import itertools
 import json
-import shutil
 import sys
 import time
 import warnings
@@ -26,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.profile_decode import kernel_times  # noqa: E402
+from benchmarks.profile_decode import compile_concurrently, traced_kernel_times  # noqa: E402
 from pallas_kernels.attention import decode_rope_attention  # noqa: E402
 
 warnings.simplefilter("ignore", DeprecationWarning)
@@ -71,15 +69,7 @@ def main() -> int:
         configs = [{}] + [dict(zip(GRID, vals)) for vals in itertools.product(*GRID.values())]
         jobs += [(name, tiles, args, program(hq, d, tiles)) for tiles in configs]
 
-    def compile_job(job):
-        name, tiles, args, fn = job
-        try:
-            return fn.lower(*args).compile()
-        except Exception as e:  # noqa: BLE001
-            return f"{type(e).__name__}: {str(e)[:200]}"
-
-    with concurrent.futures.ThreadPoolExecutor(a.workers) as pool:
-        compiled = list(pool.map(compile_job, jobs))
+    compiled = compile_concurrently([(fn, args) for _, _, args, fn in jobs], a.workers)
     print(f"compiled {len(jobs)} programs in {time.perf_counter() - t0:.0f} s", flush=True)
     rows = []
     for (name, tiles, args, _), exe in zip(jobs, compiled):
@@ -87,18 +77,13 @@ def main() -> int:
         if isinstance(exe, str):
             row["error"] = exe
         else:
-            trace = "/tmp/attn-tiles-trace"
-            shutil.rmtree(trace, ignore_errors=True)
             try:
-                jax.block_until_ready(exe(*args))
-                with jax.profiler.trace(trace):
-                    jax.block_until_ready(exe(*args))
+                total, count = traced_kernel_times(exe, args)
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 rows.append(row)
                 print(row, flush=True)
                 continue
-            total, count = kernel_times(trace)
             walls = []
             for _ in range(30):
                 t = time.perf_counter()

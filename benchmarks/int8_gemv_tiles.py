@@ -12,10 +12,8 @@ stream from HBM, not L2; `us` is the int8 GEMV kernels' summed durations per pro
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import itertools
 import json
-import shutil
 import sys
 import time
 import warnings
@@ -27,7 +25,7 @@ from gguf import GGMLQuantizationType as QType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.profile_decode import kernel_times  # noqa: E402
+from benchmarks.profile_decode import compile_concurrently, traced_kernel_times  # noqa: E402
 from benchmarks.quant_matmul import device_qtensor, wbytes  # noqa: E402
 from pallas_kernels.int8_activations import quantize_rows  # noqa: E402
 from pallas_kernels.quant_matmul.gemv import default_int8_config  # noqa: E402
@@ -70,14 +68,7 @@ def main() -> int:
             jobs.append(dict(shape=name, n=n, k=k, copies=copies, config=str(c), default=cfg is None,
                              fn=fn, args=(x, ws)))
 
-    def compile_job(job):
-        try:
-            return job["fn"].lower(*job["args"]).compile()
-        except Exception as e:  # noqa: BLE001
-            return f"{type(e).__name__}: {str(e)[:200]}"
-
-    with concurrent.futures.ThreadPoolExecutor(a.workers) as pool:
-        compiled = list(pool.map(compile_job, jobs))
+    compiled = compile_concurrently([(job["fn"], job["args"]) for job in jobs], a.workers)
     print(f"compiled {len(jobs)} programs in {time.perf_counter() - t0:.0f} s", flush=True)
     rows = []
     for job, exe in zip(jobs, compiled):
@@ -85,17 +76,12 @@ def main() -> int:
         if isinstance(exe, str):
             row["error"] = exe
         else:
-            trace = "/tmp/gemv-tiles-trace"
-            shutil.rmtree(trace, ignore_errors=True)
             try:
-                jax.block_until_ready(exe(*job["args"]))
-                with jax.profiler.trace(trace):
-                    jax.block_until_ready(exe(*job["args"]))
+                total, _ = traced_kernel_times(exe, job["args"])
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 rows.append(row)
                 continue
-            total, _ = kernel_times(trace)
             row["us"] = sum(t for nm, t in total.items() if "int8_gemv" in nm) / 1e3 / job["copies"]
             row["us_all"] = sum(total.values()) / 1e3 / job["copies"]
             row["tb_s"] = wbytes(QType.Q4_K, job["n"], job["k"]) / row["us"] / 1e6

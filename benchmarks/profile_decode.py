@@ -52,6 +52,33 @@ def kernel_times(trace_dir: str, device_prefix: str = "/device:GPU") -> tuple[co
     return total, count
 
 
+def compile_concurrently(calls: list, workers: int = 14) -> list:
+    """Lower and compile each (jitted fn, args) in a thread pool: the executable, or the error
+    as a string (a tile that does not compile is a result, not a failure of the sweep)."""
+    import concurrent.futures
+
+    def compile_one(call):
+        fn, args = call
+        try:
+            return fn.lower(*args).compile()
+        except Exception as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {str(e)[:200]}"
+
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(compile_one, calls))
+
+
+def traced_kernel_times(exe, args) -> tuple[collections.Counter, collections.Counter]:
+    """kernel_times of one call of exe(*args), after a warm-up call, in a temporary trace folder."""
+    import jax
+
+    with tempfile.TemporaryDirectory() as trace:
+        jax.block_until_ready(exe(*args))
+        with jax.profiler.trace(trace):
+            jax.block_until_ready(exe(*args))
+        return kernel_times(trace)
+
+
 def set_constants(items: list[str]) -> None:
     import importlib
 
