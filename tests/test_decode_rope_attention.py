@@ -48,6 +48,7 @@ CASES = [  # B, hq, hkv, d, S, dtype, n_parts, bias, fill, window, num_splits
     (1, 32, 8, 128, 128, jnp.bfloat16, 2, False, [70], None, 3),
     (2, 12, 2, 64, 160, jnp.float32, 2, True, [150, 5], 32, 2),
     (2, 4, 4, 64, 48, jnp.float32, 1, False, [16, 47], None, 4),   # the token opens a block / ends the cache
+    (2, 4, 4, 64, 48, jnp.float32, 1, False, [48, 10], None, 2),   # past the cache: nothing written
 ]
 
 

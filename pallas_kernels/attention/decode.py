@@ -14,9 +14,9 @@ K/V at memory bandwidth:
   on edge blocks.
 - `decode_rope_attention` runs kv_append's pass (the QKV product's partial sums summed, q and k
   rotated, k and v written into the cache) as the prologue of the same programs, so a decode
-  step spends one launch per layer on both: each program builds its group's query rows, the
-  program whose split holds the new position writes the key and value, and a block barrier
-  orders those writes before the program's own reads.
+  step spends one launch per layer on both: each program builds its group's rotated query rows
+  in registers and attends over the keys before the token's position; the last split folds the
+  token's own key and value in from registers and writes them into the cache.
 
 Lowering: Pallas's Triton lowering (not Mosaic GPU). It runs under `interpret=True` on the CPU,
 which the tests rely on; a paged cache needs per-block gathers of pages, which are plain pointer
@@ -124,7 +124,7 @@ def _rope_append_kernel(kv_len_ref, pos_ref, inv_ref, parts_ref, *refs, has_bias
     n_kv = pl.num_programs(1)
     k_halves = [x.astype(k_ref.dtype) for x in product.rotated(n_heads + h)]
     v_row = product.row((product.half(n_heads + n_kv + h, 0), product.half(n_heads + n_kv + h, 1))).astype(v_ref.dtype)
-    owner = (split == num_splits - 1) & (pos >= 0)
+    owner = (split == num_splits - 1) & (pos >= 0) & (pos < layout.num_keys)  # past the cache: write nothing
     at = jnp.maximum(pos, 0)
     write = jnp.broadcast_to(owner, k_halves[0].shape)
     if halves:
