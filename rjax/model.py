@@ -124,6 +124,8 @@ def _activation(cfg: ModelConfig, x: jax.Array) -> jax.Array:
 
 
 def _attention_block(cfg: ModelConfig, i: int, p: LayerParams, x, cache: KVCache, pos, slots):
+    """Attention of the normed rows x [B, T, d_model]: its output [B, T, Hq * D] before the
+    output projection, and the cache with the chunk's keys and values written."""
     B, T, _ = x.shape
     inv_freq = rope_inv_freq(cfg, cfg.layer_rope_theta[i], cfg.layer_rope_linear[i])
     if p.wqkv is not None:
@@ -136,7 +138,7 @@ def _attention_block(cfg: ModelConfig, i: int, p: LayerParams, x, cache: KVCache
                 out, cache = cache.rope_write_attend(i, parts, bias, pos, inv_freq, n_heads=cfg.n_heads,
                                                      pairing=cfg.rope_pairing, dtype=x.dtype, scale=cfg.attn_scale,
                                                      window=cfg.layer_windows[i])
-                return matmul_partials(out.reshape(B, T, cfg.n_heads * cfg.head_dim), p.wo), cache
+                return out.reshape(B, T, cfg.n_heads * cfg.head_dim), cache
             q, cache = cache.rope_write(i, parts, bias, pos, slots, inv_freq,
                                         n_heads=cfg.n_heads, pairing=cfg.rope_pairing, dtype=x.dtype)
             return _attention_output(cfg, i, p, q, cache, pos, slots)
@@ -161,10 +163,10 @@ def _attention_block(cfg: ModelConfig, i: int, p: LayerParams, x, cache: KVCache
 
 
 def _attention_output(cfg: ModelConfig, i: int, p: LayerParams, q, cache, pos, slots):
-    """Attention of q [B, T, Hq, D] over the cache, through the output projection (partial sums)."""
+    """Attention of q [B, T, Hq, D] over the cache, [B, T, Hq * D] (before the output projection)."""
     B, T = q.shape[:2]
     out = cache.attend(i, q, pos, slots, scale=cfg.attn_scale, window=cfg.layer_windows[i])
-    return matmul_partials(out.reshape(B, T, cfg.n_heads * cfg.head_dim), p.wo), cache
+    return out.reshape(B, T, cfg.n_heads * cfg.head_dim), cache
 
 
 def _post_norm(cfg: ModelConfig, parts: jax.Array, w: jax.Array | None) -> jax.Array:
@@ -174,34 +176,62 @@ def _post_norm(cfg: ModelConfig, parts: jax.Array, w: jax.Array | None) -> jax.A
     return rms_norm(parts.sum(axis=0), w, cfg.rms_eps, jnp.float32)[None]
 
 
-def _layer(cfg: ModelConfig, i: int, p: LayerParams, x, delta, cache, pos, slots, dtype):
-    """One transformer layer. x is the float32 residual stream without the previous layer's
-    output, which comes as `delta` (partial sums, see matmul_partials; None before the first
-    layer) and is added by the same pass that norms the sum; the layer returns its own output
-    the same way. The blocks compute in `dtype` (bfloat16 on GPU)."""
-    # Imported here: the kernels import QTensor from rjax, whose package imports this module.
-    from pallas_kernels.quant_matmul import takes_gated_x, takes_quantized_x
+def _int8_in(weights, rows: int, dtype) -> bool:
+    """Whether every one of these products wants its x rounded to int8 by the kernel before it."""
+    from pallas_kernels.quant_matmul import takes_quantized_x  # here: the kernels import rjax
+
+    return all(takes_quantized_x(w, rows, dtype) for w in weights if w is not None)
+
+
+def _qkv_weights(p: LayerParams) -> list:
+    return [p.wqkv, p.wq, p.wk, p.wv]
+
+
+def _ffn_in_weights(p: LayerParams) -> list:
+    return [p.w_gate_up, p.w_gate, p.w_up]
+
+
+def _residual_norm(cfg: ModelConfig, a, w, post_norm, x, norm, consumers, counts, dtype):
+    """x + a @ w.T (post-normed where the architecture norms a block's output), and that sum
+    RMS-normed by `norm` for the products `consumers` (None: for no product, as a plain array)
+    -> (residual, normed, counts). Where the product's kernel can do the add and the norm
+    itself (`fuses_add_norm`), it does, with `counts` (see qmatmul_add_norm)."""
+    from pallas_kernels.quant_matmul import fuses_add_norm, qmatmul_add_norm
 
     rows = x.shape[0] * x.shape[1]
-    int8_in = lambda *ws: all(takes_quantized_x(w, rows, dtype) for w in ws if w is not None)
-    x, h = add_rms_norm(x, delta, p.attn_norm, cfg.rms_eps, dtype,
-                        quantize=int8_in(p.wqkv, p.wq, p.wk, p.wv))
+    if post_norm is None and consumers is not None and fuses_add_norm(w, rows, dtype, consumers):
+        return qmatmul_add_norm(a, w, x, norm, cfg.rms_eps, counts, dtype)
+    parts = _post_norm(cfg, matmul_partials(a, w), post_norm)
+    quantize = consumers is not None and _int8_in(consumers, rows, dtype)
+    return (*add_rms_norm(x, parts, norm, cfg.rms_eps, dtype, quantize=quantize), counts)
+
+
+def _layer(cfg: ModelConfig, i: int, p: LayerParams, x, h, cache, pos, slots, dtype, next_norm, next_consumers,
+           counts):
+    """One transformer layer. x is the float32 residual stream, h the rows normed for this
+    layer's attention. Returns the residual with the layer's output added, that normed by
+    `next_norm` for `next_consumers` (the next layer's q/k/v products, or None after the last
+    layer), the cache, and the counts the fused residual-norm products pass on. The blocks
+    compute in `dtype` (bfloat16 on GPU)."""
+    from pallas_kernels.quant_matmul import takes_gated_x  # here: the kernels import rjax
+
+    rows = x.shape[0] * x.shape[1]
     attn, cache = _attention_block(cfg, i, p, h, cache, pos, slots)
-    x, h = add_rms_norm(x, _post_norm(cfg, attn, p.post_attn_norm), p.ffn_norm, cfg.rms_eps, dtype,
-                        quantize=int8_in(p.w_gate_up, p.w_gate, p.w_up))
+    x, h, counts = _residual_norm(cfg, attn, p.wo, p.post_attn_norm, x, p.ffn_norm, _ffn_in_weights(p), counts,
+                                  dtype)
     if p.w_gate_up is not None:
         gate_up = matmul(h, p.w_gate_up)
-        if int8_in(p.w_down):  # act(gate) * up rounded to int8 in one kernel
-            return x, _post_norm(cfg, matmul_partials(quantize(gate_up, cfg.activation), p.w_down),
-                                 p.post_ffn_norm), cache
-        if takes_gated_x(p.w_down, rows, dtype):  # act(gate) * up applied by the down product's kernel
-            return x, _post_norm(cfg, matmul_partials(GatedX(gate_up, cfg.activation), p.w_down),
-                                 p.post_ffn_norm), cache
-        gate, up = gate_up[..., :cfg.d_ff], gate_up[..., cfg.d_ff:]
+        if _int8_in([p.w_down], rows, dtype):  # act(gate) * up rounded to int8 in one kernel
+            glu_out = quantize(gate_up, cfg.activation)
+        elif takes_gated_x(p.w_down, rows, dtype):  # act(gate) * up applied by the down product's kernel
+            glu_out = GatedX(gate_up, cfg.activation)
+        else:
+            glu_out = _activation(cfg, gate_up[..., :cfg.d_ff]) * gate_up[..., cfg.d_ff:]
     else:
-        gate, up = matmul(h, p.w_gate), matmul(h, p.w_up)
-    ffn = matmul_partials(_activation(cfg, gate) * up, p.w_down)
-    return x, _post_norm(cfg, ffn, p.post_ffn_norm), cache
+        glu_out = _activation(cfg, matmul(h, p.w_gate)) * matmul(h, p.w_up)
+    x, h, counts = _residual_norm(cfg, glu_out, p.w_down, p.post_ffn_norm, x, next_norm, next_consumers, counts,
+                                  dtype)
+    return x, h, cache, counts
 
 
 def embed(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
@@ -222,10 +252,17 @@ def hidden_states(cfg: ModelConfig, params: Params, cache: KVCache, tokens: jax.
     `dtype` the blocks compute in, as llama.cpp and the reference implementations keep it.
     """
     x = embed(cfg, params, jnp.where(pos >= 0, tokens, 0))
-    delta = None
-    for i, p in enumerate(params.layers):
-        x, delta, cache = _layer(cfg, i, p, x, delta, cache, pos, slots, dtype)
-    return add_rms_norm(x, delta, params.final_norm, cfg.rms_eps, dtype)[1], cache
+    rows = x.shape[0] * x.shape[1]
+    layers = params.layers
+    x, h = add_rms_norm(x, None, layers[0].attn_norm, cfg.rms_eps, dtype,
+                        quantize=_int8_in(_qkv_weights(layers[0]), rows, dtype))
+    counts = jnp.zeros((cfg.d_model // 32,), jnp.int32)  # dropped by XLA where no product fuses the norm
+    for i, p in enumerate(layers):
+        last = i + 1 == len(layers)
+        next_norm = params.final_norm if last else layers[i + 1].attn_norm
+        next_consumers = None if last else _qkv_weights(layers[i + 1])
+        x, h, cache, counts = _layer(cfg, i, p, x, h, cache, pos, slots, dtype, next_norm, next_consumers, counts)
+    return h, cache
 
 
 def logits_from_hidden(params: Params, h: jax.Array) -> jax.Array:

@@ -203,3 +203,16 @@ def test_e2e_table_beside_llama_cpp(result):
     assert e2e.compact_row("smollm2-135m", "q4_1", partial, "killed")["tg"] == summarize(result)["tg"]
     text = e2e.format_rows([row, e2e.compact_row("llama-8b", "q4_k", None, "skipped")])
     assert "54,603" in text and "3,356" in text and "skipped" in text
+
+
+def test_l2_warm_kernel_reads_the_leading_columns():
+    """benchmarks/l2_warm.py's warm kernel (in Pallas' interpreter) sums exactly the leading
+    fraction of every row of planes of several dtypes, rows spread over the programs."""
+    from benchmarks.l2_warm import warm, warm_reference
+
+    k = jax.random.key(0)
+    planes = [jax.random.bits(k, (37, 5, 128), jnp.uint8), jax.random.normal(k, (37, 5), jnp.float32).astype(jnp.float16),
+              jax.random.bits(k, (37, 5, 4), jnp.uint32).astype(jnp.int32)]
+    for fraction, programs in ((1.0, 4), (0.3, 7), (0.3, 64)):
+        got = warm(planes, fraction, programs, interpret=True)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(warm_reference(planes, fraction, programs)))

@@ -275,8 +275,9 @@ def test_gpu_weight_layout_gives_the_same_logits(model, request):
 @pytest.mark.gpu
 def test_gpu_int8_decode_paths_agree(tmp_path):
     """Batch-1 decode on the GPU, llama-1b layers in Q4_K: activations rounded to int8 by the
-    RMS-norm and GLU kernels (QuantizedX), by the int8 kernel itself, or not at all (float
-    kernel) give the same logits up to the int8 rounding of the activations."""
+    output and down products' kernels with the norm pending (the default), by the RMS-norm and
+    GLU kernels (QuantizedX), by the int8 kernel itself, or not at all (float kernel) give the
+    same logits up to the int8 rounding of the activations."""
     import unittest.mock as mock
 
     from pallas_kernels.quant_matmul import gemv
@@ -288,7 +289,8 @@ def test_gpu_int8_decode_paths_agree(tmp_path):
     cfg, params = model.config, model.params
     ids = _prompts(2, [7], cfg.vocab_size)
     t, l = engine.pad_prompts(ids)
-    variants = {"producer": dict(INT8_PRODUCER_MIN_VALUES={}),
+    variants = {"add_norm": dict(INT8_PRODUCER_MIN_VALUES={}),
+                "producer": dict(INT8_PRODUCER_MIN_VALUES={}, ADD_NORM_MAX_M=0),
                 "in_kernel": dict(INT8_PRODUCER_MIN_VALUES=collections.defaultdict(lambda: 2**62)),
                 "float": dict(INT8_MAX_M={})}
     out = {}
@@ -302,6 +304,7 @@ def test_gpu_int8_decode_paths_agree(tmp_path):
     jax.clear_caches()
     scale = float(np.abs(out["float"]).max())
     np.testing.assert_allclose(out["producer"], out["in_kernel"], rtol=0, atol=2e-2 * scale)
+    np.testing.assert_allclose(out["add_norm"], out["producer"], rtol=0, atol=2e-2 * scale)
     np.testing.assert_allclose(out["producer"], out["float"], rtol=0, atol=5e-2 * scale)
 
 

@@ -16,9 +16,11 @@ import jax
 from pallas_kernels.implementation import pick_implementation, rows_of
 
 from .kernel import quantize_rows
-from .reference import ACTIVATIONS, GatedX, QuantizedX, dequantize_x, glu, quantize_reference, quantize_x
+from .reference import (ACTIVATIONS, GatedX, QuantizedX, dequantize_x, glu, norm_scale, quantize_normed,
+                        quantize_reference, quantize_x)
 
-__all__ = ["quantize", "quantize_rows", "quantize_reference", "quantize_x", "dequantize_x", "glu",
+__all__ = ["quantize", "quantize_rows", "quantize_reference", "quantize_x", "quantize_normed", "norm_scale",
+           "dequantize_x", "glu",
            "QuantizedX", "GatedX", "ACTIVATIONS", "MAX_ROWS"]
 
 MAX_ROWS = 64

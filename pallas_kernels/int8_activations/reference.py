@@ -21,6 +21,12 @@ class QuantizedX:
     dsum32: jax.Array  # (..., K // 32) float32: d * (sum of q over the 32 values)
     dsum16: jax.Array  # (..., K // 16) float32: d * (sum of q over each 16 values)
     dtype: jnp.dtype = dataclasses.field(default=jnp.dtype(jnp.bfloat16), metadata=dict(static=True))
+    # An RMS norm still to apply: with `ss` (..., K // 32), the per-group sums of squares of the
+    # un-normed row, the activations are d * q * rsqrt(sum(ss) / K + eps). A product's kernel
+    # before the norm rounds the row times the norm weight without knowing the whole row's
+    # sum of squares (`qmatmul_add_norm`); the product after it scales its sums once.
+    ss: jax.Array | None = None
+    eps: float = dataclasses.field(default=0.0, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -74,11 +80,29 @@ def quantize_x(x: jax.Array) -> QuantizedX:
     return QuantizedX(words, d, d * sum16.sum(-1), (d[..., None] * sum16).reshape(*lead, k // 16), half)
 
 
+def norm_scale(ss: jax.Array, k: int, eps: float) -> jax.Array:
+    """rsqrt(mean of squares + eps) (...,) of rows whose per-group sums of squares are ss (..., G)."""
+    return jax.lax.rsqrt(jnp.sum(ss, axis=-1) / k + eps)
+
+
+def quantize_normed(h: jax.Array, w: jax.Array, eps: float, dtype=jnp.bfloat16) -> QuantizedX:
+    """rms_norm(h) * w for un-normed rows h (..., K), as a QuantizedX with the norm pending: h * w
+    rounded per 32 values (the norm's scale is one factor per row, so it changes no q), and
+    the per-group sums of squares of h, from which a consumer gets the scale."""
+    *lead, k = h.shape
+    h = h.astype(_F32)
+    xq = quantize_x(h * w.astype(_F32))
+    ss = jnp.sum(jnp.square(h).reshape(*lead, k // 32, 32), axis=-1)
+    return dataclasses.replace(xq, dtype=jnp.dtype(dtype), ss=ss, eps=float(eps))
+
+
 def dequantize_x(xq: QuantizedX) -> jax.Array:
-    """The float32 activations the int8 kernels multiply: d * q, shape (..., K)."""
+    """The float32 activations the int8 kernels multiply: d * q (times the pending norm's
+    scale, if any), shape (..., K)."""
     *lead, nw = xq.words.shape
     q = jax.lax.bitcast_convert_type(xq.words, jnp.int8).reshape(*lead, nw // 8, 32).astype(_F32)
-    return (q * xq.d[..., None]).reshape(*lead, 4 * nw)
+    x = (q * xq.d[..., None]).reshape(*lead, 4 * nw)
+    return x if xq.ss is None else x * norm_scale(xq.ss, 4 * nw, xq.eps)[..., None]
 
 
 def activate(gate: jax.Array, activation: str) -> jax.Array:

@@ -11,6 +11,10 @@
     takes_gated_x(w, rows, dtype) -> bool       the FFN's down product should be given the
         GLU's [gate | up] (a GatedX), which the decode kernels apply as they load x; any
         other path multiplies its materialized act(gate) * up
+    qmatmul_add_norm(x, w, residual, norm_w, eps, counts, out_dtype) -> (residual + x @ w.T,
+        rms_norm(that) * norm_w as a QuantizedX with the norm pending, counts): the residual
+        add and the norm between two decode products done by the first one's kernel, where
+        `fuses_add_norm` says so
 
 `implementation`: None picks the kernels on a GPU backend for supported types (the decode
 GEMV for M <= 64 rows, the prefill GEMM above) and the reference elsewhere; "reference",
@@ -26,7 +30,8 @@ from gguf import GGMLQuantizationType as QType
 from pallas_kernels.int8_activations import GatedX, QuantizedX, dequantize_x
 from pallas_kernels.quant_matmul import gemv
 from pallas_kernels.quant_matmul.gemm import qmatmul_gemm
-from pallas_kernels.quant_matmul.gemv import MAX_M, int8_path, qmatmul_gemv, rounds_x_itself
+from pallas_kernels.quant_matmul.gemv import MAX_M, default_int8_config, int8_path, qmatmul_gemv, rounds_x_itself
+from pallas_kernels.quant_matmul.int8_gemv import int8_gemv_add_norm
 from pallas_kernels.quant_matmul.reference import qmatmul_reference
 from pallas_kernels.quant_matmul.tiles import FORMATS
 from rjax.quant.qtensor import QTensor
@@ -53,6 +58,37 @@ def takes_quantized_x(w, rows: int, dtype) -> bool:
     return (isinstance(w, QTensor) and jax.default_backend() == "gpu" and supports(w.qtype)
             and 0 < rows <= MAX_M and int8_path(w, rows, dtype) is not None
             and not rounds_x_itself(w.qtype, rows, *w.shape))
+
+
+def fuses_add_norm(w, rows: int, dtype, consumers) -> bool:
+    """Whether x (rows, K) @ w, then the residual add and an RMS norm whose output feeds the
+    products `consumers`, can run as one kernel (`qmatmul_add_norm`): on this backend's int8
+    decode GEMV for w and for every consumer (which take the normed rows rounded to int8), for
+    at most gemv.ADD_NORM_MAX_M rows, with tiles that cover whole 32-row groups."""
+    if not (isinstance(w, QTensor) and jax.default_backend() == "gpu" and supports(w.qtype)
+            and 0 < rows <= gemv.ADD_NORM_MAX_M and int8_path(w, rows, dtype) == "gemv" and w.shape[0] % 32 == 0
+            and 32 % default_int8_config(w.qtype, rows, *w.shape).block_n == 0):
+        return False
+    consumers = [c for c in consumers if c is not None]
+    return bool(consumers) and all(isinstance(c, QTensor) and int8_path(c, rows, dtype) == "gemv" for c in consumers)
+
+
+def qmatmul_add_norm(x: jax.Array | QuantizedX, w: QTensor, residual: jax.Array, norm_w: jax.Array, eps: float,
+                     counts: jax.Array, out_dtype, *, interpret: bool = False):
+    """residual (..., N) + x (..., K) @ dequantize(w).T, and rms_norm of that sum times norm_w
+    rounded to int8 with the norm's scale pending (a QuantizedX with `ss`, which the int8
+    kernels and `dequantize_x` apply), in the product's kernel; counts (N / 32,) int32 zeros,
+    handed back zeroed. -> (new residual float32, normed QuantizedX, counts)."""
+    n, k = w.shape
+    lead = residual.shape[:-1]
+    rows = 1
+    for d in lead:
+        rows *= d
+    x2 = x.reshape(rows) if isinstance(x, QuantizedX) else x.reshape(rows, k)
+    x_out, xq, counts = int8_gemv_add_norm(x2, w, residual.reshape(rows, n), norm_w, counts,
+                                           default_int8_config(w.qtype, rows, n, k), eps, out_dtype,
+                                           interpret=interpret)
+    return x_out.reshape(residual.shape), xq.reshape(*lead), counts
 
 
 def qmatmul(x: jax.Array | QuantizedX | GatedX, w: QTensor, *, implementation: str | None = None,

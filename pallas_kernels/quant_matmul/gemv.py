@@ -79,6 +79,11 @@ INT8_PRODUCER_MIN_VALUES = {QType.Q4_K: 0, QType.Q8_0: 2**25, QType.Q4_1: 2**25,
 # evaluating the activation for its K range. 0, so never, until an end-to-end A/B on the H100
 # decides it.
 GATED_X_MAX_M = 0
+# Products of up to this many rows on the int8 GEMV whose output goes through the residual
+# add and an RMS norm into other int8 products (attention's output projection, the FFN's down
+# projection) do that add and norm in their own kernel (`int8_gemv_add_norm`), so that the
+# norm kernel between them goes.
+ADD_NORM_MAX_M = 4
 INT8_TILES = {  # block_n, values per step, warps, prefetch (measured best at the 8B shapes, notes)
     QType.Q8_0: (8, 512, 4, True),
     QType.Q4_K: (8, 1024, 4, True),    # for Q4_KChunks (packed scales: prefetch 5% slower)
@@ -202,6 +207,8 @@ def qmatmul_gemv(x: jax.Array, w: QTensor, *, config: TileConfig | None = None,
     `partials`: the split-K partial sums (S, M, N), float32."""
     m, (n, k) = x.shape[0], w.shape
     path = None if config is not None else int8_path(w, m, x.dtype)
+    if path == "mma" and isinstance(x, int8.QuantizedX) and x.ss is not None:
+        x = int8.dequantize_x(x).astype(x.dtype)  # the MMA kernel has no pending-norm scaling
     if path == "mma":
         return mma.int8_mma(x, w, default_mma_config(w.qtype, m, n, k), interpret=interpret, partials=partials)
     if path == "gemv" or isinstance(x, int8.QuantizedX):
