@@ -61,13 +61,14 @@ class KVCache:
         return q, dataclasses.replace(self, k=_replace(self.k, layer, k), v=_replace(self.v, layer, v))
 
     def rope_write_attend(self, layer: int, parts, bias, pos, inv_freq, *, n_heads: int, pairing: str, dtype,
-                          scale: float, window: int | None):
+                          scale: float, window: int | None, quantize_out: bool = False):
         """`rope_write`, then `attend`, for one token per sequence in rows 0..B-1 (parts
         [S, B, 1, (Hq + 2 Hkv) D], pos [B, 1]), as one kernel on the GPU
-        (pallas_kernels.attention.rope_attention). -> (attention output [B, 1, Hq, D], cache)."""
+        (pallas_kernels.attention.rope_attention). -> (attention output [B, 1, Hq, D], or with
+        quantize_out possibly a QuantizedX [B, 1] of it, cache)."""
         out, k, v, arrivals = rope_attention(parts[:, :, 0], bias, pos[:, 0], self.k[layer], self.v[layer], inv_freq,
                                              n_heads=n_heads, pairing=pairing, dtype=dtype, scale=scale,
-                                             window=window, arrivals=self.arrivals)
+                                             window=window, arrivals=self.arrivals, quantize_out=quantize_out)
         return out, dataclasses.replace(self, k=_replace(self.k, layer, k), v=_replace(self.v, layer, v),
                                         arrivals=arrivals)
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention import fuses_rope
-from pallas_kernels.int8_activations import GatedX, quantize
+from pallas_kernels.int8_activations import GatedX, QuantizedX, quantize
 from pallas_kernels.kv_append import apply_rope, split_qkv
 from pallas_kernels.rms_norm import add_rms_norm, rms_norm
 from rjax.cache import KVCache
@@ -135,9 +135,15 @@ def _attention_block(cfg: ModelConfig, i: int, p: LayerParams, x, cache: KVCache
             bias = None if p.bq is None else jnp.concatenate([p.bq, p.bk, p.bv])
             parts = matmul_partials(x, p.wqkv)
             if slots is None and fuses_rope(B, T):
+                from pallas_kernels.quant_matmul import gemv, runs_int8_gemv
+
                 out, cache = cache.rope_write_attend(i, parts, bias, pos, inv_freq, n_heads=cfg.n_heads,
                                                      pairing=cfg.rope_pairing, dtype=x.dtype, scale=cfg.attn_scale,
-                                                     window=cfg.layer_windows[i])
+                                                     window=cfg.layer_windows[i],
+                                                     quantize_out=bool(gemv.QUANTIZED_ATTENTION_OUT)
+                                                     and cfg.head_dim % 32 == 0 and runs_int8_gemv(p.wo, B * T, x.dtype))
+                if isinstance(out, QuantizedX):
+                    return out, cache
                 return out.reshape(B, T, cfg.n_heads * cfg.head_dim), cache
             q, cache = cache.rope_write(i, parts, bias, pos, slots, inv_freq,
                                         n_heads=cfg.n_heads, pairing=cfg.rope_pairing, dtype=x.dtype)

@@ -71,6 +71,40 @@ def test_matches_the_references_interpret(pairing, B, hq, hkv, d, S, dtype, n_pa
         np.testing.assert_array_equal(np.asarray(got[1][-1]), np.asarray(kc[-1]))
 
 
+@pytest.mark.parametrize("pairing", ["pairs", "halves"])
+@pytest.mark.parametrize("case", [1, 2, 3])
+def test_quantized_output_interpret(pairing, case):
+    """With quantize_out and its splits merged in the kernel, the output comes rounded to int8 per
+    32 values (QuantizedX [B, 1]), as quantize_x rounds the float32 output; with one split it
+    stays an array."""
+    from pallas_kernels.int8_activations import QuantizedX, dequantize_x, quantize_x
+
+    B, hq, hkv, d, S, dtype, n_parts, bias, fill, window, splits = CASES[case]
+    parts, b, pos, kc, vc, inv = _inputs(B, hq, hkv, d, S, dtype, B + d, n_parts, bias, fill)
+    kw = dict(n_heads=hq, pairing=pairing, dtype=dtype, scale=d ** -0.5, window=window, block_k=16,
+              interpret=True)
+    plain = decode_rope_attention(parts, b, pos, kc, vc, inv, **kw, num_splits=splits)
+    got = decode_rope_attention(parts, b, pos, kc, vc, inv, **kw, num_splits=splits, quantize_out=True)
+    assert isinstance(got[0], QuantizedX) and got[0].shape == (B, 1, hq * d) and got[0].dtype == jnp.dtype(dtype)
+    np.testing.assert_array_equal(np.asarray(got[3]), 0)
+    for g, w in zip(got[1:3], plain[1:3]):  # the caches as without rounding
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    want = np.asarray(_reference(parts, b, pos, kc, vc, inv, **{k: kw[k] for k in ("n_heads", "pairing", "scale",
+                                                                                     "window")},
+                                 dtype=jnp.float32)[0], np.float32).reshape(B, 1, hq * d)
+    ref_q = quantize_x(jnp.asarray(want))
+    tol = 2e-5 if dtype == jnp.float32 else 2e-2  # as the unrounded output against the references
+    np.testing.assert_allclose(np.asarray(got[0].d), np.asarray(ref_q.d), rtol=tol, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(dequantize_x(got[0])), want,
+                               atol=float(np.asarray(ref_q.d).max()) + tol * float(np.abs(want).max()))
+    for a, ref in ((got[0].dsum32, ref_q.dsum32), (got[0].dsum16, ref_q.dsum16)):  # sums of the q it holds
+        q = np.asarray(jax.lax.bitcast_convert_type(got[0].words, jnp.int8)).astype(np.float64)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(got[0].d).repeat(a.shape[-1] // got[0].d.shape[-1], -1)
+                                   * q.reshape(*a.shape, -1).sum(-1), rtol=1e-5, atol=1e-6)
+    one = decode_rope_attention(parts, b, pos, kc, vc, inv, **kw, num_splits=1, quantize_out=True)
+    assert not isinstance(one[0], QuantizedX) and one[0].shape == (B, 1, hq, d)
+
+
 def test_errors():
     parts, b, pos, kc, vc, inv = _inputs(2, 4, 2, 32, 32, jnp.float32, 0, 1, False, [3, 4])
     kw = dict(pairing="pairs", dtype=jnp.float32, scale=0.2, interpret=True)
@@ -89,10 +123,12 @@ def test_lowers_to_triton_for_h100():
     kv = S((1, 8, 1024, 128), jnp.bfloat16)
     with warnings.catch_warnings(), mock.patch.object(gpu_info, "get_gpu_info", lambda: h100):
         warnings.simplefilter("ignore")
-        for pairing, splits, bias in (("pairs", 1, None), ("halves", 2, S((n,), jnp.float32))):
+        for pairing, splits, bias, quantized in (("pairs", 1, None, False), ("halves", 2, S((n,), jnp.float32), False),
+                                                 ("pairs", 4, None, True)):
             lowered = decode_rope_attention.trace(
                 S((4, 1, n), jnp.float32), bias, S((1,), jnp.int32), kv, kv, S((64,), jnp.float32), n_heads=32,
-                pairing=pairing, dtype=jnp.bfloat16, scale=0.088, num_splits=splits).lower(lowering_platforms=("cuda",))
+                pairing=pairing, dtype=jnp.bfloat16, scale=0.088, num_splits=splits,
+                quantize_out=quantized).lower(lowering_platforms=("cuda",))
             assert "__gpu$xla.gpu.triton" in lowered.as_text()
 
 
@@ -110,6 +146,14 @@ def test_gpu_matches_the_two_kernels(pairing, B, hq, hkv, d, splits):
     np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(k2))
     np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(v2))
+    # The output rounded to int8 by the merge (QuantizedX): within a rounding step of the above.
+    from pallas_kernels.int8_activations import QuantizedX, dequantize_x
+
+    xq = decode_rope_attention(parts, b, pos, kc, vc, inv, **kw, scale=d ** -0.5, num_splits=splits,
+                               quantize_out=True)[0]
+    assert isinstance(xq, QuantizedX)
+    np.testing.assert_allclose(np.asarray(dequantize_x(xq)), np.asarray(want, np.float32).reshape(B, 1, hq * d),
+                               rtol=0, atol=float(np.asarray(xq.d).max()) + 1e-2)
 
 
 @pytest.mark.parametrize("kernels", ["reference", "interpret"])

@@ -275,7 +275,8 @@ def test_gpu_weight_layout_gives_the_same_logits(model, request):
 @pytest.mark.gpu
 def test_gpu_int8_decode_paths_agree(tmp_path):
     """Batch-1 decode on the GPU, llama-1b layers in Q4_K: activations rounded to int8 by the
-    output and down products' kernels with the norm pending (the default), by the RMS-norm and
+    attention kernel and by the output and down products' kernels with the norm pending (the
+    default), by the RMS-norm and
     GLU kernels (QuantizedX), by the int8 kernel itself, or not at all (float kernel) give the
     same logits up to the int8 rounding of the activations."""
     import unittest.mock as mock
@@ -290,14 +291,15 @@ def test_gpu_int8_decode_paths_agree(tmp_path):
     ids = _prompts(2, [7], cfg.vocab_size)
     t, l = engine.pad_prompts(ids)
     variants = {"add_norm": dict(INT8_PRODUCER_MIN_VALUES={}),
-                "producer": dict(INT8_PRODUCER_MIN_VALUES={}, ADD_NORM_MAX_M=0),
+                "bf16_attention_out": dict(INT8_PRODUCER_MIN_VALUES={}, QUANTIZED_ATTENTION_OUT=0),
+                "producer": dict(INT8_PRODUCER_MIN_VALUES={}, ADD_NORM_MAX_M=0, QUANTIZED_ATTENTION_OUT=0),
                 "in_kernel": dict(INT8_PRODUCER_MIN_VALUES=collections.defaultdict(lambda: 2**62)),
                 "float": dict(INT8_MAX_M={})}
     out = {}
     for name, patch in variants.items():
         jax.clear_caches()
         with mock.patch.multiple(gemv, **patch):
-            cache = init_cache(cfg, 1, 32, dtype=jnp.bfloat16)
+            cache = init_cache(cfg, 1, 512, dtype=jnp.bfloat16)  # long enough for merged attention splits
             _, cache = engine.prefill(cfg, params, cache, jnp.asarray(t), jnp.asarray(l))
             logits, _ = engine.decode_step(cfg, params, cache, jnp.asarray([3], jnp.int32))
             out[name] = np.asarray(logits, np.float32)
@@ -305,6 +307,7 @@ def test_gpu_int8_decode_paths_agree(tmp_path):
     scale = float(np.abs(out["float"]).max())
     np.testing.assert_allclose(out["producer"], out["in_kernel"], rtol=0, atol=2e-2 * scale)
     np.testing.assert_allclose(out["add_norm"], out["producer"], rtol=0, atol=2e-2 * scale)
+    np.testing.assert_allclose(out["add_norm"], out["bf16_attention_out"], rtol=0, atol=2e-2 * scale)
     np.testing.assert_allclose(out["producer"], out["float"], rtol=0, atol=5e-2 * scale)
 
 

@@ -73,12 +73,14 @@ def fuses_rope(batch: int, tokens: int) -> bool:
 
 
 def rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, *, n_heads: int, pairing: str, dtype,
-                   scale: float, window: int | None = None, arrivals=None, implementation=None):
+                   scale: float, window: int | None = None, arrivals=None, quantize_out: bool = False,
+                   implementation=None):
     """One decode token per sequence b (cache row b) from its QKV product's partial sums parts
     [S, B, (Hq + 2 Hkv) D]: q and k rotated for pos [B], k and v appended there, attention over
     positions 0..pos. arrivals: None or the kernel's [B, Hkv] int32 scratch, zero between calls
     (see decode_rope_attention). -> (out [B, 1, Hq, D], k_cache, v_cache, arrivals). The fused
-    kernel on a GPU backend; elsewhere kv_append's reference, then this package's."""
+    kernel on a GPU backend; elsewhere kv_append's reference, then this package's. quantize_out:
+    the kernel may hand the output over as a QuantizedX [B, 1] (see decode_rope_attention)."""
     impl = _resolve(implementation)
     kw = dict(n_heads=n_heads, pairing=pairing, dtype=dtype)
     if impl == "reference":
@@ -90,7 +92,7 @@ def rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, *, n_heads: int
         out = attention_reference(q, k_cache, v_cache, pos[:, None], pos + 1, scale=scale, window=window)
         return out.astype(dtype), k_cache, v_cache, arrivals
     return decode_rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, **kw, scale=scale, window=window,
-                                 interpret=impl == "interpret", arrivals=arrivals)
+                                 interpret=impl == "interpret", arrivals=arrivals, quantize_out=quantize_out)
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, q_pos, kv_len, *, scale: float, window: int | None = None,

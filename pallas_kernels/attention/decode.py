@@ -33,6 +33,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.int8_activations import QuantizedX
+from pallas_kernels.int8_activations import kernel as q8
 from pallas_kernels.kv_append.kernel import ProductRows, split_view
 
 from . import flash
@@ -69,16 +71,26 @@ def default_num_splits(batch: int, kv_heads: int, num_keys: int, block_k: int, m
     return max(1, min(pl.cdiv(2 * NUM_SMS_H100, programs), num_keys // (4 * block_k)))
 
 
-def _n_outputs(group: int | None, num_splits: int) -> int:
-    """The attention outputs of a program: the output alone (one token, one split); the output,
-    the partials and the arrival count (one token, merged in the kernel); or the partials."""
+def _n_outputs(group: int | None, num_splits: int, quantized: bool = False) -> int:
+    """The attention outputs of a program: the output alone (one token, one split); the output
+    (or its four QuantizedX planes), the partials and the arrival count (one token, merged in
+    the kernel); or the partials."""
     if group is None:
         return 3
-    return 1 if num_splits == 1 else 5
+    return 1 if num_splits == 1 else (8 if quantized else 5)
+
+
+def merges_in_kernel(batch: int, kv_heads: int, num_keys: int, block_k: int, num_splits: int | None) -> bool:
+    """Whether one decode token's attention merges its splits in the kernel (and can hand over
+    its output rounded to int8, `quantize_out`)."""
+    if num_splits is None:
+        num_splits = default_num_splits(batch, kv_heads, num_keys, block_k, merged_in_kernel=True)
+    return num_splits > 1
 
 
 def _kernel(kv_len_ref, row_pos_ref, q_ref, k_ref, v_ref, *rest, layout: CacheLayout, scale: float,
-            window: int | None, block_k: int, num_splits: int, group: int | None, interpret: bool):
+            window: int | None, block_k: int, num_splits: int, group: int | None, interpret: bool,
+            quantize_out: bool = False):
     """group: None, q_ref holds the padded query rows of this program and row_pos_ref their
     positions; else (one query token) q_ref is the token's [Hq, D] heads, of which this KV head's
     `group` rows are read (rows past them masked), and row_pos_ref the token's position.
@@ -90,14 +102,14 @@ def _kernel(kv_len_ref, row_pos_ref, q_ref, k_ref, v_ref, *rest, layout: CacheLa
         rows, r = _group_rows(group)
         pos = jnp.where(r < group, row_pos_ref[()], -1)
         q = pltriton.load(q_ref.at[pl.ds(pl.program_id(1) * group, rows), :], mask=(r < group)[:, None], other=0)
-    _attend(kv_len_ref[()], pos, q, k_ref, v_ref, table_ref, rest[-_n_outputs(group, num_splits):],
+    _attend(kv_len_ref[()], pos, q, k_ref, v_ref, table_ref, rest[-_n_outputs(group, num_splits, quantize_out):],
             layout=layout, scale=scale, window=window, block_k=block_k, num_splits=num_splits, group=group,
-            interpret=interpret)
+            interpret=interpret, quantize_out=quantize_out)
 
 
 def _rope_append_kernel(kv_len_ref, pos_ref, inv_ref, parts_ref, *refs, has_bias: bool, n_heads: int, n_parts: int,
                         pairing: str, q_dtype, interpret: bool, layout: CacheLayout, scale: float,
-                        window: int | None, block_k: int, num_splits: int, group: int):
+                        window: int | None, block_k: int, num_splits: int, group: int, quantize_out: bool = False):
     """One decode token per sequence: `kv_append`'s pass, then the attention, in one program.
 
     The program of (split, KV head h, sequence b) builds its group's rotated query rows from the
@@ -112,7 +124,7 @@ def _rope_append_kernel(kv_len_ref, pos_ref, inv_ref, parts_ref, *refs, has_bias
     refs = refs[1:] if has_bias else refs
     # refs: the caches and (merged) the arrival counts as inputs (aliased), the attention's
     # outputs, then the caches as outputs.
-    out_refs, (k_ref, v_ref) = refs[-2 - _n_outputs(group, num_splits):-2], refs[-2:]
+    out_refs, (k_ref, v_ref) = refs[-2 - _n_outputs(group, num_splits, quantize_out):-2], refs[-2:]
     split, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     pos, kv_len = pos_ref[()], kv_len_ref[()]
     product = ProductRows(parts_ref, bias_ref, inv_ref, b, pos, n_parts=n_parts, pairing=pairing, dtype=q_dtype)
@@ -138,6 +150,7 @@ def _rope_append_kernel(kv_len_ref, pos_ref, inv_ref, parts_ref, *refs, has_bias
     cached = jnp.minimum(kv_len, at)  # the keys before the token's position
     _attend(cached, jnp.where(r < group, pos, -1), q, k_ref, v_ref, None, out_refs, layout=layout, scale=scale,
             window=window, block_k=block_k, num_splits=num_splits, group=group, interpret=interpret,
+            quantize_out=quantize_out,
             new_key=(owner, k_new, v_row))
 
 
@@ -160,7 +173,7 @@ def _group_rows(group: int):
 
 def _attend(kv_len, pos, q, k_ref, v_ref, table_ref, out_refs, *, layout: CacheLayout, scale: float,
             window: int | None, block_k: int, num_splits: int, group: int | None, interpret: bool,
-            new_key=None):
+            new_key=None, quantize_out: bool = False):
     """The program's attention over its split of the cache, written to `out_refs` (see _kernel).
 
     pos [R]: the query rows' positions (-1: padding); q [R, D], or its two rotation halves with
@@ -209,7 +222,7 @@ def _attend(kv_len, pos, q, k_ref, v_ref, table_ref, out_refs, *, layout: CacheL
     # the one that arrives last merges them into the output. The barrier puts all of the
     # program's partial stores before the count's increment, whose release/acquire (at GPU
     # scope) makes the other programs' partials visible to the last one.
-    o_ref, acc_ref, m_ref, l_ref, count_ref = out_refs
+    *o_refs, acc_ref, m_ref, l_ref, count_ref = out_refs
     acc_ref[split] = acc
     m_ref[split] = m
     l_ref[split] = l
@@ -223,14 +236,15 @@ def _attend(kv_len, pos, q, k_ref, v_ref, table_ref, out_refs, *, layout: CacheL
         ms = [load(m_ref.at[jnp.int32(i)]) for i in range(num_splits)]
         m_max = functools.reduce(jnp.maximum, ms)
         m_max = jnp.where(m_max > -jnp.inf, m_max, 0.0)  # no split saw a key
-        num = jnp.zeros_like(acc)
-        den = jnp.zeros_like(l)
-        for i in range(num_splits):
-            w = jnp.where(ms[i] > -jnp.inf, jnp.exp2(ms[i] - m_max), 0.0)
-            num = num + w[:, None] * load(acc_ref.at[jnp.int32(i)])
-            den = den + w * load(l_ref.at[jnp.int32(i)])
-        out = num / jnp.where(den > 0, den, 1.0)[:, None]
-        pltriton.store(o_ref.at[first_row, :], out.astype(o_ref.dtype), mask=(r < group)[:, None])
+        weights = [jnp.where(mi > -jnp.inf, jnp.exp2(mi - m_max), 0.0) for mi in ms]
+        den = sum(w * load(l_ref.at[jnp.int32(i)]) for i, w in enumerate(weights))
+        den = jnp.where(den > 0, den, 1.0)[:, None]
+        out = sum(w[:, None] * load(acc_ref.at[jnp.int32(i)]) for i, w in enumerate(weights)) / den
+        if quantize_out:  # the rows rounded to int8 per 32 values, for the output projection
+            q8.store_quantized_rows(out, o_refs, first_row, r < group, interpret)
+        else:
+            (o_ref,) = o_refs
+            pltriton.store(o_ref.at[first_row, :], out.astype(o_ref.dtype), mask=(r < group)[:, None])
         count_ref[0] = jnp.int32(0)  # every program has arrived: the count is free for the next call
 
 
@@ -256,10 +270,12 @@ class RopeAppend(NamedTuple):
 
 
 def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, block_k, num_splits,
-          num_warps, num_stages, interpret, rope: RopeAppend | None = None, arrivals=None):
+          num_warps, num_stages, interpret, rope: RopeAppend | None = None, arrivals=None, quantize_out=False):
     """q: the queries [B, T, Hq, D], or with `rope` their shape and dtype (a ShapeDtypeStruct).
     arrivals: None or [B, Hkv] int32 zeros for the in-kernel merge (see below); with `rope`,
-    returned after the caches (zeros again; as given when no merge ran)."""
+    returned after the caches (zeros again; as given when no merge ran). quantize_out: where the
+    splits are merged in the kernel (`merges_in_kernel`), the output comes as a QuantizedX
+    [B, 1] of the rows (Hq D) rounded to int8 per 32 values (D a multiple of 32)."""
     B, T, Hq, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
@@ -269,6 +285,9 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
     check_block_k(layout, block_k)
     if num_splits is None:
         num_splits = default_num_splits(B, Hkv, layout.num_keys, block_k, merged_in_kernel=T == 1)
+    quantize_out = quantize_out and T == 1 and num_splits > 1
+    if quantize_out and D % 32:
+        raise ValueError(f"decode_attention: quantize_out needs a head dim that is a multiple of 32, got {D}")
     rows = max(16, pl.next_power_of_2(T * G))
     kv_len = jnp.minimum(kv_len.astype(jnp.int32), layout.num_keys)  # never read past the cache
 
@@ -312,13 +331,13 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
         k_arg = split_view(k, "halves")  # a bitcast; see _rope_append_kernel
         k_spec = pl.BlockSpec((None, None, k.shape[2], 2, D // 2), lambda s, h, b: (b, h, 0, 0, 0))
     attend_kw = dict(layout=layout, scale=float(scale), window=window, block_k=block_k, num_splits=num_splits,
-                     group=group, interpret=interpret)
+                     group=group, interpret=interpret, quantize_out=quantize_out)
     if rope is None:
         kernel = functools.partial(_kernel, **attend_kw)
     else:
         kernel = functools.partial(_rope_append_kernel, has_bias=rope.bias is not None, n_heads=Hq,
                                    n_parts=rope.parts.shape[0], pairing=rope.pairing, q_dtype=q.dtype, **attend_kw)
-    n_out = _n_outputs(group, num_splits)
+    n_out = _n_outputs(group, num_splits, quantize_out)
     part = (B, Hkv, num_splits, rows)
     o_spec = pl.BlockSpec((None, Hq, D), lambda s, h, b: (b, 0, 0))
     o_shape = jax.ShapeDtypeStruct((B, Hq, D), q.dtype)
@@ -340,17 +359,25 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
         # last program. A caller that keeps `arrivals` across calls (the KV cache does) spares
         # XLA a copy of fresh zeros at every call.
         count_spec = pl.BlockSpec((None, 1), lambda s, h, b: (b, h))
+        acc_spec = pl.BlockSpec((None, None, num_splits, rows, D), lambda s, h, b: (b, h, 0, 0, 0))
+        o_specs, o_shapes = [o_spec], [o_shape]
+        if quantize_out:
+            # QuantizedX planes per head row: words [Hq, D/4], d and dsum32 [Hq, D/32], dsum16
+            # [Hq, D/16].
+            o_shapes = [jax.ShapeDtypeStruct((B, Hq, D // c), dt) for c, dt in
+                        ((4, jnp.int32), (32, jnp.float32), (32, jnp.float32), (16, jnp.float32))]
+            o_specs = [pl.BlockSpec((None, Hq, x.shape[-1]), lambda s, h, b: (b, 0, 0)) for x in o_shapes]
         out_specs = [
-            o_spec,
-            pl.BlockSpec((None, None, num_splits, rows, D), lambda s, h, b: (b, h, 0, 0, 0)),
+            *o_specs,
+            acc_spec,
             pl.BlockSpec((None, None, num_splits, rows), lambda s, h, b: (b, h, 0, 0)),
             pl.BlockSpec((None, None, num_splits, rows), lambda s, h, b: (b, h, 0, 0)),
             count_spec,
         ]
-        out_shape = [o_shape, *part_shapes, jax.ShapeDtypeStruct((B, Hkv), jnp.int32)]
+        out_shape = [*o_shapes, *part_shapes, jax.ShapeDtypeStruct((B, Hkv), jnp.int32)]
         extra_specs = [*extra_specs, count_spec]
         extra_args = [*extra_args, jnp.zeros((B, Hkv), jnp.int32) if arrivals is None else arrivals]
-        aliases[1 + len(q_args) + 2 + len(extra_args) - 1] = 4
+        aliases[1 + len(q_args) + 2 + len(extra_args) - 1] = n_out - 1
     if rope is not None:
         # The caches come back as outputs aliased to them (updated in place).
         n_in = 1 + len(q_args)
@@ -370,8 +397,11 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
     )(kv_len, *q_args, k_arg, v, *extra_args)
     caches = ()
     if rope is not None:
-        caches, outs = (outs[-2].reshape(k.shape), outs[-1], outs[4] if n_out == 5 else arrivals), outs[:-2]
-    if n_out != 3:
+        caches, outs = (outs[-2].reshape(k.shape), outs[-1], outs[n_out - 1] if n_out >= 5 else arrivals), outs[:-2]
+    if quantize_out:
+        words, d, dsum32, dsum16 = (x.reshape(B, 1, -1) for x in outs[:4])
+        out = QuantizedX(words, d, dsum32, dsum16, jnp.dtype(q.dtype))
+    elif n_out != 3:
         out = outs[0][:, None]
     else:
         out = _combine(*outs, row_pos, kv_len, window)[:, :, : T * G]
@@ -400,11 +430,12 @@ def decode_attention(q, k, v, q_pos, kv_len, *, scale: float, window: int | None
                  interpret=interpret, **_tiles(q.shape[-1], block_k, num_warps, num_stages))
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("n_heads", "pairing", "dtype"))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("n_heads", "pairing", "dtype", "quantize_out"))
 def decode_rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, *, n_heads: int, pairing: str, dtype,
                           scale: float, window: int | None = None, block_k: int | None = None,
                           num_splits: int | None = None, num_warps: int | None = None,
-                          num_stages: int | None = None, interpret: bool = False, arrivals=None):
+                          num_stages: int | None = None, interpret: bool = False, arrivals=None,
+                          quantize_out: bool = False):
     """One decode token per sequence, from its QKV product to its attention output in one kernel:
     the rotation of q and k and the append of k, v at `pos` [B] (-1: an inactive sequence, nothing
     written) into the contiguous caches [B, Hkv, S, D] (row b is sequence b), as
@@ -412,7 +443,9 @@ def decode_rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, *, n_hea
     Hkv) D] are the product's float32 partial sums, bias [(Hq + 2 Hkv) D] or None, and `dtype` the
     compute dtype they are rounded to. arrivals: None, or [B, Hkv] int32 zeros that the split
     merge counts in and leaves zero (kept by the caller across calls, it saves a copy per call).
-    -> (out [B, 1, Hq, D] in `dtype`, k_cache, v_cache, arrivals)."""
+    quantize_out: hand the output over rounded to int8 (a QuantizedX [B, 1] of Hq D values, for an
+    int8 output projection) where the kernel merges its splits; else as an array.
+    -> (out [B, 1, Hq, D] in `dtype` or QuantizedX, k_cache, v_cache, arrivals)."""
     n_parts, B, n = parts.shape
     n_slots, n_kv, _, D = k_cache.shape
     if n_slots != B or n != (n_heads + 2 * n_kv) * D or n_heads % n_kv or D % 2:
@@ -423,7 +456,7 @@ def decode_rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, *, n_hea
     q = jax.ShapeDtypeStruct((B, 1, n_heads, D), jnp.dtype(dtype))
     return _call(q, k_cache, v_cache, None, pos[:, None], pos + 1, layout, scale=scale, window=window,
                  num_splits=num_splits, interpret=interpret, rope=RopeAppend(parts, bias, inv_freq, pairing),
-                 arrivals=arrivals, **_tiles(D, block_k, num_warps, num_stages))
+                 arrivals=arrivals, quantize_out=quantize_out, **_tiles(D, block_k, num_warps, num_stages))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)

@@ -118,6 +118,28 @@ def store_quantized(values, refs, row, gp: int, g: int, ip: bool, g0=0):
     plgpu.store(dsum16_ref.at[row, groups, :], d[:, None] * sum16.astype(_F32), mask=_full(mask, (gp, 2)))
 
 
+def store_quantized_rows(x, refs, rows, row_mask, ip: bool):
+    """Round rows x (R, K) (float32 in registers, K a multiple of 32) to int8 per 32 values, and
+    store them at rows `rows` of the QuantizedX planes viewed per row: words (.., K / 4), d and
+    dsum32 (.., K / 32), dsum16 (.., K / 16); rows where row_mask (R,) is false are not stored.
+    The four bytes of a word are packed by a sum over the row's trailing axis of 4, which
+    Triton keeps within a thread (its loads give each thread runs of contiguous values)."""
+    words_ref, d_ref, dsum32_ref, dsum16_ref = refs
+    r, k = x.shape
+    g = k // 32
+    grouped = x.reshape(r, g, 32)
+    inv, d = group_scale(jnp.max(jnp.abs(grouped), axis=-1), ip)
+    q = _round_to_int(grouped * inv[:, :, None], ip).reshape(r, k // 4, 4)
+    shifts = 8 * jax.lax.broadcasted_iota(_I32, q.shape, 2)
+    words = jnp.sum((q & 0xFF) << shifts, axis=-1)                      # disjoint bytes: the sum is their OR
+    sum16 = jnp.sum(q.reshape(r, g, 2, 16), axis=-1)                    # (R, G, 2)
+    mask = row_mask[:, None]
+    plgpu.store(words_ref.at[rows, :], words, mask=mask)
+    plgpu.store(d_ref.at[rows, :], d, mask=mask)
+    plgpu.store(dsum32_ref.at[rows, :], d * jnp.sum(sum16, axis=-1).astype(_F32), mask=mask)
+    plgpu.store(dsum16_ref.at[rows, :], (d[:, :, None] * sum16.astype(_F32)).reshape(r, 2 * g), mask=mask)
+
+
 def quantized_out_shapes(m: int, k: int):
     """pallas_call out_shape of the QuantizedX planes, in the views `store_quantized` writes."""
     g = k // 32

@@ -60,17 +60,23 @@ def takes_quantized_x(w, rows: int, dtype) -> bool:
             and not rounds_x_itself(w.qtype, rows, *w.shape))
 
 
+def runs_int8_gemv(w, rows: int, dtype) -> bool:
+    """Whether x (rows, K) @ w runs on this backend's int8 decode GEMV, which multiplies x rounded
+    to int8: a producer that can round it at no extra launch should hand it over as a QuantizedX."""
+    return (isinstance(w, QTensor) and jax.default_backend() == "gpu" and supports(w.qtype)
+            and 0 < rows <= MAX_M and int8_path(w, rows, dtype) == "gemv")
+
+
 def fuses_add_norm(w, rows: int, dtype, consumers) -> bool:
     """Whether x (rows, K) @ w, then the residual add and an RMS norm whose output feeds the
     products `consumers`, can run as one kernel (`qmatmul_add_norm`): on this backend's int8
     decode GEMV for w and for every consumer (which take the normed rows rounded to int8), for
     at most gemv.ADD_NORM_MAX_M rows, with tiles that cover whole 32-row groups."""
-    if not (isinstance(w, QTensor) and jax.default_backend() == "gpu" and supports(w.qtype)
-            and 0 < rows <= gemv.ADD_NORM_MAX_M and int8_path(w, rows, dtype) == "gemv" and w.shape[0] % 32 == 0
+    if not (runs_int8_gemv(w, rows, dtype) and rows <= gemv.ADD_NORM_MAX_M and w.shape[0] % 32 == 0
             and 32 % default_int8_config(w.qtype, rows, *w.shape).block_n == 0):
         return False
     consumers = [c for c in consumers if c is not None]
-    return bool(consumers) and all(isinstance(c, QTensor) and int8_path(c, rows, dtype) == "gemv" for c in consumers)
+    return bool(consumers) and all(runs_int8_gemv(c, rows, dtype) for c in consumers)
 
 
 def qmatmul_add_norm(x: jax.Array | QuantizedX, w: QTensor, residual: jax.Array, norm_w: jax.Array, eps: float,

@@ -84,6 +84,10 @@ GATED_X_MAX_M = 0
 # projection) do that add and norm in their own kernel (`int8_gemv_add_norm`), so that the
 # norm kernel between them goes.
 ADD_NORM_MAX_M = 4
+# The one-token attention kernel hands its output to an int8 output projection rounded to int8
+# (where it merges its splits in the kernel), so that the product does not round it per program.
+# 0 turns it off.
+QUANTIZED_ATTENTION_OUT = 1
 INT8_TILES = {  # block_n, values per step, warps, prefetch (measured best at the 8B shapes, notes)
     QType.Q8_0: (8, 512, 4, True),
     QType.Q4_K: (8, 1024, 4, True),    # for Q4_KChunks (packed scales: prefetch 5% slower)
