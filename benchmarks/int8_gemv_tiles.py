@@ -48,6 +48,14 @@ def configs(qt: QType, n: int, k: int) -> list:
     return list(dict.fromkeys(out))
 
 
+def streamed_operands(qt: QType, n: int, k: int, min_copies: int = 2):
+    """Distinct weights of one shape, enough (about STREAM_BYTES) that a call over all of them
+    streams from HBM rather than L2, and one bf16 activation row."""
+    copies = max(min_copies, round(STREAM_BYTES / wbytes(qt, n, k)))
+    ws = [device_qtensor(qt, n, k, jax.random.key(i)) for i in range(copies)]
+    return ws, jax.random.normal(jax.random.key(99), (1, k), jnp.float32).astype(jnp.bfloat16)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="gemv-tiles.json")
@@ -59,9 +67,8 @@ def main() -> int:
     jobs = []
     for name in a.shapes.split(","):
         n, k = SHAPES[name]
-        copies = max(2, round(STREAM_BYTES / wbytes(qt, n, k)))
-        ws = [device_qtensor(qt, n, k, jax.random.key(i)) for i in range(copies)]
-        x = jax.random.normal(jax.random.key(99), (1, k), jnp.float32).astype(jnp.bfloat16)
+        ws, x = streamed_operands(qt, n, k)
+        copies = len(ws)
         for cfg in configs(qt, n, k):
             c = cfg or default_int8_config(qt, 1, n, k)
             fn = jax.jit(lambda x, ws, c=c: [int8_gemv(quantize_rows(x), w, c, partials=True) for w in ws])

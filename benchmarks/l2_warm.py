@@ -38,9 +38,9 @@ from jax.experimental.pallas import triton as plgpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.int8_gemv_tiles import SHAPES, STREAM_BYTES  # noqa: E402
+from benchmarks.int8_gemv_tiles import SHAPES, streamed_operands  # noqa: E402
 from benchmarks.profile_decode import compile_concurrently, traced_kernel_times  # noqa: E402
-from benchmarks.quant_matmul import device_qtensor, wbytes  # noqa: E402
+from benchmarks.quant_matmul import wbytes  # noqa: E402
 from pallas_kernels.int8_activations import quantize_rows  # noqa: E402
 from pallas_kernels.quant_matmul.gemv import default_int8_config  # noqa: E402
 from pallas_kernels.quant_matmul.int8_gemv import int8_gemv  # noqa: E402
@@ -160,9 +160,8 @@ def main() -> int:
     for name in a.shapes.split(","):
         n, k = SHAPES[name]
         nbytes = wbytes(qt, n, k)
-        copies = max(3, round(STREAM_BYTES / nbytes))
-        ws = [device_qtensor(qt, n, k, jax.random.key(i)) for i in range(copies)]
-        x = jax.random.normal(jax.random.key(99), (1, k), jnp.float32).astype(jnp.bfloat16)
+        ws, x = streamed_operands(qt, n, k, min_copies=3)
+        copies = len(ws)
         cfg = default_int8_config(qt, 1, n, k)
         for fraction in (0.0,) + FRACTIONS:
             if fraction * nbytes > 45e6:
