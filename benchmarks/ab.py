@@ -6,7 +6,9 @@ one way or another, each arm in a fresh process, arms alternated so drift hits t
         --arm gated=pallas_kernels.quant_matmul.gemv:GATED_X_MAX_M=64 --rounds 2 --out ab.json
 
 The baseline arm ("base") runs the constants as committed. An arm sets integer constants
-(`module:NAME=value`, several separated by commas) before rjax is imported in its process, or
+(`module:NAME=value`, several separated by commas; `module:NAME[KEY]=value` for the entry of a
+dict constant whose key is named KEY, e.g. `gemv:INT8_MIN_VALUES[Q4_1]=0`) before rjax is
+imported in its process, or
 runs another source tree as it is (`NAME=@PATH`, e.g. a `git archive` of an earlier commit;
 the child runs from PATH, so `python -c` imports that tree's rjax, and prints which it took).
 Every run is `rjax bench` with the given batches, N=16 steps per dispatch, prompt 512 and 128
@@ -29,16 +31,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Runs in the child: patch, then the bench's own command line.
 _CHILD = """
-import importlib, os, sys
+import os, sys
 import rjax
 print("[ab] rjax from", os.path.dirname(rjax.__file__), file=sys.stderr)
-for item in filter(None, os.environ["RJAX_AB_PATCH"].split(",")):
-    target, value = item.split("=")
-    module, name = target.split(":")
-    mod = importlib.import_module(module)
-    if not isinstance(getattr(mod, name), int):
-        sys.exit(f"ab: {module}.{name} is not an integer constant")
-    setattr(mod, name, int(value))
+if os.environ["RJAX_AB_PATCH"]:
+    from benchmarks.profile_decode import set_constants
+    set_constants(os.environ["RJAX_AB_PATCH"].split(","))
 from rjax.cli import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -79,16 +79,26 @@ def traced_kernel_times(exe, args) -> tuple[collections.Counter, collections.Cou
         return kernel_times(trace)
 
 
-def set_constants(items: list[str]) -> None:
+def set_constants(items) -> None:
+    """Set integer module constants before a run: `module:NAME=value`, or `module:NAME[KEY]=value`
+    for the entry of a dict constant whose key is named KEY (a GGML type's name, say)."""
     import importlib
 
     for item in items:
         target, value = item.split("=")
         module, name = target.split(":")
+        name, _, key = name.rstrip("]").partition("[")
         mod = importlib.import_module(module)
-        if not isinstance(getattr(mod, name), int):
-            raise SystemExit(f"profile_decode: {module}.{name} is not an integer constant")
-        setattr(mod, name, int(value))
+        table = getattr(mod, name)
+        if key:
+            match = [k for k in table if getattr(k, "name", str(k)) == key] if isinstance(table, dict) else []
+            if len(match) != 1 or not isinstance(table[match[0]], int):
+                raise SystemExit(f"{module}.{name} has no integer entry {key!r}")
+            table[match[0]] = int(value)
+        elif isinstance(table, int):
+            setattr(mod, name, int(value))
+        else:
+            raise SystemExit(f"{module}.{name} is not an integer constant")
 
 
 def main() -> int:
@@ -101,7 +111,7 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--layers", type=int, default=None, help="override the layer count (smoke tests)")
-    p.add_argument("--set", action="append", default=[], metavar="module:CONST=value",
+    p.add_argument("--set", action="append", default=[], metavar="module:CONST[KEY]=value",
                    help="set an integer dispatch constant before rjax is imported (as benchmarks/ab.py)")
     p.add_argument("--tag", default="", help="appended to the report's file name")
     a = p.parse_args()

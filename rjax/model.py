@@ -219,13 +219,15 @@ def _layer(cfg: ModelConfig, i: int, p: LayerParams, x, h, cache, pos, slots, dt
     `next_norm` for `next_consumers` (the next layer's q/k/v products, or None after the last
     layer), the cache, and the counts the fused residual-norm products pass on. The blocks
     compute in `dtype` (bfloat16 on GPU)."""
-    from pallas_kernels.quant_matmul import takes_gated_x  # here: the kernels import rjax
+    from pallas_kernels.quant_matmul import fuses_glu, qmatmul_glu, takes_gated_x  # here: the kernels import rjax
 
     rows = x.shape[0] * x.shape[1]
     attn, cache = _attention_block(cfg, i, p, h, cache, pos, slots)
     x, h, counts = _residual_norm(cfg, attn, p.wo, p.post_attn_norm, x, p.ffn_norm, _ffn_in_weights(p), counts,
                                   dtype)
-    if p.w_gate_up is not None:
+    if p.w_gate_up is not None and fuses_glu(p.w_gate_up, p.w_down, rows, dtype):
+        glu_out = qmatmul_glu(h, p.w_gate_up, cfg.activation, dtype)  # act(gate) * up rounded in the product
+    elif p.w_gate_up is not None:
         gate_up = matmul(h, p.w_gate_up)
         if _int8_in([p.w_down], rows, dtype):  # act(gate) * up rounded to int8 in one kernel
             glu_out = quantize(gate_up, cfg.activation)

@@ -276,7 +276,7 @@ def test_gpu_weight_layout_gives_the_same_logits(model, request):
 def test_gpu_int8_decode_paths_agree(tmp_path):
     """Batch-1 decode on the GPU, llama-1b layers in Q4_K: activations rounded to int8 by the
     attention kernel and by the output and down products' kernels with the norm pending (the
-    default), by the RMS-norm and
+    default; also with the GLU applied by the gate/up product's kernel), by the RMS-norm and
     GLU kernels (QuantizedX), by the int8 kernel itself, or not at all (float kernel) give the
     same logits up to the int8 rounding of the activations."""
     import unittest.mock as mock
@@ -291,6 +291,7 @@ def test_gpu_int8_decode_paths_agree(tmp_path):
     ids = _prompts(2, [7], cfg.vocab_size)
     t, l = engine.pad_prompts(ids)
     variants = {"add_norm": dict(INT8_PRODUCER_MIN_VALUES={}),
+                "glu_in_product": dict(INT8_PRODUCER_MIN_VALUES={}, GLU_MAX_M=1),
                 "bf16_attention_out": dict(INT8_PRODUCER_MIN_VALUES={}, QUANTIZED_ATTENTION_OUT=0),
                 "producer": dict(INT8_PRODUCER_MIN_VALUES={}, ADD_NORM_MAX_M=0, QUANTIZED_ATTENTION_OUT=0),
                 "in_kernel": dict(INT8_PRODUCER_MIN_VALUES=collections.defaultdict(lambda: 2**62)),
@@ -308,6 +309,7 @@ def test_gpu_int8_decode_paths_agree(tmp_path):
     np.testing.assert_allclose(out["producer"], out["in_kernel"], rtol=0, atol=2e-2 * scale)
     np.testing.assert_allclose(out["add_norm"], out["producer"], rtol=0, atol=2e-2 * scale)
     np.testing.assert_allclose(out["add_norm"], out["bf16_attention_out"], rtol=0, atol=2e-2 * scale)
+    np.testing.assert_allclose(out["add_norm"], out["glu_in_product"], rtol=0, atol=2e-2 * scale)
     np.testing.assert_allclose(out["producer"], out["float"], rtol=0, atol=5e-2 * scale)
 
 

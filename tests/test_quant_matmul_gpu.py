@@ -96,7 +96,7 @@ def test_int8_gemv_gpu(qtype, m):
             out = int8_gemv(x, w, Int8GemvConfig(16, 2, split_k=2, prefetch=prefetch))
             assert _rel(out, _ref(dequantize_x(quantize_x(x)), w)) < 1e-6
     if qtype in gemv.INT8_TILES and m <= gemv.INT8_MAX_M[qtype]:
-        n, k = 4096, 4096
+        n, k = (32768, 4096) if qtype == QType.Q6_K else (4096, 4096)  # Q6_K: the output layers' sizes only
         xb = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
         assert gemv.uses_int8(qtype, m, n, k, xb.dtype)
         for w in _layouts(_dev(random_qtensor(qtype, n, k, seed=m))):

@@ -90,12 +90,31 @@ ADD_NORM_MAX_M = 1
 # (where it merges its splits in the kernel), so that the product does not round it per program.
 # 0 turns it off.
 QUANTIZED_ATTENTION_OUT = 1
+# Gate/up products of up to this many rows whose down product runs on the int8 GEMV apply the
+# GLU and round its output for the down product in their own kernel (`int8_gemv_glu`), so
+# that the GLU's rounding pass between them goes. 0, so never: a program must hold whole
+# 32-value groups of the output, so 64 weight rows, and llama-8b's 14336 groups of gate/up
+# rows make 448 programs, 3.4 per SM, against 3,584 of 8 rows. H100, GPU kernel time (notes,
+# session 12): 28672x4096 31.3 us against 29.3 for the product and the GLU pass together,
+# 16384x2048 10.5 against 10.5, Q8_0 16384x2048 17.7 against 17.2; A/B batch 1, llama-8b
+# -4.0%, llama-1b Q4_K +1.6% and Q8_0 -3.2%, both within their rounds' spread.
+GLU_MAX_M = 0
+# Tiles of that kernel: gate rows per program (each with its up row; a multiple of 32, so that
+# a program rounds whole groups), values per step, warps, prefetch (best in session 12's sweep).
+GLU_TILES = {
+    QType.Q4_K: (32, 512, 8, True),
+    QType.Q8_0: (32, 256, 4, True),
+    QType.Q4_1: (32, 128, 4, False),
+    QType.Q4_0: (32, 128, 4, False),
+}
 INT8_TILES = {  # block_n, values per step, warps, prefetch (measured best at the 8B shapes, notes)
     QType.Q8_0: (8, 512, 4, True),
     QType.Q4_K: (8, 1024, 4, True),    # for Q4_KChunks (packed scales: prefetch 5% slower)
     QType.Q4_1: (32, 256, 4, False),
     QType.Q4_0: (32, 256, 4, False),
-    QType.Q6_K: (32, 1024, 4, True),   # 128256x4096 words: 213 us; 16 x 512: 254, 8 x 1024: 286
+    # 128256x4096, scales as words (session 12): 177 us; 32 x 1024: 192 (213 with byte scales),
+    # 64 x 512 with 8 warps: 181. 128256x2048: 89 us against 102 (108 with byte scales).
+    QType.Q6_K: (32, 512, 4, True),
 }
 INT8_PROGRAMS = 264
 # Rows beyond INT8_MAX_M up to which products go to the int8 MMA kernel (int8_mma.py) instead
@@ -177,6 +196,13 @@ def default_int8_config(qtype: QType, m: int, n: int, k: int) -> int8.Int8GemvCo
     split = max(1, min(-(-programs // n_tiles), k // block_size // block_k))
     return int8.Int8GemvConfig(block_n=block_n, block_k=block_k, split_k=split, num_warps=warps,
                                prefetch=prefetch)
+
+
+def default_glu_config(qtype: QType, m: int, n: int, k: int) -> int8.Int8GemvConfig:
+    """Tiles of the gate/up product that applies the GLU (`int8_gemv_glu`), w (n = 2F, k)."""
+    block_n, values, warps, prefetch = GLU_TILES[qtype]
+    block_k = max(1, values // GGML_QUANT_SIZES[qtype][0])
+    return int8.Int8GemvConfig(block_n=block_n, block_k=block_k, split_k=1, num_warps=warps, prefetch=prefetch)
 
 
 def default_gemv_config(qtype: QType, m: int, n: int, k: int) -> TileConfig:

@@ -222,7 +222,12 @@ def _q6_k_parts(refs, rows, blocks, mask):
             low = (ql_cache[key] >> (4 * (j // 2))) & 0x0F
             high = (qh_cache[h] >> (2 * j)) & 0x03
             q = int_to_f32(low | (high << 4), zero=32)
-            sc = _f(load_masked(sc_ref, (rows, blocks, pl.ds(8 * h + 2 * j, 2)), mask))   # (BN, BKB, 2)
+            if sc_ref.dtype == jnp.int32:  # scales 8h + 2j and the next: bytes 2(j % 2) and on of word 2h + j // 2
+                word = load_masked(sc_ref, (rows, blocks, 2 * h + j // 2), mask)
+                shift = 24 - 16 * (j % 2)
+                sc = _f(jnp.stack([(word << shift) >> 24, (word << (shift - 8)) >> 24], axis=-1))
+            else:
+                sc = _f(load_masked(sc_ref, (rows, blocks, pl.ds(8 * h + 2 * j, 2)), mask))   # (BN, BKB, 2)
             parts.append(Part(4 * h + j, q, sc * _col(d), None))
     return parts
 

@@ -20,9 +20,10 @@ from gguf import GGMLQuantizationType as QType
 from rjax.quant.formats import LAYOUTS, Q4_KChunks
 from rjax.quant.qtensor import QTensor
 
-# The planes a kernel reads as packed 4-byte groups (Q4_K's packed scales are 12 bytes: 3 words).
+# The planes a kernel reads as packed 4-byte groups (Q4_K's packed scales are 12 bytes: 3 words;
+# Q6_K's 16 int8 scales 4 words, one load each instead of one per byte).
 WORD_FIELDS = {QType.Q8_0: ("qs",), QType.Q4_0: ("qs",), QType.Q4_1: ("qs",),
-               QType.Q4_K: ("scales", "qs"), QType.Q6_K: ("ql", "qh")}
+               QType.Q4_K: ("scales", "qs"), QType.Q6_K: ("ql", "qh", "scales")}
 
 
 def _fields(w: QTensor) -> tuple[str, ...]:
