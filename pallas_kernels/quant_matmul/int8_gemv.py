@@ -33,6 +33,11 @@ barrier), and the one that arrives last merges them, as the decode attention mer
 splits. H100, llama-8b (session 11): the output and down products take 1.5-1.7 us more, the
 two norm kernels and their gaps (about 9.7 us per layer) go; batch-1 decode 345 -> 363 tokens/s.
 
+`int8_gemv_glu` is the FFN's gate/up product applying the GLU: a program multiplies gate rows
+and the up rows that pair with them and rounds act(gate) * up to int8 for the down product.
+Off in the model (`gemv.GLU_MAX_M`): at 64 weight rows per program, the rows of whole groups,
+llama-8b's gate/up had too few programs to balance over the SMs (notes, session 12).
+
 Lowering: Pallas' Triton backend, with `dp4a` as inline PTX (`elementwise_inline_asm`):
 neither Pallas-Triton nor Mosaic GPU exposes an integer dot-product primitive. In Pallas'
 CPU interpreter (tests) `dp4a` is the same arithmetic written in jnp, so everything but the

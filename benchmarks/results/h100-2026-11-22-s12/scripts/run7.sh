@@ -1,0 +1,13 @@
+#!/bin/bash
+# Session 12 device run 7: A/B of the Q6_K scales as words (this tree) against session 11's
+# final code (dce1748, as devruns/prev), batch 1, llama-1b Q4_K and llama-8b. devruns/prev was made
+# with: git archive dce1748 rjax pallas_kernels benchmarks/*.py | tar -x -C devruns/prev
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
+T0=$(date +%s)
+mkdir -p /tmp/m
+python3 -m rjax.cli synth llama-1b --quant q4_k -o /tmp/m/l1b.gguf -q
+python3 -m rjax.cli synth llama-8b --quant q4_k -o /tmp/m/l8b.gguf -q
+timeout $(( 585 - ($(date +%s) - T0) )) python3 benchmarks/ab.py --models /tmp/m/l1b.gguf,/tmp/m/l8b.gguf \
+  --batches 1 --arm s11=@devruns/prev --rounds 2 --out $OUT/ab.json 2>&1 | grep -v "Delay kernel" | tail -6
+echo "elapsed $(( $(date +%s) - T0 ))"
