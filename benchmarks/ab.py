@@ -10,7 +10,8 @@ The baseline arm ("base") runs the constants as committed. An arm sets integer c
 dict constant whose key is named KEY, e.g. `gemv:INT8_MIN_VALUES[Q4_1]=0`) before rjax is
 imported in its process, or
 runs another source tree as it is (`NAME=@PATH`, e.g. a `git archive` of an earlier commit;
-the child runs from PATH, so `python -c` imports that tree's rjax, and prints which it took).
+the child runs from PATH, so `python -c` imports that tree's rjax, and prints which it took), or
+adds XLA flags to the child's XLA_FLAGS (`NAME=xla:--flag=value --flag2=value`).
 Every run is `rjax bench` with the given batches, N=16 steps per dispatch, prompt 512 and 128
 generated (--bench-args to change); the table gives tokens/s per model, batch and arm, each
 round's value and the median, and the ratio of each arm's median to the baseline's.
@@ -55,8 +56,10 @@ def run_arm(model: str, patch: str, batches: str, bench_args: list[str], timeout
         cmd = [sys.executable, "-c", _CHILD, "bench", "-m", model, "--batch", batches, "--steps-per-dispatch", "16",
                "-q", "--json", str(out), *bench_args]
         tree = Path(patch[1:]).resolve() if patch.startswith("@") else ROOT
-        env = dict(os.environ, RJAX_AB_PATCH="" if patch.startswith("@") else patch, PYTHONPATH=os.pathsep.join(
-            [str(tree), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        flags = patch[4:] if patch.startswith("xla:") else ""
+        env = dict(os.environ, RJAX_AB_PATCH="" if patch.startswith(("@", "xla:")) else patch,
+                   PYTHONPATH=os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])]),
+                   XLA_FLAGS=" ".join(filter(None, [os.environ.get("XLA_FLAGS"), flags])))
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, timeout=timeout)
         took = [line for line in proc.stderr.splitlines() if line.startswith("[ab] rjax from")]

@@ -102,7 +102,21 @@ def initial_state(first_tokens, max_new_tokens, stop_ids, key, cache: KVCache, s
     return DecodeState(first_tokens, done, jnp.broadcast_to(remaining, first_tokens.shape), key)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "n_steps"), donate_argnames=("cache",))
+# XLA runs a while loop's condition on the host unless the loop is in a command buffer: after
+# every decode step the GPU drains and the host reads the predicate back before it launches the
+# next step. With WHILE and CONDITIONAL among the command-buffer types the whole loop is one CUDA
+# graph whose conditional nodes test the predicate on the device. The option replaces XLA's list,
+# so the list repeats the default types. H100, batch 1, A/B against the default (session 13):
+# llama-1b Q4_K 1,339 against 1,170 tokens/s, smollm2-135m 1,200 against 1,137. A CPU backend
+# ignores it.
+DECODE_LOOP_COMPILER_OPTIONS = {
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL",
+    "xla_gpu_graph_min_graph_size": 1,
+}
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "n_steps"), donate_argnames=("cache",),
+                   compiler_options=DECODE_LOOP_COMPILER_OPTIONS)
 def decode_loop(cfg: ModelConfig, params: Params, cache: KVCache, state: DecodeState, sp: SamplingParams,
                 stop_ids: jax.Array, n_steps: int):
     """Up to n_steps decode steps in one XLA program, stopping early when every slot is done.
