@@ -315,12 +315,13 @@ def test_gpu_int8_decode_paths_agree(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,quant,batch", [("smollm2-135m", "q8_0", 1), ("llama-1b", "q4_k", 3),
-                                               ("qwen2.5-1.5b", "q8_0", 2)])
+                                               ("qwen2.5-1.5b", "q8_0", 2), ("smollm2-135m", "q4_1", 1)])
 def test_gpu_decode_matches_longer_prefill(tmp_path, shape, quant, batch):
     """Decode on the GPU (rotation + cache append kernel, one-token attention kernel, int8 GEMVs)
     against a prefill of the prompt plus that token (XLA's rotation and scatter, the prefill
     attention kernel, float products): the same logits up to the int8 rounding of activations.
-    The shapes cover both rotation pairings, a group of 3 query heads and QKV biases."""
+    The shapes cover both rotation pairings, a group of 3 query heads and QKV biases; smollm2 in
+    Q4_1 decodes on the float kernel."""
     from rjax.synth import write_synthetic
 
     path = write_synthetic(tmp_path / "m.gguf", shape, quant, seed=2, n_layers=2, vocab_size=512,

@@ -15,9 +15,9 @@
         rms_norm(that) * norm_w as a QuantizedX with the norm pending, counts): the residual
         add and the norm between two decode products done by the first one's kernel, where
         `fuses_add_norm` says so
-    qmatmul_glu(x, w, activation, out_dtype) -> act(x @ gate.T) * (x @ up.T) rounded to int8
-        (a QuantizedX) for w = [gate; up]: the FFN's GLU done by the gate/up product's kernel,
-        where `fuses_glu` says so
+    qmatmul_glu(x, w, activation, out_dtype) -> act(x @ gate.T) * (x @ up.T) for w = [gate; up],
+        rounded to int8 (a QuantizedX) for the int8 GEMV or in x's dtype for the float kernel:
+        the FFN's GLU done by the gate/up product's kernel, where `fuses_glu` says so
 
 `implementation`: None picks the kernels on a GPU backend for supported types (the decode
 GEMV for M <= 64 rows, the prefill GEMM above) and the reference elsewhere; "reference",
@@ -35,6 +35,7 @@ from pallas_kernels.quant_matmul import gemv
 from pallas_kernels.quant_matmul.gemm import qmatmul_gemm
 from pallas_kernels.quant_matmul.gemv import MAX_M, default_int8_config, int8_path, qmatmul_gemv, rounds_x_itself
 from pallas_kernels.quant_matmul.int8_gemv import int8_gemv_add_norm, int8_gemv_glu
+from pallas_kernels.quant_matmul.kernel import fused_qmatmul
 from pallas_kernels.quant_matmul.reference import qmatmul_reference
 from pallas_kernels.quant_matmul.tiles import FORMATS
 from rjax.quant.qtensor import QTensor
@@ -102,26 +103,44 @@ def qmatmul_add_norm(x: jax.Array | QuantizedX, w: QTensor, residual: jax.Array,
 
 def fuses_glu(w, w_down, rows: int, dtype) -> bool:
     """Whether the FFN's gate/up product x (rows, K) @ w ([gate; up] stacked) can apply the GLU
-    and round its output for the down product in its own kernel (`qmatmul_glu`): x comes
-    rounded to int8 (`takes_quantized_x`), both products run on the int8 decode GEMV, for at
-    most gemv.GLU_MAX_M rows, and each half's rows fill whole tiles."""
-    if not (takes_quantized_x(w, rows, dtype) and runs_int8_gemv(w, rows, dtype) and rows <= gemv.GLU_MAX_M
-            and w.qtype in gemv.GLU_TILES and runs_int8_gemv(w_down, rows, dtype)):
+    in its own kernel (`qmatmul_glu`), either
+    - rounding act(gate) * up to int8 for the down product: x comes rounded to int8
+      (`takes_quantized_x`), both products run on the int8 decode GEMV, for at most
+      gemv.GLU_MAX_M rows, and each half's rows fill whole tiles; or
+    - storing it for a down product on the float kernel: both products on the float decode
+      kernel, the gate/up one on its CUDA-core tiles, for at most gemv.FLOAT_GLU_MAX_M rows."""
+    if not (isinstance(w, QTensor) and w.shape[0] % 2 == 0):
         return False
-    half = w.shape[0] // 2
-    return w.shape[0] % 64 == 0 and half % gemv.default_glu_config(w.qtype, rows, *w.shape).block_n == 0
+    if takes_quantized_x(w, rows, dtype):
+        if not (runs_int8_gemv(w, rows, dtype) and rows <= gemv.GLU_MAX_M and w.qtype in gemv.GLU_TILES
+                and runs_int8_gemv(w_down, rows, dtype)):
+            return False
+        half = w.shape[0] // 2
+        return w.shape[0] % 64 == 0 and half % gemv.default_glu_config(w.qtype, rows, *w.shape).block_n == 0
+    return (jax.default_backend() == "gpu" and supports(w.qtype) and 0 < rows <= gemv.FLOAT_GLU_MAX_M
+            and int8_path(w, rows, dtype) is None and gemv.float_glu_config(w.qtype, rows, *w.shape) is not None
+            and isinstance(w_down, QTensor) and supports(w_down.qtype)
+            and int8_path(w_down, rows, dtype) is None and not takes_gated_x(w_down, rows, dtype))
 
 
-def qmatmul_glu(x: QuantizedX, w: QTensor, activation: str, out_dtype, *, interpret: bool = False) -> QuantizedX:
-    """act(x @ gate.T) * (x @ up.T) for w = [gate; up] (2F, K), rounded to int8 per 32 values, in
-    the product's kernel (see `fuses_glu`) -> QuantizedX (..., F)."""
+def qmatmul_glu(x: jax.Array | QuantizedX, w: QTensor, activation: str, out_dtype, *,
+                interpret: bool = False) -> jax.Array | QuantizedX:
+    """act(x @ gate.T) * (x @ up.T) for w = [gate; up] (2F, K) in the product's kernel (see
+    `fuses_glu`): for a QuantizedX x, rounded to int8 per 32 values -> QuantizedX (..., F);
+    for a plain x, in x's dtype -> (..., F)."""
     lead = x.shape[:-1]
     rows = 1
     for d in lead:
         rows *= d
-    xq = int8_gemv_glu(x.reshape(rows), w, gemv.default_glu_config(w.qtype, rows, *w.shape), activation, out_dtype,
-                       interpret=interpret)
-    return xq.reshape(*lead)
+    if isinstance(x, QuantizedX):
+        xq = int8_gemv_glu(x.reshape(rows), w, gemv.default_glu_config(w.qtype, rows, *w.shape), activation,
+                           out_dtype, interpret=interpret)
+        return xq.reshape(*lead)
+    cfg = gemv.float_glu_config(w.qtype, rows, *w.shape)
+    if cfg is None:
+        raise ValueError(f"qmatmul_glu: no float GLU tiles for {w.qtype.name} {w.shape} at {rows} rows")
+    out = fused_qmatmul(x.reshape(rows, w.shape[1]), w, cfg, interpret=interpret, glu=activation)
+    return out.reshape(*lead, w.shape[0] // 2)
 
 
 def qmatmul(x: jax.Array | QuantizedX | GatedX, w: QTensor, *, implementation: str | None = None,

@@ -14,6 +14,8 @@ added by XLA) so that every SM has weight to stream.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from gguf import GGML_QUANT_SIZES
@@ -99,6 +101,15 @@ QUANTIZED_ATTENTION_OUT = 1
 # 16384x2048 10.5 against 10.5, Q8_0 16384x2048 17.7 against 17.2; A/B batch 1, llama-8b
 # -4.0%, llama-1b Q4_K +1.6% and Q8_0 -3.2%, both within their rounds' spread.
 GLU_MAX_M = 0
+# Gate/up products of up to this many rows on the float kernel's CUDA-core tiles (FMA_AT_M1),
+# whose down product is on the float kernel too, apply the GLU as they store their rows
+# (`fused_qmatmul(..., glu=)`), so that XLA's act(gate) * up pass between them goes. 0, so
+# never: smollm2-135m Q4_1 (notes, session 13): the product took 4.7 us against 3.7 + 1.2 for
+# the product and the XLA pass, and batch 1 decoded 1,172 against 1,177 tokens/s (1,139 with 8
+# gate rows per program), equal within the rounds' spread.
+FLOAT_GLU_MAX_M = 0
+# Programs that tiling aims for: rows per program are halved while the product has fewer.
+FLOAT_GLU_PROGRAMS = 264
 # Tiles of that kernel: gate rows per program (each with its up row; a multiple of 32, so that
 # a program rounds whole groups), values per step, warps, prefetch (best in session 12's sweep).
 GLU_TILES = {
@@ -203,6 +214,21 @@ def default_glu_config(qtype: QType, m: int, n: int, k: int) -> int8.Int8GemvCon
     block_n, values, warps, prefetch = GLU_TILES[qtype]
     block_k = max(1, values // GGML_QUANT_SIZES[qtype][0])
     return int8.Int8GemvConfig(block_n=block_n, block_k=block_k, split_k=1, num_warps=warps, prefetch=prefetch)
+
+
+def float_glu_config(qtype: QType, m: int, n: int, k: int) -> TileConfig | None:
+    """Tiles for the float kernel's gate/up product that applies the GLU (n = 2F rows): the
+    type's CUDA-core tiles at M=1, with one split (the activation needs whole sums), and rows
+    per program halved while there are fewer than FLOAT_GLU_PROGRAMS programs. None where the
+    product is not on CUDA-core tiles."""
+    if m != 1 or qtype not in FMA_AT_M1:
+        return None
+    tiles = FMA_AT_M1[qtype]
+    block_n = tiles["block_n"]
+    while block_n > 1 and -(-(n // 2) // block_n) < FLOAT_GLU_PROGRAMS:
+        block_n //= 2
+    cfg = gemv_config(qtype, m, n // 2, k, method="fma", block_n=block_n, programs=1)
+    return dataclasses.replace(cfg, split_k=1)
 
 
 def default_gemv_config(qtype: QType, m: int, n: int, k: int) -> TileConfig:

@@ -65,9 +65,11 @@ def _iota(n):
 
 
 def _kernel(x_ref, *refs, fmt, cfg: TileConfig, split_out, m_rows, n_rows, n_blocks, blocks_per_split, cdt,
-            activation):
+            activation, glu):
     """activation: None, x_ref is x by block; else x_ref is [gate | up] by half and block, and x
-    is act(gate) * up, evaluated in float32 as each tile is loaded (a GatedX)."""
+    is act(gate) * up, evaluated in float32 as each tile is loaded (a GatedX).
+    glu: None, or the weight is [gate; up] (2 n_rows, K) and the program multiplies its gate rows
+    and the up rows n_rows further on, and stores act(gate) * up ("fma" only, one split)."""
     *w_refs, o_ref = refs
 
     def load_x(rows, blocks, seg, mask):
@@ -83,6 +85,7 @@ def _kernel(x_ref, *refs, fmt, cfg: TileConfig, split_out, m_rows, n_rows, n_blo
     kb0 = pid_s * blocks_per_split
     kb_end = jnp.minimum(kb0 + blocks_per_split, n_blocks)
     rows, xrows = pl.ds(n0, bn), pl.ds(m0, bm)
+    row_sets = (rows,) if glu is None else (rows, pl.ds(n0 + n_rows, bn))  # gate rows, then their up rows
     rmask = (n0 + _iota(bn)) < n_rows
     xmask = (m0 + _iota(bm)) < m_rows
     run, sub = fmt.seg_len, fmt.sub
@@ -113,14 +116,15 @@ def _kernel(x_ref, *refs, fmt, cfg: TileConfig, split_out, m_rows, n_rows, n_blo
         bmask = (b0 + _iota(bkb)) < kb_end
         wmask = rmask[:, None] & bmask[None, :]
         accs = list(accs)
-        for part in fmt.parts(w_refs, rows, blocks, wmask):
-            w = part.q * part.scale[..., None]
-            if part.bias is not None:
-                w = w + part.bias[..., None]
-            for m in range(bm):
-                xmask_m = bmask & (m0 + m < m_rows)
-                xp = load_x(m0 + m, blocks, index(part.seg), xmask_m.reshape(bkb, 1, 1)).astype(jnp.float32)
-                accs[m] = accs[m] + w * xp[None]
+        for r, row_set in enumerate(row_sets):
+            for part in fmt.parts(w_refs, row_set, blocks, wmask):
+                w = part.q * part.scale[..., None]
+                if part.bias is not None:
+                    w = w + part.bias[..., None]
+                for m in range(bm):
+                    xmask_m = bmask & (m0 + m < m_rows)
+                    xp = load_x(m0 + m, blocks, index(part.seg), xmask_m.reshape(bkb, 1, 1)).astype(jnp.float32)
+                    accs[r * bm + m] = accs[r * bm + m] + w * xp[None]
         return tuple(accs)
 
     n_steps = blocks_per_split // bkb
@@ -132,11 +136,12 @@ def _kernel(x_ref, *refs, fmt, cfg: TileConfig, split_out, m_rows, n_rows, n_blo
     else:
         tile = (bn, bkb, sub, run // sub)
         accs = jax.lax.fori_loop(0, n_steps, step_fma,
-                                 tuple(jnp.zeros(tile, jnp.float32) for _ in range(bm)))
-        for m, acc in enumerate(accs):
-            acc = jnp.sum(jnp.sum(jnp.sum(acc, axis=3), axis=2), axis=1)
+                                 tuple(jnp.zeros(tile, jnp.float32) for _ in range(bm * len(row_sets))))
+        sums = [jnp.sum(jnp.sum(jnp.sum(acc, axis=3), axis=2), axis=1) for acc in accs]
+        for m in range(bm):
+            out = sums[m] if glu is None else activate(sums[m], glu) * sums[bm + m]
             idx = (pid_s, m0 + m, rows) if split_out else (m0 + m, rows)
-            plgpu.store(o_ref.at[idx], acc.astype(o_ref.dtype), mask=rmask & (m0 + m < m_rows))
+            plgpu.store(o_ref.at[idx], out.astype(o_ref.dtype), mask=rmask & (m0 + m < m_rows))
 
 
 def compute_dtype(dtype) -> jnp.dtype:
@@ -145,17 +150,27 @@ def compute_dtype(dtype) -> jnp.dtype:
     return dtype if dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else jnp.dtype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "interpret", "partials"))
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret", "partials", "glu"))
 def fused_qmatmul(x: jax.Array | GatedX, w: QTensor, cfg: TileConfig, interpret: bool = False,
-                  partials: bool = False) -> jax.Array:
+                  partials: bool = False, glu: str | None = None) -> jax.Array:
     """x (M, K) @ dequantize(w).T -> (M, N) in x.dtype, by the fused kernel with tiles `cfg`;
     with `partials`, the split-K partial sums (split_k, M, N) in float32. x may be a GatedX,
-    whose GLU the kernel applies as it loads x."""
+    whose GLU the kernel applies as it loads x. With `glu` (an activation), w is [gate; up]
+    (2F, K) and the result act(x @ gate.T) * (x @ up.T) (M, F), applied as the kernel stores
+    its rows ("fma" tiles with one split)."""
     if w.qtype not in FORMATS:
         raise NotImplementedError(f"fused_qmatmul: no kernel for {w.qtype.name}; have "
                                   f"{', '.join(t.name for t in FORMATS)}")
     fmt = format_of(w)
     n_rows, k = w.shape
+    if glu is not None:
+        if cfg.method != "fma" or cfg.split_k != 1 or partials or isinstance(x, GatedX):
+            raise ValueError(f"fused_qmatmul: the GLU is applied by 'fma' tiles with split_k 1 to a plain x, got "
+                             f"{cfg}, partials={partials}, x {type(x).__name__}")
+        if n_rows % 2:
+            raise ValueError(f"fused_qmatmul: a [gate; up] weight has an even row count, got {w.shape}")
+        activate(jnp.zeros((), jnp.float32), glu)  # names an unknown activation here, not in the kernel
+        n_rows //= 2
     m_rows = x.shape[0]
     if len(x.shape) != 2 or x.shape[1] != k:
         raise ValueError(f"fused_qmatmul: x of shape {x.shape} does not match weight {w.qtype.name} {w.shape}")
@@ -173,7 +188,7 @@ def fused_qmatmul(x: jax.Array | GatedX, w: QTensor, cfg: TileConfig, interpret:
     grid = (pl.cdiv(n_rows, cfg.block_n), pl.cdiv(m_rows, cfg.block_m), cfg.split_k)
     kernel = functools.partial(
         _kernel, fmt=fmt, cfg=cfg, split_out=len(out_shape.shape) == 3, m_rows=m_rows, n_rows=n_rows, n_blocks=n_blocks,
-        blocks_per_split=blocks_per_split, cdt=compute_dtype(x.dtype), activation=activation)
+        blocks_per_split=blocks_per_split, cdt=compute_dtype(x.dtype), activation=activation, glu=glu)
     wbytes = sum(math.prod(v.shape) * v.dtype.itemsize for v in views)
     out = pl.pallas_call(
         kernel,
@@ -181,11 +196,11 @@ def fused_qmatmul(x: jax.Array | GatedX, w: QTensor, cfg: TileConfig, interpret:
         grid=grid,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         cost_estimate=pl.CostEstimate(
-            flops=2 * m_rows * n_rows * k, transcendentals=0,
+            flops=2 * m_rows * w.shape[0] * k, transcendentals=0,
             bytes_accessed=wbytes * grid[1] + x5.size * x5.dtype.itemsize * grid[0]
             + m_rows * n_rows * jnp.dtype(out_shape.dtype).itemsize * cfg.split_k),
         interpret=interpret,
-        name=f"qmatmul_{w.qtype.name.lower()}",
+        name=f"qmatmul_{w.qtype.name.lower()}" + ("_glu" if glu else ""),
     )(x5, *views)
     if cfg.split_k > 1 and not partials:
         out = out.sum(axis=0).astype(x.dtype)
