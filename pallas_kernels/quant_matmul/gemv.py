@@ -21,9 +21,11 @@ import jax.numpy as jnp
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
+from pallas_kernels.int8_activations import GatedX
 from pallas_kernels.quant_matmul import int8_gemv as int8
 from pallas_kernels.quant_matmul import int8_mma as mma
 from pallas_kernels.quant_matmul.kernel import TileConfig, fused_qmatmul
+from pallas_kernels.quant_matmul.tiles import supports_bf16x2
 from rjax.quant.qtensor import QTensor
 
 MAX_M = 64
@@ -139,6 +141,13 @@ INT8_PROGRAMS = 264
 # is 0: the kernel is kept, tested, for the day its per-group scaling gets cheaper.
 INT8_MMA_MAX_M = 0
 MMA_MAX_M = {QType.Q4_K: 16, QType.Q8_0: 8}
+# Products of up to this many rows on the float kernel's tensor-core tiles dequantize Q4_K (in
+# the GPU layout, bf16 x) with packed bf16x2 instructions (tiles.py) rather than through
+# float32, on these tiles: 64 rows, one super-block per step, about 448 programs, 4 warps, 2
+# stages. H100, GPU kernel time at M=16 (notes, session 14): 14336x4096 30.5 against 50.5 us,
+# 4096x14336 33.8 against 48.9, 6144x4096 17.7 against 23.9. 0 turns it off.
+BF16X2_MAX_M = MAX_M
+BF16X2_TILES = dict(block_n=64, values_per_step=256, programs=448, num_warps=4, num_stages=2)
 
 
 def uses_int8(qtype: QType, m: int, n: int, k: int, dtype) -> bool:
@@ -238,6 +247,16 @@ def default_gemv_config(qtype: QType, m: int, n: int, k: int) -> TileConfig:
     return gemv_config(qtype, m, n, k, programs=PROGRAMS_BY_TYPE.get(qtype, PROGRAMS))
 
 
+def bf16x2_config(w: QTensor, m: int, dtype) -> TileConfig | None:
+    """The float kernel's tiles with bf16x2 dequantization for x (m, K) @ w, where it applies
+    (BF16X2_MAX_M, a layout with a bf16x2 tile, bf16 x); None elsewhere."""
+    if not (isinstance(w, QTensor) and m <= BF16X2_MAX_M and supports_bf16x2(w)
+            and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)):
+        return None
+    n, k = w.shape
+    return dataclasses.replace(gemv_config(w.qtype, m, n, k, **BF16X2_TILES), dequant="bf16x2")
+
+
 def gemv_config(qtype: QType, m: int, n: int, k: int, *, method: str = "mma", block_n: int = BLOCK_N,
                 values_per_step: int = VALUES_PER_STEP, programs: int = PROGRAMS,
                 num_warps: int = 4, num_stages: int = 3) -> TileConfig:
@@ -272,5 +291,6 @@ def qmatmul_gemv(x: jax.Array, w: QTensor, *, config: TileConfig | None = None,
     if path == "gemv" or isinstance(x, int8.QuantizedX):
         return int8.int8_gemv(x, w, default_int8_config(w.qtype, m, n, k), interpret=interpret,
                               partials=partials)
-    cfg = config or default_gemv_config(w.qtype, m, n, k)
+    cfg = (config or (None if isinstance(x, GatedX) else bf16x2_config(w, m, x.dtype))
+           or default_gemv_config(w.qtype, m, n, k))
     return fused_qmatmul(x, w, cfg, interpret=interpret, partials=partials)

@@ -48,6 +48,7 @@ class TileConfig:
     method: str = "mma"   # "mma" (tensor cores) or "fma" (CUDA cores, M <= 8)
     num_warps: int = 4
     num_stages: int = 3
+    dequant: str = "f32"  # "f32", or "bf16x2" (packed bf16 instructions, "mma" with bf16 x; tiles.py)
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -58,6 +59,8 @@ class TileConfig:
             raise ValueError(f"TileConfig.method={self.method!r}: expected 'mma' or 'fma'")
         if self.method == "mma" and min(self.block_m, self.block_n) < 16:
             raise ValueError(f"TileConfig: 'mma' needs block_m, block_n >= 16, got {self}")
+        if self.dequant not in ("f32", "bf16x2") or (self.dequant == "bf16x2" and self.method != "mma"):
+            raise ValueError(f"TileConfig.dequant={self.dequant!r}: expected 'f32', or 'bf16x2' with 'mma'")
 
 
 def _iota(n):
@@ -65,7 +68,7 @@ def _iota(n):
 
 
 def _kernel(x_ref, *refs, fmt, cfg: TileConfig, split_out, m_rows, n_rows, n_blocks, blocks_per_split, cdt,
-            activation, glu):
+            activation, glu, interpret):
     """activation: None, x_ref is x by block; else x_ref is [gate | up] by half and block, and x
     is act(gate) * up, evaluated in float32 as each tile is loaded (a GatedX).
     glu: None, or the weight is [gate; up] (2 n_rows, K) and the program multiplies its gate rows
@@ -108,6 +111,18 @@ def _kernel(x_ref, *refs, fmt, cfg: TileConfig, split_out, m_rows, n_rows, n_blo
                                             preferred_element_type=jnp.float32)
         return acc
 
+    def step_tile(i, acc):
+        # The format dequantizes whole blocks to bf16, one tile per x half-segment (see tiles.py).
+        b0 = kb0 + i * bkb
+        blocks = pl.ds(b0, bkb)
+        bmask = (b0 + _iota(bkb)) < kb_end
+        xm = (xmask[:, None] & bmask[None, :]).reshape(bm, bkb, 1, 1)
+        for h, w in enumerate(fmt.tile(w_refs, rows, blocks, rmask[:, None] & bmask[None, :], interpret)):
+            xp = plgpu.load(x_ref.at[xrows, blocks, :, index(h), :], mask=xm, other=0)
+            acc = acc + jax.lax.dot_general(w.reshape(bn, -1), xp.reshape(bm, -1), (((1,), (1,)), ((), ())),
+                                            preferred_element_type=jnp.float32)
+        return acc
+
     def step_fma(i, accs):
         # Elementwise accumulation into a full (BN, BKB, sub, run/sub) tile per x row: no
         # reductions or layout changes inside the loop; one reduction after it.
@@ -129,7 +144,7 @@ def _kernel(x_ref, *refs, fmt, cfg: TileConfig, split_out, m_rows, n_rows, n_blo
 
     n_steps = blocks_per_split // bkb
     if cfg.method == "mma":
-        acc = jax.lax.fori_loop(0, n_steps, step_mma, jnp.zeros((bn, bm), jnp.float32))
+        acc = jax.lax.fori_loop(0, n_steps, step_tile if fmt.tile else step_mma, jnp.zeros((bn, bm), jnp.float32))
         out = acc.T.astype(o_ref.dtype)
         idx = (pid_s, xrows, rows) if split_out else (xrows, rows)
         plgpu.store(o_ref.at[idx], out, mask=xmask[:, None] & rmask[None, :])
@@ -161,7 +176,10 @@ def fused_qmatmul(x: jax.Array | GatedX, w: QTensor, cfg: TileConfig, interpret:
     if w.qtype not in FORMATS:
         raise NotImplementedError(f"fused_qmatmul: no kernel for {w.qtype.name}; have "
                                   f"{', '.join(t.name for t in FORMATS)}")
-    fmt = format_of(w)
+    fmt = format_of(w, cfg.dequant)
+    if cfg.dequant != "f32" and (isinstance(x, GatedX) or x.dtype != jnp.bfloat16):
+        raise ValueError(f"fused_qmatmul: {cfg.dequant} dequantization takes plain bf16 x, got "
+                         f"{type(x).__name__} {x.dtype}")
     n_rows, k = w.shape
     if glu is not None:
         if cfg.method != "fma" or cfg.split_k != 1 or partials or isinstance(x, GatedX):
@@ -188,7 +206,8 @@ def fused_qmatmul(x: jax.Array | GatedX, w: QTensor, cfg: TileConfig, interpret:
     grid = (pl.cdiv(n_rows, cfg.block_n), pl.cdiv(m_rows, cfg.block_m), cfg.split_k)
     kernel = functools.partial(
         _kernel, fmt=fmt, cfg=cfg, split_out=len(out_shape.shape) == 3, m_rows=m_rows, n_rows=n_rows, n_blocks=n_blocks,
-        blocks_per_split=blocks_per_split, cdt=compute_dtype(x.dtype), activation=activation, glu=glu)
+        blocks_per_split=blocks_per_split, cdt=compute_dtype(x.dtype), activation=activation, glu=glu,
+        interpret=interpret)
     wbytes = sum(math.prod(v.shape) * v.dtype.itemsize for v in views)
     out = pl.pallas_call(
         kernel,

@@ -58,6 +58,10 @@ class TileFormat(NamedTuple):
     sub: int
     views: Callable      # planes -> tuple of arrays (free reshapes), in kernel-argument order
     parts: Callable      # (refs, rows, blocks, mask (BN, BKB)) -> list[Part]; runs in the kernel
+    # Or, for "bf16x2" dequantization: (refs, rows, blocks, mask, interpret) -> the tile's
+    # values in bf16 as `sub` tiles (BN, BKB, segments, seg_len // sub), tile h the values of
+    # x viewed (M, n_blocks, segments, sub, seg_len // sub)[:, :, :, h].
+    tile: Callable | None = None
 
 
 def index(i):
@@ -232,6 +236,75 @@ def _q6_k_parts(refs, rows, blocks, mask):
     return parts
 
 
+# --- bf16x2 dequantization ------------------------------------------------------------------
+# The float path turns every quant into float32 and rounds the scaled value to bf16, about six
+# instructions per weight; at M > 4 the tensor-core kernel is bound by them (notes). Here two
+# nibbles at a time become bf16 values with packed instructions: a nibble OR-ed into the
+# mantissa of 128.0 (bf16 0x4300, one lop3) is exactly 128 + q, one bf16x2 fma takes the 128
+# off (exact) and one applies scale and bias (a single rounding). Scale and bias are rounded
+# to bf16 first, so a weight is off by up to about two bf16 roundings, not one.
+_BF16_128 = 0x4300          # bf16 bits of 128.0
+
+
+def _nibbles_bf16x2_asm(shift: int) -> str:
+    """PTX for four quant bytes ($2) -> bf16(nibble * s + b) for the nibbles at `shift` (0 or
+    4), as two bf16 pairs ($0, $1); s and b come as bf16 pairs ($3, $4 and $5, $6), one value
+    per quant: Triton's layout may put the four values of one call in different rows."""
+    return f"""{{
+.reg .b32 z, one, m128, t0, t1, h;
+mov.b32 z, 0;
+mov.b32 one, 0x3F803F80;
+mov.b32 m128, 0xC300C300;
+shr.u32 h, $2, {shift};
+prmt.b32 t0, h, z, 0x4140;
+prmt.b32 t1, h, z, 0x4342;
+lop3.b32 t0, t0, 0x000F000F, 0x{_BF16_128:04X}{_BF16_128:04X}, 0xEA;
+lop3.b32 t1, t1, 0x000F000F, 0x{_BF16_128:04X}{_BF16_128:04X}, 0xEA;
+fma.rn.bf16x2 t0, t0, one, m128;
+fma.rn.bf16x2 t1, t1, one, m128;
+fma.rn.bf16x2 $0, t0, $3, $5;
+fma.rn.bf16x2 $1, t1, $4, $6;
+}}"""
+
+
+def nibbles_bf16(q: jax.Array, s_lo, b_lo, s_hi, b_hi, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """Quant bytes q (..., L) uint8 -> (lo * s_lo + b_lo, hi * s_hi + b_hi) in bf16, each (..., L),
+    lo and hi the low and high nibbles, s and b bf16 of shapes that broadcast to q's (one
+    rounding, after the exact product and sum). On the GPU: packed bf16x2 PTX; in the
+    interpreter the same arithmetic in jnp."""
+    s_lo, b_lo, s_hi, b_hi = (jnp.broadcast_to(v, q.shape) for v in (s_lo, b_lo, s_hi, b_hi))
+    if interpret:
+        def value(nib, s, b):
+            return (nib.astype(_F32) * s.astype(_F32) + b.astype(_F32)).astype(jnp.bfloat16)
+        qi = q.astype(jnp.int32)
+        return value(qi & 0x0F, s_lo, b_lo), value(qi >> 4, s_hi, b_hi)
+    return tuple(plgpu.elementwise_inline_asm(
+        _nibbles_bf16x2_asm(4 * h), args=[q, s, b], constraints="=r,=r,r,r,r,r,r", pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(q.shape, jnp.bfloat16)])[0]
+        for h, (s, b) in enumerate(((s_lo, b_lo), (s_hi, b_hi))))
+
+
+def _q4_k_chunks_bf16_tile(refs, rows, blocks, mask, interpret):
+    """Q4_K (Q4_KChunks) super-blocks as two (BN, BKB, 4, 32) bf16 tiles: value 64c + 32h + j
+    of a block at [..., c, j] of tile h (chunk c's low nibbles, h = 0, and high ones)."""
+    d_ref, dmin_ref, cs_ref, qs_ref = refs                     # qs as bytes (N, nb, 4, 32)
+    d = _f(load_masked(d_ref, (rows, blocks), mask))[..., None]
+    dmin = -_f(load_masked(dmin_ref, (rows, blocks), mask))[..., None]
+    cw = load_masked(cs_ref, (rows, blocks, slice(None)), mask)                  # (BN, BKB, 4) int32
+    qs = load_masked(qs_ref, (rows, blocks, slice(None), slice(None)), mask)     # (BN, BKB, 4, 32) uint8
+
+    # Scales and biases rounded to bf16 per chunk, before they are broadcast over its values.
+    s_lo, s_hi = ((d * int_to_f32((cw >> (8 * h)) & 0xFF)).astype(jnp.bfloat16)[..., None] for h in range(2))
+    b_lo, b_hi = ((dmin * int_to_f32((cw >> (16 + 8 * h)) & 0xFF)).astype(jnp.bfloat16)[..., None] for h in range(2))
+    return nibbles_bf16(qs, s_lo, b_lo, s_hi, b_hi, interpret)
+
+
+def _q4_k_chunks_bf16_views(p):
+    n, nb = p.d.shape
+    qs = p.qs if p.qs.dtype != jnp.int32 else jax.lax.bitcast_convert_type(p.qs, jnp.uint8)
+    return p.d, p.dmin, p.chunk_scales, qs.reshape(n, nb, 4, 32)
+
+
 def _same(p):
     return tuple(p)
 
@@ -260,10 +333,22 @@ FORMATS: dict[QType, TileFormat] = {
     QType.Q6_K: TileFormat(256, 8, 32, 2, _q6_k_views, _q6_k_parts),
 }
 Q4_K_CHUNKS = TileFormat(256, 8, 32, 1, _q4_k_chunks_views, _q4_k_chunks_parts)
+Q4_K_CHUNKS_BF16X2 = TileFormat(256, 4, 64, 2, _q4_k_chunks_bf16_views, None, tile=_q4_k_chunks_bf16_tile)
 
 
-def format_of(w: QTensor) -> TileFormat:
-    """The tile format for w's type and plane layout (Q4_K comes in two, see formats.Q4_KChunks)."""
+def supports_bf16x2(w: QTensor) -> bool:
+    """Whether w's layout has a bf16x2-dequantized tile (Q4_K in the GPU layout)."""
+    return isinstance(w.planes, Q4_KChunks)
+
+
+def format_of(w: QTensor, dequant: str = "f32") -> TileFormat:
+    """The tile format for w's type and plane layout (Q4_K comes in two, see formats.Q4_KChunks)
+    and dequantization ("f32", or "bf16x2" where `supports_bf16x2`)."""
+    if dequant == "bf16x2":
+        if not supports_bf16x2(w):
+            raise NotImplementedError(f"bf16x2 dequantization: no tile for {w.qtype.name} in "
+                                      f"{type(w.planes).__name__} planes (Q4_K in the GPU layout only)")
+        return Q4_K_CHUNKS_BF16X2
     return Q4_K_CHUNKS if isinstance(w.planes, Q4_KChunks) else FORMATS[w.qtype]
 
 
