@@ -20,6 +20,7 @@ from pallas_kernels.quant_matmul.testing import random_qtensor, raw_bytes
 from pallas_kernels.quant_matmul.tiles import nibbles_bf16
 from rjax.model import gpu_weight_layout
 from rjax.quant.reference import q4_k_chunks
+from rjax.quant.words import as_words
 
 BF16_TOL = 1e-2
 
@@ -52,17 +53,19 @@ def test_nibbles_bf16_is_one_rounding_of_the_exact_value():
     np.testing.assert_array_equal(np.asarray(hi), np.asarray(jnp.asarray(want_hi, jnp.bfloat16)))
 
 
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q4_0, QType.Q4_1], ids=lambda t: t.name)
 @pytest.mark.parametrize("bm,bn,bk,split,m,n,nb", [(16, 32, 1, 1, 16, 64, 2), (16, 32, 2, 3, 7, 72, 7),
                                                   (32, 64, 1, 2, 20, 40, 3), (64, 16, 4, 1, 64, 16, 4)])
-def test_fused_kernel_bf16x2(bm, bn, bk, split, m, n, nb):
-    """Edge tiles (rows, blocks and x rows past them, split K, an empty split), both quant
-    plane layouts of Q4_KChunks (bytes, words)."""
-    w = random_qtensor(QType.Q4_K, n, nb * 256, seed=n + nb)
-    x = _x(m, nb * 256, seed=m)
+def test_fused_kernel_bf16x2(qtype, bm, bn, bk, split, m, n, nb):
+    """Edge tiles (rows, blocks and x rows past them, split K, an empty split), quant planes
+    as bytes and as words (Q4_K: both in the GPU layout, Q4_KChunks)."""
+    k = nb * gguf.GGML_QUANT_SIZES[qtype][0]
+    w = random_qtensor(qtype, n, k, seed=n + nb)
+    x = _x(m, k, seed=m)
     ref = _oracle(x, w)
-    chunks = q4_k_chunks(jax.tree.map(jnp.asarray, w))
+    dev = jax.tree.map(jnp.asarray, w)
     cfg = TileConfig(bm, bn, bk, split_k=split, dequant="bf16x2")
-    for layout in (chunks, gpu_weight_layout(jax.tree.map(jnp.asarray, w))):
+    for layout in ((q4_k_chunks(dev), gpu_weight_layout(dev)) if qtype == QType.Q4_K else (dev, as_words(dev))):
         out = fused_qmatmul(x, layout, cfg, interpret=True)
         assert out.shape == (m, n) and out.dtype == jnp.bfloat16
         assert _rel(out, ref) < BF16_TOL
@@ -76,6 +79,8 @@ def test_dispatch_takes_bf16x2_for_q4_k_in_the_gpu_layout():
     assert gemv.bf16x2_config(gpu_w, 16, jnp.float32) is None            # f32 x keeps the exact path
     assert gemv.bf16x2_config(jax.tree.map(jnp.asarray, w), 16, jnp.bfloat16) is None   # the file's layout
     assert gemv.bf16x2_config(random_qtensor(QType.Q8_0, 64, 512), 16, jnp.bfloat16) is None
+    assert gemv.bf16x2_config(random_qtensor(QType.Q4_1, 64, 512), 8, jnp.bfloat16).dequant == "bf16x2"
+    assert gemv.bf16x2_config(random_qtensor(QType.Q4_1, 64, 512), 1, jnp.bfloat16) is None  # CUDA-core tiles
     with mock.patch.object(gemv, "BF16X2_MAX_M", 0):
         assert gemv.bf16x2_config(gpu_w, 16, jnp.bfloat16) is None
     x = _x(16, 512, seed=2)
@@ -98,12 +103,13 @@ def test_bf16x2_errors():
         TileConfig(16, 32, 1, dequant="f16")
 
 
-def test_bf16x2_lowers_to_triton_for_h100():
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q4_0, QType.Q4_1], ids=lambda t: t.name)
+def test_bf16x2_lowers_to_triton_for_h100(qtype):
     """The inline PTX and the two dots per step lower to a Triton module for sm_90."""
     from jax._src.pallas.triton import gpu_info
 
     h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
-    w = gpu_weight_layout(jax.tree.map(jnp.asarray, random_qtensor(QType.Q4_K, 256, 1024, seed=1)))
+    w = gpu_weight_layout(jax.tree.map(jnp.asarray, random_qtensor(qtype, 256, 1024, seed=1)))
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), w)
     for m in (16, 64):
         cfg = gemv.bf16x2_config(w, m, jnp.bfloat16)

@@ -105,17 +105,19 @@ def test_int8_gemv_gpu(qtype, m):
             assert _rel(out, _ref(xb, w)) < 1.5e-2
 
 
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q4_0, QType.Q4_1], ids=lambda t: t.name)
 @pytest.mark.parametrize("cfg,m,n,nb", [(TileConfig(16, 64, 1, split_k=2, dequant="bf16x2"), 16, 136, 5),
                                         (TileConfig(16, 32, 2, split_k=3, num_stages=2, dequant="bf16x2"), 7, 72, 7),
                                         (TileConfig(64, 64, 1, dequant="bf16x2"), 40, 64, 2)])
-def test_bf16x2_dequantization_gpu(cfg, m, n, nb):
-    """Q4_K in the GPU layout dequantized by the packed bf16x2 PTX, at edge tiles (rows, blocks
-    and x rows past the tiles, split K): against the reference, and against the same arithmetic
-    in the interpreter (which rounds q * s + b twice where the PTX fma rounds once)."""
+def test_bf16x2_dequantization_gpu(qtype, cfg, m, n, nb):
+    """Q4_K (GPU layout), Q4_0 and Q4_1 dequantized by the packed bf16x2 PTX, at edge tiles
+    (rows, blocks and x rows past the tiles, split K): against the reference, and against the
+    same arithmetic in the interpreter (which rounds q * s + b twice where the PTX rounds once)."""
     from rjax.model import gpu_weight_layout
 
-    w = gpu_weight_layout(_dev(random_qtensor(QType.Q4_K, n, nb * 256, seed=n)))
-    x = jnp.asarray(np.random.default_rng(m).standard_normal((m, nb * 256)), jnp.bfloat16)
+    k = nb * gguf.GGML_QUANT_SIZES[qtype][0]
+    w = gpu_weight_layout(_dev(random_qtensor(qtype, n, k, seed=n)))
+    x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
     assert _rel(fused_qmatmul(x, w, cfg), _ref(x, w)) < 1e-2
     # float32 partial sums, so that no bf16 rounding of the output hides or adds differences;
     # the interpreter on the CPU: XLA's GPU backend would skip its bf16 roundings (excess precision)

@@ -15,7 +15,8 @@ w[n*BN : (n+1)*BN] and the s-th of `split_k` equal ranges of blocks along K. It 
 range `block_k` blocks at a time; each step loads the blocks' planes once, turns every run
 of the block (see tiles.py) into a (BN, block_k * run) tile and either
   - "mma": casts the tile to x's dtype (bf16/f16; f32 stays f32 and uses an exact f32 dot)
-    and accumulates tile @ x_run.T on the tensor cores, in float32; or
+    and accumulates tile @ x_run.T on the tensor cores, in float32 (with dequant="bf16x2" the
+    format makes the bf16 tiles itself, with packed PTX: tiles.py); or
   - "fma": for M <= 8, multiplies on the CUDA cores in float32, accumulating elementwise
     into a tile-sized accumulator that is reduced once after the K loop.
 Every weight byte is read from HBM once per program column, so with one M tile (decode) the

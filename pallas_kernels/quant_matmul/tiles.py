@@ -16,6 +16,9 @@ and nothing is permuted in memory.
 
 Plane `views` are free reshapes too (contiguous arrays), picked so that every load is a
 plain slice: all tile dimensions are powers of two, as Triton requires.
+
+Q4_K in the GPU layout, Q4_0 and Q4_1 also have a `tile` for bf16x2 dequantization (see
+below): whole blocks straight to bf16 with packed PTX instructions, for the tensor-core path.
 """
 from __future__ import annotations
 
@@ -59,7 +62,7 @@ class TileFormat(NamedTuple):
     views: Callable      # planes -> tuple of arrays (free reshapes), in kernel-argument order
     parts: Callable      # (refs, rows, blocks, mask (BN, BKB)) -> list[Part]; runs in the kernel
     # Or, for "bf16x2" dequantization: (refs, rows, blocks, mask, interpret) -> the tile's
-    # values in bf16 as `sub` tiles (BN, BKB, segments, seg_len // sub), tile h the values of
+    # values in bf16 as `sub` tiles (BN, BKB, [segments,] seg_len // sub), tile h the values of
     # x viewed (M, n_blocks, segments, sub, seg_len // sub)[:, :, :, h].
     tile: Callable | None = None
 
@@ -289,20 +292,38 @@ def _q4_k_chunks_bf16_tile(refs, rows, blocks, mask, interpret):
     of a block at [..., c, j] of tile h (chunk c's low nibbles, h = 0, and high ones)."""
     d_ref, dmin_ref, cs_ref, qs_ref = refs                     # qs as bytes (N, nb, 4, 32)
     d = _f(load_masked(d_ref, (rows, blocks), mask))[..., None]
-    dmin = -_f(load_masked(dmin_ref, (rows, blocks), mask))[..., None]
+    neg_dmin = -_f(load_masked(dmin_ref, (rows, blocks), mask))[..., None]
     cw = load_masked(cs_ref, (rows, blocks, slice(None)), mask)                  # (BN, BKB, 4) int32
     qs = load_masked(qs_ref, (rows, blocks, slice(None), slice(None)), mask)     # (BN, BKB, 4, 32) uint8
 
     # Scales and biases rounded to bf16 per chunk, before they are broadcast over its values.
     s_lo, s_hi = ((d * int_to_f32((cw >> (8 * h)) & 0xFF)).astype(jnp.bfloat16)[..., None] for h in range(2))
-    b_lo, b_hi = ((dmin * int_to_f32((cw >> (16 + 8 * h)) & 0xFF)).astype(jnp.bfloat16)[..., None] for h in range(2))
+    b_lo, b_hi = ((neg_dmin * int_to_f32((cw >> (16 + 8 * h)) & 0xFF)).astype(jnp.bfloat16)[..., None] for h in range(2))
     return nibbles_bf16(qs, s_lo, b_lo, s_hi, b_hi, interpret)
+
+
+def _q4_0_1_bf16_tile(refs, rows, blocks, mask, interpret):
+    """Q4_0 / Q4_1 blocks as two (BN, BKB, 16) bf16 tiles: the low nibbles (values 0..15) and
+    the high ones (16..31). Q4_0's value (q - 8) d is q * d + (-8 d), exact in bf16 as d is."""
+    d = _f(load_masked(refs[0], (rows, blocks), mask))
+    bias = _f(load_masked(refs[1], (rows, blocks), mask)) if len(refs) == 3 else -8.0 * d
+    qs = load_masked(refs[-1], (rows, blocks, slice(None)), mask)                # (BN, BKB, 16) uint8
+    s, b = (v.astype(jnp.bfloat16)[..., None] for v in (d, bias))
+    return nibbles_bf16(qs, s, b, s, b, interpret)
+
+
+def _bytes_of(p):
+    """A quant plane as bytes: word planes (rjax.quant.words) viewed back, free in XLA."""
+    return p if p.dtype != jnp.int32 else jax.lax.bitcast_convert_type(p, jnp.uint8).reshape(*p.shape[:-1], -1)
+
+
+def _q4_0_1_bf16_views(p):
+    return (*p[:-1], _bytes_of(p.qs))
 
 
 def _q4_k_chunks_bf16_views(p):
     n, nb = p.d.shape
-    qs = p.qs if p.qs.dtype != jnp.int32 else jax.lax.bitcast_convert_type(p.qs, jnp.uint8)
-    return p.d, p.dmin, p.chunk_scales, qs.reshape(n, nb, 4, 32)
+    return p.d, p.dmin, p.chunk_scales, _bytes_of(p.qs).reshape(n, nb, 4, 32)
 
 
 def _same(p):
@@ -334,11 +355,13 @@ FORMATS: dict[QType, TileFormat] = {
 }
 Q4_K_CHUNKS = TileFormat(256, 8, 32, 1, _q4_k_chunks_views, _q4_k_chunks_parts)
 Q4_K_CHUNKS_BF16X2 = TileFormat(256, 4, 64, 2, _q4_k_chunks_bf16_views, None, tile=_q4_k_chunks_bf16_tile)
+BF16X2 = {QType.Q4_0: TileFormat(32, 1, 32, 2, _q4_0_1_bf16_views, None, tile=_q4_0_1_bf16_tile),
+          QType.Q4_1: TileFormat(32, 1, 32, 2, _q4_0_1_bf16_views, None, tile=_q4_0_1_bf16_tile)}
 
 
 def supports_bf16x2(w: QTensor) -> bool:
-    """Whether w's layout has a bf16x2-dequantized tile (Q4_K in the GPU layout)."""
-    return isinstance(w.planes, Q4_KChunks)
+    """Whether w's layout has a bf16x2-dequantized tile (Q4_K in the GPU layout, Q4_0, Q4_1)."""
+    return isinstance(w.planes, Q4_KChunks) or w.qtype in BF16X2
 
 
 def format_of(w: QTensor, dequant: str = "f32") -> TileFormat:
@@ -347,8 +370,8 @@ def format_of(w: QTensor, dequant: str = "f32") -> TileFormat:
     if dequant == "bf16x2":
         if not supports_bf16x2(w):
             raise NotImplementedError(f"bf16x2 dequantization: no tile for {w.qtype.name} in "
-                                      f"{type(w.planes).__name__} planes (Q4_K in the GPU layout only)")
-        return Q4_K_CHUNKS_BF16X2
+                                      f"{type(w.planes).__name__} planes (have Q4_K in the GPU layout, Q4_0, Q4_1)")
+        return Q4_K_CHUNKS_BF16X2 if isinstance(w.planes, Q4_KChunks) else BF16X2[w.qtype]
     return Q4_K_CHUNKS if isinstance(w.planes, Q4_KChunks) else FORMATS[w.qtype]
 
 
