@@ -1,6 +1,7 @@
 """Tiles of the float decode kernel (kernel.py, tensor-core "mma" path) at M = 8..32 rows, with
 its two dequantizations: "f32" (every quant to float32, scaled, rounded to bf16) and "bf16x2"
-(packed bf16 instructions, tiles.py). Q4_K in the GPU layout; GPU kernel time per product,
+(packed bf16 instructions, tiles.py), and the Mosaic GPU wgmma kernel ("wgmma",
+wgmma_skinny.py; its split-K partial sums, as the int8 GEMV's, are left for the consumer). Q4_K in the GPU layout; GPU kernel time per product,
 beside the M=1 int8 GEMV (its default tiles, x rounded before) that issue 6's M=16 target
 compares with, and the HBM copy bandwidth measured in the same run.
 
@@ -35,6 +36,7 @@ from pallas_kernels.quant_matmul.gemv import (bf16x2_config, default_gemv_config
                                               gemv_config)
 from pallas_kernels.quant_matmul.int8_gemv import int8_gemv  # noqa: E402
 from pallas_kernels.quant_matmul.kernel import fused_qmatmul  # noqa: E402
+from pallas_kernels.quant_matmul import wgmma_skinny  # noqa: E402
 from rjax.quant.reference import dequantize  # noqa: E402
 
 warnings.simplefilter("ignore", DeprecationWarning)
@@ -51,6 +53,11 @@ def configs(w, qt, m, n, k, dequant, grid):
     """The default tiles for "f32" (swept in earlier sessions), a grid of tiles otherwise."""
     if dequant == "f32":
         return [default_gemv_config(qt, m, n, k)]
+    if dequant == "wgmma":
+        out = [wgmma_skinny.default_config(n, k)]
+        if grid != "none":
+            out += [wgmma_skinny.WgmmaConfig(b, st) for b in (2, 4, 8, 16) for st in (2, 3) if (k // 256) % b == 0]
+        return list(dict.fromkeys(out))
     out = [bf16x2_config(w, m, jnp.bfloat16)] if dequant == "bf16x2" else []   # the production tiles
     for bn, values, programs, warps, stages in itertools.product(*GRIDS[grid].values()):
         c = gemv_config(qt, m, n, k, block_n=bn, values_per_step=values, programs=programs, num_warps=warps,
@@ -85,8 +92,10 @@ def main() -> int:
             for dq in a.dequants.split(","):
                 grid = grids.get(str(m), "small") if grids else a.grid
                 for cfg in configs(ws[0], qt, m, n, k, dq, grid):
+                    fn = ((lambda x, ws, c=cfg: [wgmma_skinny.wgmma_q4_k(x, w, c, partials=True) for w in ws])
+                          if dq == "wgmma" else (lambda x, ws, c=cfg: [fused_qmatmul(x, w, c) for w in ws]))
                     jobs.append(dict(shape=name, m=m, dequant=dq, config=str(cfg), copies=len(ws), args=(x, ws),
-                                     w0=ws[0], fn=jax.jit(lambda x, ws, c=cfg: [fused_qmatmul(x, w, c) for w in ws])))
+                                     w0=ws[0], fn=jax.jit(fn)))
     compiled = compile_concurrently([(job["fn"], job["args"]) for job in jobs], a.workers)
     print(f"compiled {len(jobs)} programs in {time.perf_counter() - t0:.0f} s", flush=True)
     rows, refs = [], {}
@@ -101,7 +110,7 @@ def main() -> int:
             total, _ = traced_kernel_times(exe, job["args"])
             x, ws = job["args"]
             out = exe(x, ws)[0]
-            if job["dequant"] == "int8":
+            if job["dequant"] in ("int8", "wgmma"):
                 out = out.sum(axis=0)
             key = (job["shape"], job["m"])
             if key not in refs:
@@ -112,7 +121,7 @@ def main() -> int:
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
             continue
-        keep = ("qmatmul", "int8_gemv")
+        keep = ("qmatmul", "int8_gemv", "wgmma_q4_k")
         row["us"] = sum(t for nm, t in total.items() if any(s in nm for s in keep)) / 1e3 / job["copies"]
         row["us_all"] = sum(total.values()) / 1e3 / job["copies"]
         row["hbm_frac"] = wbytes(qt, n, k) / row["us"] / 1e3 / hbm

@@ -126,3 +126,30 @@ def test_bf16x2_dequantization_gpu(qtype, cfg, m, n, nb):
     want = np.asarray(fused_qmatmul(jax.device_put(x, cpu), jax.device_put(w, cpu), cfg, interpret=True,
                                     partials=True), np.float64)
     assert _rel(sums.sum(axis=0), want.sum(axis=0)) < 1e-3
+
+
+@pytest.mark.parametrize("m,n,nb,bps", [(5, 64, 1, 1), (16, 128, 8, 4), (16, 192, 16, 8), (33, 64, 4, 2),
+                                        (64, 128, 2, 1)])
+def test_wgmma_q4_k_gpu(m, n, nb, bps):
+    """The Mosaic GPU wgmma kernel (Q4_K, GPU layout): against gguf-py's dequantized product,
+    and against the same arithmetic in jnp (`reference_arithmetic`, float32 partial sums per
+    split), which leaves only the order of the float32 additions to differ."""
+    from pallas_kernels.quant_matmul import gemv
+    from pallas_kernels.quant_matmul import wgmma_skinny as wg
+    from pallas_kernels.quant_matmul.testing import dequantized_product
+    from rjax.model import gpu_weight_layout
+
+    k = nb * 256
+    raw = random_qtensor(QType.Q4_K, n, k, seed=n + nb)
+    w = gpu_weight_layout(_dev(raw))
+    x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
+    cfg = wg.WgmmaConfig(blocks_per_split=bps)
+    out = wg.wgmma_q4_k(x, w, cfg)
+    assert out.shape == (m, n) and out.dtype == jnp.bfloat16
+    assert _rel(out, dequantized_product(x, raw)) < 1e-2
+    sums = np.asarray(wg.wgmma_q4_k(x, w, cfg, partials=True), np.float64)
+    want = np.asarray(wg.reference_arithmetic(x, w, cfg), np.float64)
+    assert sums.shape == want.shape == (nb // bps, m, n)
+    assert _rel(sums, want) < 1e-5
+    assert gemv.uses_wgmma(w, m, x, interpret=False)
+    assert _rel(qmatmul(x, w), dequantized_product(x, raw)) < 1e-2   # through the dispatch

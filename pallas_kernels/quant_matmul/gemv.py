@@ -1,10 +1,13 @@
 """Decode GEMV / skinny GEMM (M = 1..64): each weight byte is read from HBM once per call and
-dequantized on chip, by one of three kernels:
+dequantized on chip, by one of four kernels:
 
 - int8_gemv.py: int8-quantized activations and dp4a integer dot products, for half-precision
   activations, the types and row counts where it measured faster (`uses_int8`);
 - int8_mma.py: int8-quantized activations on the tensor cores' integer MMA, for Q8_0 and Q4_K
   at more rows than the dp4a kernel takes (`int8_path`);
+- wgmma_skinny.py: Q4_K against bf16 activations on Hopper's wgmma (Mosaic GPU), the weight
+  dequantized straight into the MMA's register operand, from 2 rows up off the int8 kernels
+  (`uses_wgmma`);
 - kernel.py: the float kernel with one M tile (CUDA-core FMAs or tensor-core MMAs), for
   everything else, and for float32 activations, where it is exact.
 
@@ -24,6 +27,7 @@ from gguf import GGMLQuantizationType as QType
 from pallas_kernels.int8_activations import GatedX
 from pallas_kernels.quant_matmul import int8_gemv as int8
 from pallas_kernels.quant_matmul import int8_mma as mma
+from pallas_kernels.quant_matmul import wgmma_skinny as wgmma
 from pallas_kernels.quant_matmul.kernel import TileConfig, fused_qmatmul
 from pallas_kernels.quant_matmul.tiles import supports_bf16x2
 from rjax.quant.qtensor import QTensor
@@ -150,6 +154,11 @@ MMA_MAX_M = {QType.Q4_K: 16, QType.Q8_0: 8}
 # against 7,766. 0 turns it off.
 BF16X2_MAX_M = MAX_M
 BF16X2_TILES = dict(block_n=64, values_per_step=256, programs=448, num_warps=4, num_stages=2)
+# Q4_K products (GPU layout, bf16 x, N a multiple of 64) of up to this many rows off the int8
+# kernel go to the Mosaic GPU wgmma kernel (wgmma_skinny.py) instead of the float kernel on the
+# GPU. H100, GPU kernel time at M=16 (notes, session 15): 14336x4096 18.7 against 30.6 us for
+# bf16x2, 4096x14336 19.5 against 31.4. 0 turns it off.
+WGMMA_MAX_M = MAX_M
 
 
 def uses_int8(qtype: QType, m: int, n: int, k: int, dtype) -> bool:
@@ -260,6 +269,13 @@ def bf16x2_config(w: QTensor, m: int, dtype) -> TileConfig | None:
     return dataclasses.replace(gemv_config(w.qtype, m, n, k, **BF16X2_TILES), dequant="bf16x2")
 
 
+def uses_wgmma(w: QTensor, m: int, x, interpret: bool) -> bool:
+    """Whether x (m, K) @ w goes to the wgmma kernel: compiled for the GPU (it has no
+    interpreter), 2..WGMMA_MAX_M rows of plain bf16 x, a weight it supports."""
+    return (not interpret and 2 <= m <= WGMMA_MAX_M and not isinstance(x, (GatedX, int8.QuantizedX))
+            and jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16) and wgmma.supports(w))
+
+
 def gemv_config(qtype: QType, m: int, n: int, k: int, *, method: str = "mma", block_n: int = BLOCK_N,
                 values_per_step: int = VALUES_PER_STEP, programs: int = PROGRAMS,
                 num_warps: int = 4, num_stages: int = 3) -> TileConfig:
@@ -294,6 +310,8 @@ def qmatmul_gemv(x: jax.Array, w: QTensor, *, config: TileConfig | None = None,
     if path == "gemv" or isinstance(x, int8.QuantizedX):
         return int8.int8_gemv(x, w, default_int8_config(w.qtype, m, n, k), interpret=interpret,
                               partials=partials)
+    if config is None and uses_wgmma(w, m, x, interpret):
+        return wgmma.wgmma_q4_k(x, w, partials=partials)
     cfg = (config or (None if isinstance(x, GatedX) else bf16x2_config(w, m, x.dtype))
            or default_gemv_config(w.qtype, m, n, k))
     return fused_qmatmul(x, w, cfg, interpret=interpret, partials=partials)

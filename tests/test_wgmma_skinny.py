@@ -1,0 +1,115 @@
+"""The Q4_K wgmma kernel (pallas_kernels/quant_matmul/wgmma_skinny.py) on the CPU: its arithmetic
+and K order in jnp against gguf-py's dequantizer, the dispatch, the refusals, and the lowering
+for sm_90. The kernel itself runs only on the H100 (no Mosaic GPU interpreter for inline Mosaic
+code or wgmma operands in registers): tests/test_quant_matmul_gpu.py::test_wgmma_q4_k_gpu."""
+from __future__ import annotations
+
+import unittest.mock as mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QType
+
+from pallas_kernels.int8_activations import GatedX
+from pallas_kernels.quant_matmul import gemv
+from pallas_kernels.quant_matmul import wgmma_skinny as wg
+from pallas_kernels.quant_matmul.testing import dequantized_product, random_qtensor, rel_error
+from rjax.model import gpu_weight_layout
+
+BF16_TOL = 1e-2
+
+
+def _weight(n, k, seed=0):
+    raw = random_qtensor(QType.Q4_K, n, k, seed=seed)
+    return raw, gpu_weight_layout(jax.tree.map(jnp.asarray, raw))
+
+
+def _x(m, k, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((m, k)), jnp.bfloat16)
+
+
+def test_chunk_order_follows_the_wgmma_fragments():
+    """A permutation of a chunk's 64 values; each thread's register pair is one byte pair of
+    one of its two words, one nibble: low nibbles are values 0-31, high ones 32-63."""
+    order = wg.chunk_order()
+    assert sorted(order) == list(range(64))
+    for col in range(0, 64, 2):
+        b, j = col // 8, (col % 8) // 2
+        word, nibble = 2 * j + (b >> 2), (b >> 1) & 1
+        byte = 4 * word + 2 * (b & 1)
+        assert (order[col], order[col + 1]) == (32 * nibble + byte, 32 * nibble + byte + 1)
+
+
+@pytest.mark.parametrize("m,n,k,bps", [(16, 128, 2048, 8), (5, 64, 512, 1), (33, 192, 4096, 4), (64, 64, 256, 1)])
+def test_reference_arithmetic_against_gguf(m, n, k, bps):
+    raw, w = _weight(n, k, seed=m + n)
+    x = _x(m, k, seed=m)
+    parts = wg.reference_arithmetic(x, w, wg.WgmmaConfig(blocks_per_split=bps))
+    assert parts.shape == (k // 256 // bps, m, n) and parts.dtype == jnp.float32
+    assert rel_error(parts.sum(axis=0), dequantized_product(x, raw)) < BF16_TOL
+
+
+def test_weights_as_bytes_read_as_the_same_words():
+    """A Q4_KChunks weight whose quants are still bytes gives the same operands as words."""
+    from rjax.quant.reference import q4_k_chunks
+
+    raw, words = _weight(64, 512, seed=3)
+    chunks = q4_k_chunks(jax.tree.map(jnp.asarray, raw))
+    assert chunks.planes.qs.dtype == jnp.uint8 and words.planes.qs.dtype == jnp.int32
+    x = _x(8, 512)
+    np.testing.assert_array_equal(np.asarray(wg.reference_arithmetic(x, chunks)),
+                                  np.asarray(wg.reference_arithmetic(x, words)))
+
+
+def test_default_config_splits_k_for_programs():
+    assert wg.default_config(14336, 4096) == wg.WgmmaConfig(blocks_per_split=8)   # 224 x 2 programs
+    assert wg.default_config(4096, 14336).blocks_per_split == 8                    # 64 x 7
+    assert wg.default_config(1024, 4096).blocks_per_split == 1                     # 16 x 16
+    for n, k in [(14336, 4096), (4096, 14336), (2048, 2048), (576, 1536)]:
+        assert (k // 256) % wg.default_config(n, k).blocks_per_split == 0
+
+
+def test_dispatch():
+    raw, w = _weight(128, 512)
+    x = _x(16, 512)
+    assert gemv.uses_wgmma(w, 16, x, interpret=False)
+    assert gemv.uses_wgmma(w, 64, _x(64, 512), interpret=False)
+    assert not gemv.uses_wgmma(w, 16, x, interpret=True)                              # no interpreter
+    assert not gemv.uses_wgmma(w, 1, x[:1], interpret=False)
+    assert not gemv.uses_wgmma(w, 16, x.astype(jnp.float32), interpret=False)          # exact f32 path
+    assert not gemv.uses_wgmma(jax.tree.map(jnp.asarray, raw), 16, x, interpret=False)  # the file's layout
+    assert not gemv.uses_wgmma(_weight(96, 512)[1], 16, x, interpret=False)             # N % 64
+    assert not gemv.uses_wgmma(random_qtensor(QType.Q8_0, 128, 512), 16, x, interpret=False)
+    assert not gemv.uses_wgmma(w, 16, GatedX(jnp.concatenate([x, x], 1), "silu"), interpret=False)
+    with mock.patch.object(gemv, "WGMMA_MAX_M", 0):
+        assert not gemv.uses_wgmma(w, 16, x, interpret=False)
+    # in the interpreter the dispatch keeps the Triton kernel
+    assert rel_error(gemv.qmatmul_gemv(x, w, interpret=True), dequantized_product(x, raw)) < BF16_TOL
+
+
+def test_refusals():
+    raw, w = _weight(128, 512)
+    with pytest.raises(NotImplementedError, match="GPU layout"):
+        wg.wgmma_q4_k(_x(16, 512), jax.tree.map(jnp.asarray, raw))
+    with pytest.raises(NotImplementedError, match="multiple of 64"):
+        wg.wgmma_q4_k(_x(16, 512), _weight(96, 512)[1])
+    with pytest.raises(ValueError, match="bf16"):
+        wg.wgmma_q4_k(_x(16, 512).astype(jnp.float32), w)
+    with pytest.raises(ValueError, match="1..64 rows"):
+        wg.wgmma_q4_k(_x(65, 512), w)
+    with pytest.raises(ValueError, match="do not split"):
+        wg.wgmma_q4_k(_x(16, 512), w, wg.WgmmaConfig(blocks_per_split=4))
+
+
+def test_lowers_to_mosaic_gpu_for_h100():
+    """Traced and lowered to a Mosaic GPU custom call with the inline PTX and wgmma, at every
+    M tile (16, 32, 64) and with one and several splits."""
+    _, w = _weight(128, 2048, seed=1)
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), w)
+    for m, bps in [(16, 8), (24, 2), (64, 1)]:
+        lowered = wg.wgmma_q4_k.trace(jax.ShapeDtypeStruct((m, 2048), jnp.bfloat16), shapes,
+                                      wg.WgmmaConfig(blocks_per_split=bps)).lower(lowering_platforms=("cuda",))
+        text = lowered.as_text()
+        assert "mosaic_gpu" in text and "lop3.b32" in text and "fma.rn.bf16x2" in text
