@@ -4,6 +4,7 @@ for sm_90. The kernel itself runs only on the H100 (no Mosaic GPU interpreter fo
 code or wgmma operands in registers): tests/test_quant_matmul_gpu.py::test_wgmma_q4_k_gpu."""
 from __future__ import annotations
 
+import dataclasses
 import unittest.mock as mock
 
 import jax
@@ -74,19 +75,24 @@ def test_default_config_splits_k_for_programs():
 def test_dispatch():
     raw, w = _weight(128, 512)
     x = _x(16, 512)
-    assert gemv.uses_wgmma(w, 16, x, interpret=False)
-    assert gemv.uses_wgmma(w, 64, _x(64, 512), interpret=False)
-    assert not gemv.uses_wgmma(w, 16, x, interpret=True)                              # no interpreter
-    assert not gemv.uses_wgmma(w, 1, x[:1], interpret=False)
-    assert not gemv.uses_wgmma(w, 16, x.astype(jnp.float32), interpret=False)          # exact f32 path
-    assert not gemv.uses_wgmma(jax.tree.map(jnp.asarray, raw), 16, x, interpret=False)  # the file's layout
-    assert not gemv.uses_wgmma(_weight(96, 512)[1], 16, x, interpret=False)             # N % 64
-    assert not gemv.uses_wgmma(random_qtensor(QType.Q8_0, 128, 512), 16, x, interpret=False)
-    assert not gemv.uses_wgmma(w, 16, GatedX(jnp.concatenate([x, x], 1), "silu"), interpret=False)
-    with mock.patch.object(gemv, "WGMMA_MAX_M", 0):
-        assert not gemv.uses_wgmma(w, 16, x, interpret=False)
-    # in the interpreter the dispatch keeps the Triton kernel
-    assert rel_error(gemv.qmatmul_gemv(x, w, interpret=True), dequantized_product(x, raw)) < BF16_TOL
+    assert not gemv.uses_wgmma(w, 16, x, interpret=False)      # under WGMMA_MIN_VALUES: the Triton kernel
+    with mock.patch.object(gemv, "WGMMA_MIN_VALUES", 0):
+        assert gemv.uses_wgmma(w, 16, x, interpret=False)
+        assert gemv.uses_wgmma(w, 64, _x(64, 512), interpret=False)
+        assert not gemv.uses_wgmma(w, 16, x, interpret=True)                              # no interpreter
+        assert not gemv.uses_wgmma(w, 1, x[:1], interpret=False)
+        assert not gemv.uses_wgmma(w, 16, x.astype(jnp.float32), interpret=False)          # exact f32 path
+        assert not gemv.uses_wgmma(jax.tree.map(jnp.asarray, raw), 16, x, interpret=False)  # the file's layout
+        assert not gemv.uses_wgmma(_weight(96, 512)[1], 16, x, interpret=False)             # N % 64
+        assert not gemv.uses_wgmma(random_qtensor(QType.Q8_0, 128, 512), 16, x, interpret=False)
+        assert not gemv.uses_wgmma(w, 16, GatedX(jnp.concatenate([x, x], 1), "silu"), interpret=False)
+        with mock.patch.object(gemv, "WGMMA_MAX_M", 0):
+            assert not gemv.uses_wgmma(w, 16, x, interpret=False)
+        # in the interpreter the dispatch keeps the Triton kernel
+        assert rel_error(gemv.qmatmul_gemv(x, w, interpret=True), dequantized_product(x, raw)) < BF16_TOL
+    # the rule reads only the type, layout and shape: llama-8b's smallest product qualifies, llama-1b's QKV not
+    assert gemv.uses_wgmma(dataclasses.replace(w, shape=(4096, 4096)), 16, _x(16, 4096), interpret=False)
+    assert not gemv.uses_wgmma(dataclasses.replace(w, shape=(3072, 2048)), 16, _x(16, 2048), interpret=False)
 
 
 def test_refusals():

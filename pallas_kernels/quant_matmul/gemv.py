@@ -157,8 +157,10 @@ BF16X2_TILES = dict(block_n=64, values_per_step=256, programs=448, num_warps=4, 
 # Q4_K products (GPU layout, bf16 x, N a multiple of 64) of up to this many rows off the int8
 # kernel go to the Mosaic GPU wgmma kernel (wgmma_skinny.py) instead of the float kernel on the
 # GPU. H100, GPU kernel time at M=16 (notes, session 15): 14336x4096 18.7 against 30.6 us for
-# bf16x2, 4096x14336 19.5 against 31.4. 0 turns it off.
+# bf16x2, 4096x14336 19.5 against 31.4. 0 turns it off. Smaller weights than WGMMA_MIN_VALUES
+# keep the Triton kernel: x's permutation into the kernel's K order is an XLA kernel of its own.
 WGMMA_MAX_M = MAX_M
+WGMMA_MIN_VALUES = 2**24
 
 
 def uses_int8(qtype: QType, m: int, n: int, k: int, dtype) -> bool:
@@ -271,9 +273,11 @@ def bf16x2_config(w: QTensor, m: int, dtype) -> TileConfig | None:
 
 def uses_wgmma(w: QTensor, m: int, x, interpret: bool) -> bool:
     """Whether x (m, K) @ w goes to the wgmma kernel: compiled for the GPU (it has no
-    interpreter), 2..WGMMA_MAX_M rows of plain bf16 x, a weight it supports."""
+    interpreter), 2..WGMMA_MAX_M rows of plain bf16 x, a weight it supports of at least
+    WGMMA_MIN_VALUES values."""
     return (not interpret and 2 <= m <= WGMMA_MAX_M and not isinstance(x, (GatedX, int8.QuantizedX))
-            and jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16) and wgmma.supports(w))
+            and jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16) and wgmma.supports(w)
+            and w.shape[0] * w.shape[1] >= WGMMA_MIN_VALUES)
 
 
 def gemv_config(qtype: QType, m: int, n: int, k: int, *, method: str = "mma", block_n: int = BLOCK_N,
