@@ -1,8 +1,8 @@
 """Tiles of the float decode kernel (kernel.py, tensor-core "mma" path) at M = 8..32 rows, with
 its two dequantizations: "f32" (every quant to float32, scaled, rounded to bf16) and "bf16x2"
 (packed bf16 instructions, tiles.py), and the Mosaic GPU wgmma kernel ("wgmma",
-wgmma_skinny.py; its split-K partial sums, as the int8 GEMV's, are left for the consumer). Q4_K in the GPU layout; GPU kernel time per product,
-beside the M=1 int8 GEMV (its default tiles, x rounded before) that issue 6's M=16 target
+wgmma_skinny.py; its split-K partial sums, as the int8 GEMV's, are left for the consumer). Q4_K
+(or `--type`) in the GPU layout; GPU kernel time per product, beside the M=1 int8 GEMV (its default tiles, x rounded before) that issue 6's M=16 target
 compares with, and the HBM copy bandwidth measured in the same run.
 
     PYTHONPATH=. python3 benchmarks/float_tiles.py --out "$OUT/float-tiles.json"
@@ -40,7 +40,7 @@ from pallas_kernels.quant_matmul import wgmma_skinny  # noqa: E402
 from rjax.quant.reference import dequantize  # noqa: E402
 
 warnings.simplefilter("ignore", DeprecationWarning)
-SHAPES = {**_SHAPES, "8b-up": (14336, 4096)}   # issue 6's shapes: 14336x4096, 4096x14336 (8b-down)
+SHAPES = {**_SHAPES, "8b-up": (14336, 4096), "8b-kv": (1024, 4096)}   # issue 6: 14336x4096, 4096x14336 (8b-down), 4096x1024
 GRIDS = {"small": dict(block_n=(64, 128), values=(256, 512), programs=(264, 528), num_warps=(4, 8), num_stages=(3,)),
          "large": dict(block_n=(32, 64, 128), values=(256, 512, 1024), programs=(264, 528, 1056), num_warps=(4, 8),
                        num_stages=(2, 3, 4)),
@@ -74,9 +74,10 @@ def main() -> int:
     ap.add_argument("--dequants", default="f32,bf16x2")
     ap.add_argument("--grid", default="small", help=f"tiles to sweep: {', '.join(GRIDS)}; name=grid,... per M")
     ap.add_argument("--workers", type=int, default=14)
+    ap.add_argument("--type", default="Q4_K", help="GGML type of the weights (Q4_K, Q8_0, ...)")
     a = ap.parse_args()
     grids = dict(kv.split("=") for kv in a.grid.split(",")) if "=" in a.grid else {}
-    qt = QType.Q4_K
+    qt = QType[a.type.upper()]
     hbm, peak = measure_ceilings()
     print(f"HBM copy {hbm:.0f} GB/s, bf16 dot {peak:.0f} TFLOP/s", flush=True)
     t0 = time.perf_counter()
@@ -92,7 +93,7 @@ def main() -> int:
             for dq in a.dequants.split(","):
                 grid = grids.get(str(m), "small") if grids else a.grid
                 for cfg in configs(ws[0], qt, m, n, k, dq, grid):
-                    fn = ((lambda x, ws, c=cfg: [wgmma_skinny.wgmma_q4_k(x, w, c, partials=True) for w in ws])
+                    fn = ((lambda x, ws, c=cfg: [wgmma_skinny.wgmma_matmul(x, w, c, partials=True) for w in ws])
                           if dq == "wgmma" else (lambda x, ws, c=cfg: [fused_qmatmul(x, w, c) for w in ws]))
                     jobs.append(dict(shape=name, m=m, dequant=dq, config=str(cfg), copies=len(ws), args=(x, ws),
                                      w0=ws[0], fn=jax.jit(fn)))
@@ -121,7 +122,7 @@ def main() -> int:
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
             continue
-        keep = ("qmatmul", "int8_gemv", "wgmma_q4_k")
+        keep = ("qmatmul", "int8_gemv", "wgmma_q4_k", "wgmma_q8_0")
         row["us"] = sum(t for nm, t in total.items() if any(s in nm for s in keep)) / 1e3 / job["copies"]
         row["us_all"] = sum(total.values()) / 1e3 / job["copies"]
         row["hbm_frac"] = wbytes(qt, n, k) / row["us"] / 1e3 / hbm

@@ -122,6 +122,10 @@ def test_dispatch_uses_int8_for_large_half_precision_decode():
     assert gemv.uses_int8(QType.Q6_K, 1, 128256, 2048, jnp.bfloat16)  # output layers only
     assert not gemv.uses_int8(QType.Q6_K, 2, 128256, 2048, jnp.bfloat16)
     assert gemv.reads_words(QType.Q6_K, 128256, 2048) and not gemv.reads_words(QType.Q6_K, *big)
+    # Q8_0 as words where the wgmma kernel takes M > 4 (its float kernel reads bytes faster)
+    assert gemv.reads_words(QType.Q8_0, 4096, 4096) and gemv.reads_words(QType.Q8_0, 2048, 2048)
+    assert not gemv.reads_words(QType.Q8_0, 49152, 576)       # smollm2's LM head: K % 256
+    assert not gemv.reads_words(QType.Q4_1, *big)
     assert not gemv.uses_int8(QType.Q4_1, 1, 576, 576, jnp.bfloat16)
     assert gemv.uses_int8(QType.Q4_K, 1, 576, 576, jnp.bfloat16)      # no XLA fusions before it: all sizes
     # Rounding raw x per program is for 1-2 rows and, but for Q4_K, products below 2**25

@@ -130,10 +130,11 @@ def test_bf16x2_dequantization_gpu(qtype, cfg, m, n, nb):
     assert _rel(sums.sum(axis=0), want.sum(axis=0)) < 1e-3
 
 
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q8_0])
 @pytest.mark.parametrize("m,n,nb,bps", [(5, 64, 1, 1), (16, 128, 8, 4), (16, 192, 16, 8), (33, 64, 4, 2),
                                         (64, 128, 2, 1)])
-def test_wgmma_q4_k_gpu(m, n, nb, bps):
-    """The Mosaic GPU wgmma kernel (Q4_K, GPU layout): against gguf-py's dequantized product,
+def test_wgmma_gpu(m, n, nb, bps, qtype):
+    """The Mosaic GPU wgmma kernel (Q4_K and Q8_0, GPU layout): against gguf-py's dequantized product,
     and against the same arithmetic in jnp (`reference_arithmetic`, float32 partial sums per
     split), which leaves only the order of the float32 additions to differ."""
     from pallas_kernels.quant_matmul import gemv
@@ -142,17 +143,21 @@ def test_wgmma_q4_k_gpu(m, n, nb, bps):
     from rjax.model import gpu_weight_layout
 
     k = nb * 256
-    raw = random_qtensor(QType.Q4_K, n, k, seed=n + nb)
+    raw = random_qtensor(qtype, n, k, seed=n + nb)
     w = gpu_weight_layout(_dev(raw))
     x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
     cfg = wg.WgmmaConfig(blocks_per_split=bps)
-    out = wg.wgmma_q4_k(x, w, cfg)
+    out = wg.wgmma_matmul(x, w, cfg)
     assert out.shape == (m, n) and out.dtype == jnp.bfloat16
     assert _rel(out, dequantized_product(x, raw)) < 1e-2
-    sums = np.asarray(wg.wgmma_q4_k(x, w, cfg, partials=True), np.float64)
+    sums = np.asarray(wg.wgmma_matmul(x, w, cfg, partials=True), np.float64)
     want = np.asarray(wg.reference_arithmetic(x, w, cfg), np.float64)
     assert sums.shape == want.shape == (nb // bps, m, n)
     assert _rel(sums, want) < 1e-5
-    with mock.patch.object(gemv, "WGMMA_MIN_VALUES", 0):   # through the dispatch, at these small sizes
+    if qtype == QType.Q8_0:   # quants as words (a GPU model's Q8_0) or as the file's bytes: the same product
+        as_bytes = _dev(raw)
+        assert w.planes.qs.dtype == jnp.int32 and as_bytes.planes.qs.dtype == jnp.int8
+        np.testing.assert_array_equal(np.asarray(wg.wgmma_matmul(x, as_bytes, cfg, partials=True), np.float64), sums)
+    with mock.patch.dict(gemv.WGMMA_MIN_VALUES, dict.fromkeys(gemv.WGMMA_MIN_VALUES, 0)):   # through the dispatch, at these small sizes
         assert gemv.uses_wgmma(w, m, x, interpret=False)
         assert _rel(qmatmul(x, w), dequantized_product(x, raw)) < 1e-2

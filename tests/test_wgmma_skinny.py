@@ -1,7 +1,7 @@
-"""The Q4_K wgmma kernel (pallas_kernels/quant_matmul/wgmma_skinny.py) on the CPU: its arithmetic
-and K order in jnp against gguf-py's dequantizer, the dispatch, the refusals, and the lowering
-for sm_90. The kernel itself runs only on the H100 (no Mosaic GPU interpreter for inline Mosaic
-code or wgmma operands in registers): tests/test_quant_matmul_gpu.py::test_wgmma_q4_k_gpu."""
+"""The Q4_K / Q8_0 wgmma kernel (pallas_kernels/quant_matmul/wgmma_skinny.py) on the CPU: its
+arithmetic and K order in jnp against gguf-py's dequantizer, the dispatch, the refusals, and the
+lowering for sm_90. The kernel itself runs only on the H100 (no Mosaic GPU interpreter for inline
+Mosaic code or wgmma operands in registers): tests/test_quant_matmul_gpu.py::test_wgmma_gpu."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +22,8 @@ from rjax.model import gpu_weight_layout
 BF16_TOL = 1e-2
 
 
-def _weight(n, k, seed=0):
-    raw = random_qtensor(QType.Q4_K, n, k, seed=seed)
+def _weight(n, k, seed=0, qtype=QType.Q4_K):
+    raw = random_qtensor(qtype, n, k, seed=seed)
     return raw, gpu_weight_layout(jax.tree.map(jnp.asarray, raw))
 
 
@@ -43,13 +43,35 @@ def test_chunk_order_follows_the_wgmma_fragments():
         assert (order[col], order[col + 1]) == (32 * nibble + byte, 32 * nibble + byte + 1)
 
 
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q8_0])
 @pytest.mark.parametrize("m,n,k,bps", [(16, 128, 2048, 8), (5, 64, 512, 1), (33, 192, 4096, 4), (64, 64, 256, 1)])
-def test_reference_arithmetic_against_gguf(m, n, k, bps):
-    raw, w = _weight(n, k, seed=m + n)
+def test_reference_arithmetic_against_gguf(m, n, k, bps, qtype):
+    raw, w = _weight(n, k, seed=m + n, qtype=qtype)
     x = _x(m, k, seed=m)
     parts = wg.reference_arithmetic(x, w, wg.WgmmaConfig(blocks_per_split=bps))
     assert parts.shape == (k // 256 // bps, m, n) and parts.dtype == jnp.float32
     assert rel_error(parts.sum(axis=0), dequantized_product(x, raw)) < BF16_TOL
+
+
+def test_q8_0_words_give_the_same_order():
+    """Q8_0: column block b of a chunk takes block (b >> 1) & 1 of the two, its word 2j + (b >> 2)
+    and bytes 2 (b & 1) + e: byte 32 * block + 4 * word + byte is chunk_order's value."""
+    order = wg.chunk_order()
+    for col in range(64):
+        b, j, e = col // 8, (col % 8) // 2, col % 2
+        assert order[col] == 32 * ((b >> 1) & 1) + 4 * (2 * j + (b >> 2)) + 2 * (b & 1) + e
+
+
+def test_q8_0_weight_is_rounded_once():
+    """Q8_0's tile holds bf16(v * bf16(d)): the quant exact, one rounding after the scale."""
+    raw, w = _weight(64, 256, seed=5, qtype=QType.Q8_0)
+    x = jnp.eye(256, dtype=jnp.bfloat16)[:64]    # rows of the identity read the weight's first 64 columns
+    got = np.asarray(wg.reference_arithmetic(x, w).sum(axis=0)).T      # (n, 64): w[:, :64], permuted back
+    v = np.asarray(raw.planes.qs, np.float32).reshape(64, 256)
+    d = np.asarray(raw.planes.d, np.float32).reshape(64, 8)
+    s = np.asarray(jnp.asarray(d).astype(jnp.bfloat16).astype(jnp.float32))
+    want = np.asarray(jnp.asarray(v * np.repeat(s, 32, axis=1)).astype(jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_array_equal(got, want[:, :64])
 
 
 def test_weights_as_bytes_read_as_the_same_words():
@@ -64,10 +86,23 @@ def test_weights_as_bytes_read_as_the_same_words():
                                   np.asarray(wg.reference_arithmetic(x, words)))
 
 
+def test_q8_0_bytes_read_as_the_same_words():
+    from rjax.quant.words import as_words
+
+    raw, _ = _weight(64, 512, seed=4, qtype=QType.Q8_0)
+    as_bytes = jax.tree.map(jnp.asarray, raw)
+    words = as_words(as_bytes)
+    assert as_bytes.planes.qs.dtype == jnp.int8 and words.planes.qs.dtype == jnp.int32
+    x = _x(8, 512)
+    np.testing.assert_array_equal(np.asarray(wg.reference_arithmetic(x, as_bytes)),
+                                  np.asarray(wg.reference_arithmetic(x, words)))
+
+
 def test_default_config_splits_k_for_programs():
     assert wg.default_config(14336, 4096) == wg.WgmmaConfig(blocks_per_split=8)   # 224 x 2 programs
     assert wg.default_config(4096, 14336).blocks_per_split == 8                    # 64 x 7
     assert wg.default_config(1024, 4096).blocks_per_split == 1                     # 16 x 16
+    assert wg.default_config(4096, 4096).blocks_per_split == 4                     # 64 x 4
     for n, k in [(14336, 4096), (4096, 14336), (2048, 2048), (576, 1536)]:
         assert (k // 256) % wg.default_config(n, k).blocks_per_split == 0
 
@@ -76,7 +111,7 @@ def test_dispatch():
     raw, w = _weight(128, 512)
     x = _x(16, 512)
     assert not gemv.uses_wgmma(w, 16, x, interpret=False)      # under WGMMA_MIN_VALUES: the Triton kernel
-    with mock.patch.object(gemv, "WGMMA_MIN_VALUES", 0):
+    with mock.patch.dict(gemv.WGMMA_MIN_VALUES, dict.fromkeys(gemv.WGMMA_MIN_VALUES, 0)):
         assert gemv.uses_wgmma(w, 16, x, interpret=False)
         assert gemv.uses_wgmma(w, 64, _x(64, 512), interpret=False)
         assert not gemv.uses_wgmma(w, 16, x, interpret=True)                              # no interpreter
@@ -84,7 +119,9 @@ def test_dispatch():
         assert not gemv.uses_wgmma(w, 16, x.astype(jnp.float32), interpret=False)          # exact f32 path
         assert not gemv.uses_wgmma(jax.tree.map(jnp.asarray, raw), 16, x, interpret=False)  # the file's layout
         assert not gemv.uses_wgmma(_weight(96, 512)[1], 16, x, interpret=False)             # N % 64
-        assert not gemv.uses_wgmma(random_qtensor(QType.Q8_0, 128, 512), 16, x, interpret=False)
+        assert gemv.uses_wgmma(_weight(128, 512, qtype=QType.Q8_0)[1], 16, x, interpret=False)
+        assert not gemv.uses_wgmma(_weight(128, 512, qtype=QType.Q6_K)[1], 16, x, interpret=False)
+        assert not gemv.uses_wgmma(_weight(128, 288, qtype=QType.Q8_0)[1], 16, _x(16, 288), interpret=False)  # K % 256
         assert not gemv.uses_wgmma(w, 16, GatedX(jnp.concatenate([x, x], 1), "silu"), interpret=False)
         with mock.patch.object(gemv, "WGMMA_MAX_M", 0):
             assert not gemv.uses_wgmma(w, 16, x, interpret=False)
@@ -98,24 +135,25 @@ def test_dispatch():
 def test_refusals():
     raw, w = _weight(128, 512)
     with pytest.raises(NotImplementedError, match="GPU layout"):
-        wg.wgmma_q4_k(_x(16, 512), jax.tree.map(jnp.asarray, raw))
+        wg.wgmma_matmul(_x(16, 512), jax.tree.map(jnp.asarray, raw))
     with pytest.raises(NotImplementedError, match="multiple of 64"):
-        wg.wgmma_q4_k(_x(16, 512), _weight(96, 512)[1])
+        wg.wgmma_matmul(_x(16, 512), _weight(96, 512)[1])
     with pytest.raises(ValueError, match="bf16"):
-        wg.wgmma_q4_k(_x(16, 512).astype(jnp.float32), w)
+        wg.wgmma_matmul(_x(16, 512).astype(jnp.float32), w)
     with pytest.raises(ValueError, match="1..64 rows"):
-        wg.wgmma_q4_k(_x(65, 512), w)
+        wg.wgmma_matmul(_x(65, 512), w)
     with pytest.raises(ValueError, match="do not split"):
-        wg.wgmma_q4_k(_x(16, 512), w, wg.WgmmaConfig(blocks_per_split=4))
+        wg.wgmma_matmul(_x(16, 512), w, wg.WgmmaConfig(blocks_per_split=4))
 
 
-def test_lowers_to_mosaic_gpu_for_h100():
+@pytest.mark.parametrize("qtype,op", [(QType.Q4_K, "fma.rn.bf16x2"), (QType.Q8_0, "mul.rn.bf16x2")])
+def test_lowers_to_mosaic_gpu_for_h100(qtype, op):
     """Traced and lowered to a Mosaic GPU custom call with the inline PTX and wgmma, at every
     M tile (16, 32, 64) and with one and several splits."""
-    _, w = _weight(128, 2048, seed=1)
+    _, w = _weight(128, 2048, seed=1, qtype=qtype)
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), w)
     for m, bps in [(16, 8), (24, 2), (64, 1)]:
-        lowered = wg.wgmma_q4_k.trace(jax.ShapeDtypeStruct((m, 2048), jnp.bfloat16), shapes,
-                                      wg.WgmmaConfig(blocks_per_split=bps)).lower(lowering_platforms=("cuda",))
+        lowered = wg.wgmma_matmul.trace(jax.ShapeDtypeStruct((m, 2048), jnp.bfloat16), shapes,
+                                        wg.WgmmaConfig(blocks_per_split=bps)).lower(lowering_platforms=("cuda",))
         text = lowered.as_text()
-        assert "mosaic_gpu" in text and "lop3.b32" in text and "fma.rn.bf16x2" in text
+        assert "mosaic_gpu" in text and "lop3.b32" in text and op in text

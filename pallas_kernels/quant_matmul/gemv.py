@@ -5,7 +5,7 @@ dequantized on chip, by one of four kernels:
   activations, the types and row counts where it measured faster (`uses_int8`);
 - int8_mma.py: int8-quantized activations on the tensor cores' integer MMA, for Q8_0 and Q4_K
   at more rows than the dp4a kernel takes (`int8_path`);
-- wgmma_skinny.py: Q4_K against bf16 activations on Hopper's wgmma (Mosaic GPU), the weight
+- wgmma_skinny.py: Q4_K and Q8_0 against bf16 activations on Hopper's wgmma (Mosaic GPU), the weight
   dequantized straight into the MMA's register operand, from 2 rows up off the int8 kernels
   (`uses_wgmma`);
 - kernel.py: the float kernel with one M tile (CUDA-core FMAs or tensor-core MMAs), for
@@ -154,13 +154,21 @@ MMA_MAX_M = {QType.Q4_K: 16, QType.Q8_0: 8}
 # against 7,766. 0 turns it off.
 BF16X2_MAX_M = MAX_M
 BF16X2_TILES = dict(block_n=64, values_per_step=256, programs=448, num_warps=4, num_stages=2)
-# Q4_K products (GPU layout, bf16 x, N a multiple of 64) of up to this many rows off the int8
-# kernel go to the Mosaic GPU wgmma kernel (wgmma_skinny.py) instead of the float kernel on the
-# GPU. H100, GPU kernel time at M=16 (notes, session 15): 14336x4096 18.7 against 30.6 us for
-# bf16x2, 4096x14336 19.5 against 31.4. 0 turns it off. Smaller weights than WGMMA_MIN_VALUES
-# keep the Triton kernel: x's permutation into the kernel's K order is an XLA kernel of its own.
+# Q4_K and Q8_0 products (GPU layout, bf16 x, N a multiple of 64) of up to this many rows off
+# the int8 kernel go to the Mosaic GPU wgmma kernel (wgmma_skinny.py) instead of the float
+# kernel on the GPU. H100, GPU kernel time at M=16 (notes, sessions 15-16): Q4_K 14336x4096 18.7
+# against 30.6 us for bf16x2, 4096x14336 19.5 against 31.4; Q8_0 14336x4096 28.8 against 46.2
+# (float32 path), 4096x14336 29.6 against 50.8. 0 turns it off. Smaller weights than
+# WGMMA_MIN_VALUES[type] keep the Triton kernel: x's permutation into the kernel's K order is an
+# XLA kernel of its own, which cost llama-1b's small Q4_K products what the kernel gained. Q8_0
+# takes every size: its Triton path runs 1.7-2.2x its one-row time, not bf16x2's 1.2-2x, and
+# llama-1b Q8_0 decoded 2-3% faster with its small products on the kernel than off it.
 WGMMA_MAX_M = MAX_M
-WGMMA_MIN_VALUES = 2**24
+WGMMA_MIN_VALUES = {QType.Q4_K: 2**24, QType.Q8_0: 0}
+# Weights held as int32 words on the GPU (`reads_words`), from this many values up. Q8_0 where
+# the wgmma kernel takes its M > 4 products: its M=1 int8 GEMV ran 3-6% faster on words (H100,
+# session 16), the wgmma kernel the same, the float kernel 15-28% slower (session 7).
+WORDS_MIN_VALUES = {QType.Q4_K: 0, QType.Q6_K: INT8_MIN_VALUES[QType.Q6_K], QType.Q8_0: 0}
 
 
 def uses_int8(qtype: QType, m: int, n: int, k: int, dtype) -> bool:
@@ -200,9 +208,11 @@ def reads_words(qtype: QType, n: int, k: int) -> bool:
     which its decode kernels read faster. H100, per product (notes, session 7): Q4_K's int8
     GEMV ran 1.26-1.42x faster on words, its float kernel (M > 4) 1-8% slower; Q6_K's int8
     GEMV (output layers) gained up to 16%, its float kernel lost 45% at M=1 (so smaller Q6_K
-    weights stay bytes); Q8_0's int8 GEMV gained 7-11% but its float kernel lost 15-28%, and
-    Q4_1's int8 GEMV lost 30%."""
-    return qtype == QType.Q4_K or (qtype == QType.Q6_K and n * k >= INT8_MIN_VALUES[QType.Q6_K])
+    weights stay bytes); Q8_0's int8 GEMV gained 7-11% but its float kernel lost 15-28% (so
+    Q8_0 weights are words only where the wgmma kernel can take their M > 4 products), and Q4_1's
+    int8 GEMV lost 30%. WORDS_MIN_VALUES has the sizes."""
+    return (qtype in WORDS_MIN_VALUES and n * k >= WORDS_MIN_VALUES[qtype]
+            and (qtype != QType.Q8_0 or wgmma.supports_shape(n, k)))
 
 
 def rounds_x_itself(qtype: QType, m: int, n: int, k: int) -> bool:
@@ -277,7 +287,7 @@ def uses_wgmma(w: QTensor, m: int, x, interpret: bool) -> bool:
     WGMMA_MIN_VALUES values."""
     return (not interpret and 2 <= m <= WGMMA_MAX_M and not isinstance(x, (GatedX, int8.QuantizedX))
             and jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16) and wgmma.supports(w)
-            and w.shape[0] * w.shape[1] >= WGMMA_MIN_VALUES)
+            and w.shape[0] * w.shape[1] >= WGMMA_MIN_VALUES[w.qtype])
 
 
 def gemv_config(qtype: QType, m: int, n: int, k: int, *, method: str = "mma", block_n: int = BLOCK_N,
@@ -315,7 +325,7 @@ def qmatmul_gemv(x: jax.Array, w: QTensor, *, config: TileConfig | None = None,
         return int8.int8_gemv(x, w, default_int8_config(w.qtype, m, n, k), interpret=interpret,
                               partials=partials)
     if config is None and uses_wgmma(w, m, x, interpret):
-        return wgmma.wgmma_q4_k(x, w, partials=partials)
+        return wgmma.wgmma_matmul(x, w, partials=partials)
     cfg = (config or (None if isinstance(x, GatedX) else bf16x2_config(w, m, x.dtype))
            or default_gemv_config(w.qtype, m, n, k))
     return fused_qmatmul(x, w, cfg, interpret=interpret, partials=partials)

@@ -1,6 +1,7 @@
-"""Skinny GEMM for Q4_K on Hopper's wgmma, through Pallas's Mosaic GPU lowering: x (M = 2..64
-rows, bf16) @ dequantize(w).T for a Q4_K weight in the GPU layout (Q4_KChunks, quants as words).
-Batched decode and short prefill chunks; one row stays on the int8 GEMV (int8_gemv.py).
+"""Skinny GEMM for Q4_K and Q8_0 on Hopper's wgmma, through Pallas's Mosaic GPU lowering: x
+(M = 2..64 rows, bf16) @ dequantize(w).T for a weight in the GPU layout (Q4_K as Q4_KChunks,
+quants as words). Batched decode and short prefill chunks; one row stays on the int8 GEMV
+(int8_gemv.py).
 
 The Triton kernel's tensor-core path (kernel.py) dequantizes a tile into registers in Triton's
 layout, then moves it through shared memory into the MMA's operand layout, and Triton's
@@ -11,17 +12,20 @@ M=16 took twice the M=1 time (benchmarks/NOTES-quant_matmul.md, session 14). Her
   that its own A fragment needs (the WGMMA layout: rows r and r + 8, column pairs 2j, 2j + 1
   of every 8), so no value moves between threads or through shared memory. The order of K
   within a 64-value chunk is chosen to match (`chunk_order`), and x is permuted the same way.
-- Per register (two weights) the PTX is prmt, lop3 (nibble | bf16 128.0 gives exactly
-  128 + q), sub (exact q), fma with the sub-block's bf16 scale and bias: about 2.1 instructions
-  per weight.
+- Per register (two weights), Q4_K: prmt, lop3 (nibble | bf16 128.0 gives exactly 128 + q),
+  sub (exact q), fma with the sub-block's bf16 scale and bias: about 2.1 instructions per
+  weight. Q8_0: a signed byte v does not fit that trick (128 + v needs 9 bits of mantissa),
+  so prmt, then two lop3 make bf16 128 + (v & 0x7f) and 128 + (v & 0x80) (128 or 256), whose
+  difference is v exactly; mul by the block's bf16 scale: about 2.6 instructions per weight.
+  Both types put a 64-value chunk in the same K order (`chunk_order`), so x is permuted alike.
 - x is B, (M, 256) per super-block in shared memory, read transposed; the output tile is
   (64 weight rows, M), so results come transposed: (splits, N, M) float32 partial sums.
 - Quants and x stream through shared memory on the TMA engine (`stages` super-blocks in flight,
   `plgpu.emit_pipeline`); the scales (20 bytes per row and super-block, too narrow for TMA)
-  are loaded into registers one super-block ahead.
+  are loaded into registers one super-block ahead; so are Q8_0's eight f16 block scales.
 
 Numerics: as the Triton kernel's bf16x2 path: scale and bias rounded to bf16, then one rounding
-of q * s + b; float32 accumulation.
+of q * s + b (Q8_0: of v * s); float32 accumulation.
 
 Mosaic GPU, not Triton: Triton cannot hand registers to the MMA in a layout of our choosing.
 The kernel does not run in Mosaic GPU's interpreter (inline Mosaic code and wgmma operands from
@@ -50,7 +54,7 @@ from rjax.quant.qtensor import QTensor
 _ROWS = 64                                   # weight rows per program: one wgmma tile's M
 _WG_ROWS = plgpu.Layout.WGMMA.reduce(1)      # a per-row vector of a [64, n] wgmma tile
 MAX_M = 64
-PROGRAMS = 264                               # split K until about this many programs
+PROGRAMS = 256                               # split K until about this many programs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,29 +64,35 @@ class WgmmaConfig:
 
 
 def chunk_order() -> np.ndarray:
-    """The K order of a 64-value Q4_K chunk in the dequantized A tile: column col of the tile
-    holds the chunk's value chunk_order()[col]. Thread j of a row's four holds columns
-    8b + 2j + e (the WGMMA layout); it loaded the chunk's words 2j and 2j + 1, so column block b
-    takes word 2j + (b >> 2), nibble (b >> 1) & 1 and bytes 2 (b & 1) + e of it: one byte pair
-    per register, no data moves between threads. x is permuted the same way."""
+    """The K order of a 64-value chunk in the dequantized A tile: column col of the tile holds
+    the chunk's value chunk_order()[col]. Thread j of a row's four holds columns 8b + 2j + e
+    (the WGMMA layout) and loaded the words it needs, so one byte pair of one word fills a
+    register and no data moves between threads:
+    - Q4_K (32 bytes, low nibbles values 0-31, high ones 32-63): words 2j and 2j + 1; column
+      block b takes word 2j + (b >> 2), nibble (b >> 1) & 1, bytes 2 (b & 1) + e.
+    - Q8_0 (two 32-value blocks of 8 words): words 2j and 2j + 1 of each block; column block b
+      takes block (b >> 1) & 1, its word 2j + (b >> 2), bytes 2 (b & 1) + e: the same order.
+    x is permuted the same way."""
     col = np.arange(64)
     b, j, e = col // 8, (col % 8) // 2, col % 2
     return 32 * ((b >> 1) & 1) + 8 * j + 4 * (b >> 2) + 2 * (b & 1) + e
 
 
-def _dequant_asm(word, shifted, byte_pair: int, s, b):
-    """bf16x2 of (nibbles of bytes 2p and 2p + 1 of `word`) * s + b: `shifted` is the word or
+_PAIR_SELECT = (0x4140, 0x4342)   # prmt: bytes 2p, 2p + 1 into the low bytes of two 16-bit lanes
+
+
+def _q4_k_asm(shifted, byte_pair: int, s, b):
+    """bf16x2 of (nibbles of bytes 2p and 2p + 1 of `shifted`) * s + b: `shifted` is the word or
     the word >> 4 (high nibbles). prmt puts the two bytes in the low bytes of two 16-bit lanes,
     lop3 keeps the nibble and ORs in bf16 128.0 (the lane is exactly 128 + q), sub takes the
     128 off exactly, fma applies scale and bias with one rounding."""
     i32 = ir.IntegerType.get_signless(32)
-    sel = (0x4140, 0x4342)[byte_pair]
     return llvm.inline_asm(
         i32, [shifted, s, b],
         f"""{{
         .reg .b32 t, sb, bb, magic;
         mov.b32 magic, 0x43004300;
-        prmt.b32 t, $1, 0, {sel:#x};
+        prmt.b32 t, $1, 0, {_PAIR_SELECT[byte_pair]:#x};
         lop3.b32 t, t, 0x000F000F, magic, 0xEA;
         sub.bf16x2 t, t, magic;
         cvt.rn.bf16x2.f32 sb, $2, $2;
@@ -92,64 +102,159 @@ def _dequant_asm(word, shifted, byte_pair: int, s, b):
         "=r,r,f,f")
 
 
+def _q8_0_asm(word, byte_pair: int, s):
+    """bf16x2 of (signed bytes 2p and 2p + 1 of `word`) * s. After prmt, one lop3 makes the
+    lane bf16 128 + (v & 0x7f), the other 128 + (v & 0x80), i.e. 128 or 256 (bit 7 lands on
+    the exponent's lowest bit): their difference is v, exact; mul applies the scale with one
+    rounding."""
+    i32 = ir.IntegerType.get_signless(32)
+    return llvm.inline_asm(
+        i32, [word, s],
+        f"""{{
+        .reg .b32 t, lo, hi, sb, magic;
+        mov.b32 magic, 0x43004300;
+        prmt.b32 t, $1, 0, {_PAIR_SELECT[byte_pair]:#x};
+        lop3.b32 lo, t, 0x007F007F, magic, 0xEA;
+        lop3.b32 hi, t, 0x00800080, magic, 0xEA;
+        sub.bf16x2 t, lo, hi;
+        cvt.rn.bf16x2.f32 sb, $2, $2;
+        mul.rn.bf16x2 $0, t, sb;
+        }}""",
+        "=r,r,f")
+
+
 _BF16_SUPERBLOCK = plgpu.ShapeDtypeStruct((_ROWS, 256), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
 
 
+def _fragment(regs) -> mgpu.FragmentedArray:
+    return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+
+def _empty_tile():
+    return np.empty(mgpu.WGMMA_LAYOUT.registers_shape((_ROWS, 256)), dtype=object)
+
+
+def _row_scalar(vec: mgpu.FragmentedArray, r: int):
+    """Row r (0: the thread's row, 1: that row + 8) of a per-row vector, as a scalar."""
+    return vector.extract(vec.registers.flat[r], [], [0])
+
+
+def _set(regs, col_block: int, r: int, reg):
+    pair_ty = ir.VectorType.get((2,), ir.BF16Type.get())
+    regs[0, col_block, 0, 0, r, 0, 0, 0, 0] = mgpu.utils.bitcast(reg, pair_ty)
+
+
 @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, (_WG_ROWS,) * 8, (_WG_ROWS,) * 8), return_type=_BF16_SUPERBLOCK)
-def _dequant_superblock(ctx, words, scales, biases):
+def _dequant_q4_k(ctx, words, scales, biases):
     """(64, 32) int32 words of one Q4_K super-block per row (chunk c = words 8c..8c+7), the
     row's scale and bias per sub-block -> the (64, 256) bf16 A tile, chunk c in columns
     64c..64c+63 in chunk_order()."""
     del ctx
-    bf16, i32 = ir.BF16Type.get(), ir.IntegerType.get_signless(32)
-    pair_ty = ir.VectorType.get((2,), bf16)
-    regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((_ROWS, 256)), dtype=object)
-    scalar = lambda fa, r: vector.extract(fa.registers.flat[r], [], [0])
+    i32 = ir.IntegerType.get_signless(32)
+    regs = _empty_tile()
     for r in range(2):
         for c in range(4):
             wv = words.registers[0, c, 0, 0, r, 0, 0, 0, 0]
-            sb = [(scalar(scales[2 * c + h], r), scalar(biases[2 * c + h], r)) for h in range(2)]
+            sb = [(_row_scalar(scales[2 * c + h], r), _row_scalar(biases[2 * c + h], r)) for h in range(2)]
             for w in range(2):
                 word = vector.extract(wv, [], [w])
                 shifted = (word, mgpu.utils.arith.shrui(word, mgpu.utils.c(4, i32)))
                 for b in range(4 * w, 4 * w + 4):
-                    h, p = (b >> 1) & 1, b & 1
-                    reg = _dequant_asm(word, shifted[h], p, *sb[h])
-                    regs[0, 8 * c + b, 0, 0, r, 0, 0, 0, 0] = mgpu.utils.bitcast(reg, pair_ty)
-    return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+                    h = (b >> 1) & 1
+                    _set(regs, 8 * c + b, r, _q4_k_asm(shifted[h], b & 1, *sb[h]))
+    return _fragment(regs)
 
 
-def _kernel(x_ref, qs_ref, d_ref, dmin_ref, cs_ref, o_ref, o_smem, *, bps: int, stages: int, m_tile: int):
-    """One program: 64 weight rows, super-blocks [s * bps, (s + 1) * bps) of K."""
-    n_idx = lax.axis_index("n")
-    s_idx = lax.axis_index("s")
-    rows = pl.ds(n_idx * _ROWS, _ROWS)
-    row_vec = lambda ref: plgpu.load(ref, layout=_WG_ROWS, optimized=False)
+@plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, (_WG_ROWS,) * 8), return_type=_BF16_SUPERBLOCK)
+def _dequant_q8_0(ctx, words, scales):
+    """(64, 64) int32 words of eight Q8_0 blocks per row (block g = words 8g..8g+7), the row's
+    float32 scale per block -> the (64, 256) bf16 A tile, chunk c (blocks 2c, 2c + 1) in columns
+    64c..64c+63 in chunk_order()."""
+    del ctx
+    regs = _empty_tile()
+    for r in range(2):
+        for g in range(8):
+            wv = words.registers[0, g, 0, 0, r, 0, 0, 0, 0]
+            s = _row_scalar(scales[g], r)
+            c, h = g >> 1, g & 1
+            for t in range(2):
+                word = vector.extract(wv, [], [t])
+                for p in range(2):
+                    _set(regs, 8 * c + 4 * t + 2 * h + p, r, _q8_0_asm(word, p, s))
+    return _fragment(regs)
 
-    def load_scales(i):
-        sb = s_idx * bps + jnp.minimum(i, bps - 1)
-        return (row_vec(d_ref.at[rows, sb]), row_vec(dmin_ref.at[rows, sb]),
-                tuple(row_vec(cs_ref.at[rows, sb, c]) for c in range(4)))
 
-    def body(idx, qs_smem, x_smem, carry):
-        (i,) = idx
-        acc, (d, dmin, cs_all) = carry
-        nxt = load_scales(i + 1)
+@dataclasses.dataclass(frozen=True)
+class _Format:
+    """What the kernel needs to know of a weight type: the int32 words of quants per
+    super-block (256 values) and row, the scale planes it reads (`_operands`), and how one
+    super-block's scales become the dequantizer's arguments."""
+    words: int
+    n_scale_planes: int
+
+    def load_scales(self, refs, rows, sb):
+        raise NotImplementedError
+
+    def dequantize(self, words, scales):
+        raise NotImplementedError
+
+
+class _Q4_K(_Format):
+    def load_scales(self, refs, rows, sb):
+        d_ref, dmin_ref, cs_ref = refs
+        return (_row_vec(d_ref.at[rows, sb]), _row_vec(dmin_ref.at[rows, sb]),
+                tuple(_row_vec(cs_ref.at[rows, sb, c]) for c in range(4)))
+
+    def dequantize(self, words, loaded):
+        d, dmin, cs_all = loaded
         d, dmin = d.astype(jnp.float32), dmin.astype(jnp.float32)
         scales, biases = [], []
         for cs in cs_all:
             for h in range(2):
                 scales.append(d * ((cs >> (8 * h)) & 0xFF).astype(jnp.float32))
                 biases.append(-dmin * ((cs >> (16 + 8 * h)) & 0xFF).astype(jnp.float32))
+        return _dequant_q4_k(words, tuple(scales), tuple(biases))
+
+
+class _Q8_0(_Format):
+    def load_scales(self, refs, rows, sb):
+        (d_ref,) = refs
+        return tuple(_row_vec(d_ref.at[rows, 8 * sb + g]) for g in range(8))
+
+    def dequantize(self, words, loaded):
+        return _dequant_q8_0(words, tuple(d.astype(jnp.float32) for d in loaded))
+
+
+_FORMATS = {QType.Q4_K: _Q4_K(words=32, n_scale_planes=3), QType.Q8_0: _Q8_0(words=64, n_scale_planes=1)}
+
+
+def _row_vec(ref):
+    return plgpu.load(ref, layout=_WG_ROWS, optimized=False)
+
+
+def _kernel(x_ref, qs_ref, *refs, fmt: _Format, bps: int, stages: int, m_tile: int):
+    """One program: 64 weight rows, super-blocks [s * bps, (s + 1) * bps) of K."""
+    scale_refs, (o_ref, o_smem) = refs[:fmt.n_scale_planes], refs[fmt.n_scale_planes:]
+    n_idx = lax.axis_index("n")
+    s_idx = lax.axis_index("s")
+    rows = pl.ds(n_idx * _ROWS, _ROWS)
+
+    def load_scales(i):
+        return fmt.load_scales(scale_refs, rows, s_idx * bps + jnp.minimum(i, bps - 1))
+
+    def body(idx, qs_smem, x_smem, carry):
+        (i,) = idx
+        acc, scales = carry
+        nxt = load_scales(i + 1)
         words = plgpu.load(qs_smem, layout=plgpu.Layout.WGMMA, optimized=False)
-        a = _dequant_superblock(words, tuple(scales), tuple(biases))
+        a = fmt.dequantize(words, scales)
         acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a, x_smem.transpose((1, 0))))(plgpu.ACC.init(acc))
         return acc, nxt
 
     x_tf = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     pipeline = plgpu.emit_pipeline(
         body, grid=(bps,), max_concurrent_steps=stages,
-        in_specs=[plgpu.BlockSpec((_ROWS, 32), lambda i: (0, s_idx * bps + i)),
+        in_specs=[plgpu.BlockSpec((_ROWS, fmt.words), lambda i: (0, s_idx * bps + i)),
                   plgpu.BlockSpec((m_tile, 256), lambda i: (0, s_idx * bps + i), transforms=x_tf)],
         init_carry=(plgpu.layout_cast(jnp.zeros((_ROWS, m_tile), jnp.float32), plgpu.Layout.WGMMA),
                     load_scales(0)))
@@ -160,16 +265,23 @@ def _kernel(x_ref, qs_ref, d_ref, dmin_ref, cs_ref, o_ref, o_smem, *, bps: int, 
     plgpu.wait_smem_to_gmem(0)
 
 
+def supports_shape(n: int, k: int) -> bool:
+    """N a multiple of 64 (one wgmma tile), K of 256 (a Q4_K super-block, 8 Q8_0 blocks)."""
+    return n % _ROWS == 0 and k % 256 == 0
+
+
 def supports(w) -> bool:
-    """Q4_K in the GPU layout (Q4_KChunks), N a multiple of 64."""
-    return (isinstance(w, QTensor) and w.qtype == QType.Q4_K and isinstance(w.planes, Q4_KChunks)
-            and w.shape[0] % _ROWS == 0 and w.shape[1] % 256 == 0)
+    """Q4_K in the GPU layout (Q4_KChunks) or Q8_0, of a shape `supports_shape` takes."""
+    return (isinstance(w, QTensor) and w.qtype in _FORMATS
+            and (w.qtype != QType.Q4_K or isinstance(w.planes, Q4_KChunks)) and supports_shape(*w.shape))
 
 
 def default_config(n: int, k: int) -> WgmmaConfig:
-    """The most super-blocks per program (8, 4, 2, 1 dividing K's) that still give about
-    PROGRAMS programs. H100, 14336x4096 at M=16 (notes): 8 per program and 2 stages 18.7 us,
-    2 or 4 per program 19.0-19.4, 4 stages 23-24."""
+    """The most super-blocks per program (8, 4, 2, 1 dividing K's) that still give
+    PROGRAMS programs. H100 at M=16 (notes, sessions 15-16): Q4_K 14336x4096 8 per program and
+    2 stages 18.7 us, 2 or 4 per program 19.0-19.4, 4 stages 23-24; 4096x4096 4 per program
+    (256 programs) 7.4 us, 2 (512) 7.8, and Q8_0 9.6 against 11.4; Q8_0 16384x2048 8 per
+    program (256) 15.9 against 17.8 with 4, where Q4_K lost 2.5%."""
     nb, tiles = k // 256, n // _ROWS
     for bps in (8, 4, 2):
         if nb % bps == 0 and tiles * (nb // bps) >= PROGRAMS:
@@ -181,33 +293,41 @@ def _m_tile(m: int) -> int:
     return max(16, pl.next_power_of_2(m))
 
 
+def _words(plane, n: int, k: int):
+    """A quant plane as (N, words per row) int32, whether it is in words already or bytes."""
+    if plane.dtype == jnp.int32:
+        return plane.reshape(n, -1)
+    return lax.bitcast_convert_type(plane.reshape(n, -1, 4), jnp.int32)
+
+
 def _operands(x, w: QTensor, m_tile: int):
-    """x padded to m_tile rows and permuted into chunk_order; the quants as (N, K / 8) words."""
+    """x padded to m_tile rows and permuted into chunk_order; the quants as (N, K / 8) words
+    (Q8_0: K / 4); the scale planes per row."""
     n, k = w.shape
     m = x.shape[0]
     xp = jnp.pad(x, ((0, m_tile - m), (0, 0))) if m_tile != m else x
     xp = xp.reshape(m_tile, k // 64, 64)[:, :, chunk_order()].reshape(m_tile, k)
     p = w.planes
-    qs = p.qs.reshape(n, k // 8) if p.qs.dtype == jnp.int32 else lax.bitcast_convert_type(
-        p.qs.reshape(n, k // 8, 4), jnp.int32)
+    if w.qtype == QType.Q8_0:
+        return xp, _words(p.qs, n, k), p.d.reshape(n, k // 32)
     nb = k // 256
-    return xp, qs, p.d.reshape(n, nb), p.dmin.reshape(n, nb), p.chunk_scales.reshape(n, nb, 4)
+    return xp, _words(p.qs, n, k), p.d.reshape(n, nb), p.dmin.reshape(n, nb), p.chunk_scales.reshape(n, nb, 4)
 
 
 def _check(x, w, cfg):
     if not supports(w):
-        raise NotImplementedError(f"wgmma_q4_k: no kernel for {getattr(w, 'qtype', None)} {getattr(w, 'shape', None)} "
-                                  f"in layout {type(getattr(w, 'planes', None)).__name__} (Q4_K in the GPU layout, "
-                                  f"N a multiple of {_ROWS})")
+        raise NotImplementedError(f"wgmma_matmul: no kernel for {getattr(w, 'qtype', None)} {getattr(w, 'shape', None)} "
+                                  f"in layout {type(getattr(w, 'planes', None)).__name__} (Q4_K in the GPU layout or "
+                                  f"Q8_0, N a multiple of {_ROWS}, K of 256)")
     n, k = w.shape
     if x.ndim != 2 or x.shape[1] != k or not 1 <= x.shape[0] <= MAX_M or x.dtype != jnp.bfloat16:
-        raise ValueError(f"wgmma_q4_k: x {x.dtype} {x.shape} for weight {w.shape}: bf16, 1..{MAX_M} rows")
+        raise ValueError(f"wgmma_matmul: x {x.dtype} {x.shape} for weight {w.shape}: bf16, 1..{MAX_M} rows")
     if (k // 256) % cfg.blocks_per_split:
-        raise ValueError(f"wgmma_q4_k: {k // 256} super-blocks do not split into {cfg.blocks_per_split}s")
+        raise ValueError(f"wgmma_matmul: {k // 256} super-blocks do not split into {cfg.blocks_per_split}s")
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "partials"))
-def wgmma_q4_k(x: jax.Array, w: QTensor, cfg: WgmmaConfig | None = None, partials: bool = False) -> jax.Array:
+def wgmma_matmul(x: jax.Array, w: QTensor, cfg: WgmmaConfig | None = None, partials: bool = False) -> jax.Array:
     """x (M, K) bf16 @ dequantize(w).T -> (M, N) bf16; with `partials` the split-K partial sums
     (splits, M, N) in float32, for the consumer to add (XLA fuses the sum and the transpose)."""
     cfg = cfg or default_config(*w.shape)
@@ -215,12 +335,14 @@ def wgmma_q4_k(x: jax.Array, w: QTensor, cfg: WgmmaConfig | None = None, partial
     n, k = w.shape
     m, m_tile, bps = x.shape[0], _m_tile(x.shape[0]), cfg.blocks_per_split
     splits = k // 256 // bps
+    fmt = _FORMATS[w.qtype]
 
-    def wgmma_q4_k_kernel(*refs):   # the name profiles show
-        _kernel(*refs, bps=bps, stages=cfg.stages, m_tile=m_tile)
+    def kernel(*refs):
+        _kernel(*refs, fmt=fmt, bps=bps, stages=cfg.stages, m_tile=m_tile)
+    kernel.__name__ = f"wgmma_{w.qtype.name.lower()}_kernel"   # the name profiles show
 
     out = plgpu.kernel(
-        wgmma_q4_k_kernel,
+        kernel,
         out_type=jax.ShapeDtypeStruct((splits, n, m_tile), jnp.float32),
         grid=(n // _ROWS, splits),
         grid_names=("n", "s"),
@@ -230,28 +352,41 @@ def wgmma_q4_k(x: jax.Array, w: QTensor, cfg: WgmmaConfig | None = None, partial
     return out if partials else out.sum(axis=0).astype(x.dtype)
 
 
-def reference_arithmetic(x: jax.Array, w: QTensor, cfg: WgmmaConfig | None = None) -> jax.Array:
-    """The kernel's arithmetic in jnp, step for step, for the CPU: x permuted into chunk_order,
-    the weight unpacked from the same words in the same order, scale and bias rounded to bf16,
-    q * s + b rounded once to bf16, float32 products summed per split. (splits, M, N) float32."""
-    cfg = cfg or default_config(*w.shape)
-    _check(x, w, cfg)
+def _dequantized_in_tile_order(w: QTensor, qs, scales) -> jax.Array:
+    """The kernel's bf16 weight, (N, K) with every 64-value chunk in chunk_order."""
     n, k = w.shape
-    m, nb = x.shape[0], k // 256
-    xp, qs, d, dmin, cs = _operands(x, w, m)
+    nb = k // 256
+    f32, bf16 = jnp.float32, jnp.bfloat16
     col = np.arange(64)
     b, j, e = col // 8, (col % 8) // 2, col % 2
+    if w.qtype == QType.Q8_0:
+        (d,) = scales
+        v = lax.bitcast_convert_type(qs, jnp.int8).reshape(n, k // 64, 64)[:, :, chunk_order()]
+        s = d.astype(f32).astype(bf16).reshape(n, k // 64, 2)[..., (b >> 1) & 1]
+        return (v.astype(f32) * s.astype(f32)).astype(bf16).reshape(n, k)
+    d, dmin, cs = scales
     word = 2 * j + (b >> 2)                       # of the chunk's 8
     shift = 8 * (2 * (b & 1) + e) + 4 * ((b >> 1) & 1)
-    words = qs.reshape(n, nb, 4, 8)
-    q = (words[..., word] >> shift) & 0xF         # (n, nb, 4, 64) in the tile's column order
+    q = (qs.reshape(n, nb, 4, 8)[..., word] >> shift) & 0xF     # (n, nb, 4, 64) in tile order
     h = (b >> 1) & 1                              # sub-block 2c + h of each column
     sc = (cs[..., None] >> (8 * h)) & 0xFF        # (n, nb, 4, 64)
     mn = (cs[..., None] >> (16 + 8 * h)) & 0xFF
-    f32, bf16 = jnp.float32, jnp.bfloat16
     s = (d[..., None, None].astype(f32) * sc.astype(f32)).astype(bf16)
     bias = (-dmin[..., None, None].astype(f32) * mn.astype(f32)).astype(bf16)
-    wq = (q.astype(f32) * s.astype(f32) + bias.astype(f32)).astype(bf16).reshape(n, k)
-    prods = xp.astype(f32).reshape(m, k // 256 // cfg.blocks_per_split, -1)
-    wsplit = wq.astype(f32).reshape(n, prods.shape[1], -1)
+    return (q.astype(f32) * s.astype(f32) + bias.astype(f32)).astype(bf16).reshape(n, k)
+
+
+def reference_arithmetic(x: jax.Array, w: QTensor, cfg: WgmmaConfig | None = None) -> jax.Array:
+    """The kernel's arithmetic in jnp, step for step, for the CPU: x permuted into chunk_order,
+    the weight unpacked from the same words in the same order, scales (and Q4_K's biases)
+    rounded to bf16, each weight rounded once to bf16, float32 products summed per split.
+    (splits, M, N) float32."""
+    cfg = cfg or default_config(*w.shape)
+    _check(x, w, cfg)
+    n, k = w.shape
+    m = x.shape[0]
+    xp, qs, *scales = _operands(x, w, m)
+    wq = _dequantized_in_tile_order(w, qs, scales)
+    prods = xp.astype(jnp.float32).reshape(m, k // 256 // cfg.blocks_per_split, -1)
+    wsplit = wq.astype(jnp.float32).reshape(n, prods.shape[1], -1)
     return jnp.einsum("msk,nsk->smn", prods, wsplit, precision=lax.Precision.HIGHEST)
