@@ -162,7 +162,8 @@ BF16X2_TILES = dict(block_n=64, values_per_step=256, programs=448, num_warps=4, 
 # WGMMA_MIN_VALUES[type] keep the Triton kernel: x's permutation into the kernel's K order is an
 # XLA kernel of its own, which cost llama-1b's small Q4_K products what the kernel gained. Q8_0
 # takes every size: its Triton path runs 1.7-2.2x its one-row time, not bf16x2's 1.2-2x, and
-# llama-1b Q8_0 decoded 2-3% faster with its small products on the kernel than off it.
+# llama-1b Q8_0 decoded 2-3% faster with its small products on the kernel (and as words) than
+# with both from 2**24 values.
 WGMMA_MAX_M = MAX_M
 WGMMA_MIN_VALUES = {QType.Q4_K: 2**24, QType.Q8_0: 0}
 # Weights held as int32 words on the GPU (`reads_words`), from this many values up. Q8_0 where
