@@ -130,11 +130,11 @@ def test_bf16x2_dequantization_gpu(qtype, cfg, m, n, nb):
     assert _rel(sums.sum(axis=0), want.sum(axis=0)) < 1e-3
 
 
-@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q8_0])
-@pytest.mark.parametrize("m,n,nb,bps", [(5, 64, 1, 1), (16, 128, 8, 4), (16, 192, 16, 8), (33, 64, 4, 2),
-                                        (64, 128, 2, 1)])
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q8_0, QType.Q6_K])
+@pytest.mark.parametrize("m,n,nb,bps", [(1, 64, 2, 2), (5, 64, 1, 1), (16, 128, 8, 4), (16, 192, 16, 8),
+                                        (33, 64, 4, 2), (64, 128, 2, 1)])
 def test_wgmma_gpu(m, n, nb, bps, qtype):
-    """The Mosaic GPU wgmma kernel (Q4_K and Q8_0, GPU layout): against gguf-py's dequantized product,
+    """The Mosaic GPU wgmma kernel (Q4_K, Q8_0, Q6_K; GPU layout): against gguf-py's dequantized product,
     and against the same arithmetic in jnp (`reference_arithmetic`, float32 partial sums per
     split), which leaves only the order of the float32 additions to differ."""
     from pallas_kernels.quant_matmul import gemv
@@ -159,5 +159,7 @@ def test_wgmma_gpu(m, n, nb, bps, qtype):
         assert w.planes.qs.dtype == jnp.int32 and as_bytes.planes.qs.dtype == jnp.int8
         np.testing.assert_array_equal(np.asarray(wg.wgmma_matmul(x, as_bytes, cfg, partials=True), np.float64), sums)
     with mock.patch.dict(gemv.WGMMA_MIN_VALUES, dict.fromkeys(gemv.WGMMA_MIN_VALUES, 0)):   # through the dispatch, at these small sizes
+        if m < gemv.WGMMA_MIN_M[qtype]:
+            return
         assert gemv.uses_wgmma(w, m, x, interpret=False)
         assert _rel(qmatmul(x, w), dequantized_product(x, raw)) < 1e-2

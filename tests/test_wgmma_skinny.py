@@ -43,7 +43,7 @@ def test_chunk_order_follows_the_wgmma_fragments():
         assert (order[col], order[col + 1]) == (32 * nibble + byte, 32 * nibble + byte + 1)
 
 
-@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q8_0])
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q8_0, QType.Q6_K])
 @pytest.mark.parametrize("m,n,k,bps", [(16, 128, 2048, 8), (5, 64, 512, 1), (33, 192, 4096, 4), (64, 64, 256, 1)])
 def test_reference_arithmetic_against_gguf(m, n, k, bps, qtype):
     raw, w = _weight(n, k, seed=m + n, qtype=qtype)
@@ -98,6 +98,17 @@ def test_q8_0_bytes_read_as_the_same_words():
                                   np.asarray(wg.reference_arithmetic(x, words)))
 
 
+def test_q6_k_words_and_bytes_alike():
+    """A GPU model holds small Q6_K weights as bytes, LM heads as words: the same operands."""
+    from rjax.quant.words import as_words
+
+    raw, _ = _weight(64, 512, seed=6, qtype=QType.Q6_K)
+    as_bytes = jax.tree.map(jnp.asarray, raw)
+    x = _x(8, 512)
+    np.testing.assert_array_equal(np.asarray(wg.reference_arithmetic(x, as_bytes)),
+                                  np.asarray(wg.reference_arithmetic(x, as_words(as_bytes))))
+
+
 def test_default_config_splits_k_for_programs():
     assert wg.default_config(14336, 4096) == wg.WgmmaConfig(blocks_per_split=8)   # 224 x 2 programs
     assert wg.default_config(4096, 14336).blocks_per_split == 8                    # 64 x 7
@@ -120,7 +131,9 @@ def test_dispatch():
         assert not gemv.uses_wgmma(jax.tree.map(jnp.asarray, raw), 16, x, interpret=False)  # the file's layout
         assert not gemv.uses_wgmma(_weight(96, 512)[1], 16, x, interpret=False)             # N % 64
         assert gemv.uses_wgmma(_weight(128, 512, qtype=QType.Q8_0)[1], 16, x, interpret=False)
-        assert not gemv.uses_wgmma(_weight(128, 512, qtype=QType.Q6_K)[1], 16, x, interpret=False)
+        q6_k = _weight(128, 512, qtype=QType.Q6_K)[1]
+        assert gemv.uses_wgmma(q6_k, 16, x, interpret=False) and gemv.uses_wgmma(q6_k, 1, x[:1], interpret=False)
+        assert not gemv.uses_wgmma(_weight(128, 512, qtype=QType.Q5_K)[1], 16, x, interpret=False)
         assert not gemv.uses_wgmma(_weight(128, 288, qtype=QType.Q8_0)[1], 16, _x(16, 288), interpret=False)  # K % 256
         assert not gemv.uses_wgmma(w, 16, GatedX(jnp.concatenate([x, x], 1), "silu"), interpret=False)
         with mock.patch.object(gemv, "WGMMA_MAX_M", 0):
@@ -146,7 +159,8 @@ def test_refusals():
         wg.wgmma_matmul(_x(16, 512), w, wg.WgmmaConfig(blocks_per_split=4))
 
 
-@pytest.mark.parametrize("qtype,op", [(QType.Q4_K, "fma.rn.bf16x2"), (QType.Q8_0, "mul.rn.bf16x2")])
+@pytest.mark.parametrize("qtype,op", [(QType.Q4_K, "fma.rn.bf16x2"), (QType.Q8_0, "mul.rn.bf16x2"),
+                                      (QType.Q6_K, "%laneid")])
 def test_lowers_to_mosaic_gpu_for_h100(qtype, op):
     """Traced and lowered to a Mosaic GPU custom call with the inline PTX and wgmma, at every
     M tile (16, 32, 64) and with one and several splits."""

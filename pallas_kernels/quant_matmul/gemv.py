@@ -5,7 +5,7 @@ dequantized on chip, by one of four kernels:
   activations, the types and row counts where it measured faster (`uses_int8`);
 - int8_mma.py: int8-quantized activations on the tensor cores' integer MMA, for Q8_0 and Q4_K
   at more rows than the dp4a kernel takes (`int8_path`);
-- wgmma_skinny.py: Q4_K and Q8_0 against bf16 activations on Hopper's wgmma (Mosaic GPU), the weight
+- wgmma_skinny.py: Q4_K, Q8_0 and Q6_K against bf16 activations on Hopper's wgmma (Mosaic GPU), the weight
   dequantized straight into the MMA's register operand, from 2 rows up off the int8 kernels
   (`uses_wgmma`);
 - kernel.py: the float kernel with one M tile (CUDA-core FMAs or tensor-core MMAs), for
@@ -154,18 +154,24 @@ MMA_MAX_M = {QType.Q4_K: 16, QType.Q8_0: 8}
 # against 7,766. 0 turns it off.
 BF16X2_MAX_M = MAX_M
 BF16X2_TILES = dict(block_n=64, values_per_step=256, programs=448, num_warps=4, num_stages=2)
-# Q4_K and Q8_0 products (GPU layout, bf16 x, N a multiple of 64) of up to this many rows off
+# Q4_K, Q8_0 and Q6_K products (GPU layout, bf16 x, N a multiple of 64) of up to this many rows off
 # the int8 kernel go to the Mosaic GPU wgmma kernel (wgmma_skinny.py) instead of the float
 # kernel on the GPU. H100, GPU kernel time at M=16 (notes, sessions 15-16): Q4_K 14336x4096 18.7
 # against 30.6 us for bf16x2, 4096x14336 19.5 against 31.4; Q8_0 14336x4096 28.8 against 46.2
-# (float32 path), 4096x14336 29.6 against 50.8. 0 turns it off. Smaller weights than
+# (float32 path), 4096x14336 29.6 against 50.8; Q6_K 4096x14336 26.3 against 65.8, its
+# 128256x4096 LM head 177 against 379. 0 turns it off. Smaller weights than
 # WGMMA_MIN_VALUES[type] keep the Triton kernel: x's permutation into the kernel's K order is an
 # XLA kernel of its own, which cost llama-1b's small Q4_K products what the kernel gained. Q8_0
 # takes every size: its Triton path runs 1.7-2.2x its one-row time, not bf16x2's 1.2-2x, and
 # llama-1b Q8_0 decoded 2-3% faster with its small products on the kernel (and as words) than
-# with both from 2**24 values.
+# with both from 2**24 values. Q6_K's Triton path is the float32 one too (2-2.2x its M=1 time).
 WGMMA_MAX_M = MAX_M
-WGMMA_MIN_VALUES = {QType.Q4_K: 2**24, QType.Q8_0: 0}
+WGMMA_MIN_VALUES = {QType.Q4_K: 2**24, QType.Q8_0: 0, QType.Q6_K: 0}
+# The fewest rows the wgmma kernel takes, by type. Q6_K from one row (below the int8 GEMV's
+# LM-head sizes): one row padded to 16 ran 1.7-2x faster than the CUDA-core FMA tiles (H100,
+# session 16: 4096x14336 25.8 against 48.5 us, 4096x4096 8.6 against 15.0, 1024x4096 4.0
+# against 7.1). Not yet A/B'd end to end: no synthetic model has Q6_K matrices (notes).
+WGMMA_MIN_M = {QType.Q4_K: 2, QType.Q8_0: 2, QType.Q6_K: 1}
 # Weights held as int32 words on the GPU (`reads_words`), from this many values up. Q8_0 where
 # the wgmma kernel takes its M > 4 products: its M=1 int8 GEMV ran 3-6% faster on words (H100,
 # session 16), the wgmma kernel the same, the float kernel 15-28% slower (session 7).
@@ -284,9 +290,10 @@ def bf16x2_config(w: QTensor, m: int, dtype) -> TileConfig | None:
 
 def uses_wgmma(w: QTensor, m: int, x, interpret: bool) -> bool:
     """Whether x (m, K) @ w goes to the wgmma kernel: compiled for the GPU (it has no
-    interpreter), 2..WGMMA_MAX_M rows of plain bf16 x, a weight it supports of at least
-    WGMMA_MIN_VALUES values."""
-    return (not interpret and 2 <= m <= WGMMA_MAX_M and not isinstance(x, (GatedX, int8.QuantizedX))
+    interpreter), WGMMA_MIN_M..WGMMA_MAX_M rows of plain bf16 x, a weight it supports of at
+    least WGMMA_MIN_VALUES values."""
+    return (not interpret and WGMMA_MIN_M.get(w.qtype, 2) <= m <= WGMMA_MAX_M
+            and not isinstance(x, (GatedX, int8.QuantizedX))
             and jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16) and wgmma.supports(w)
             and w.shape[0] * w.shape[1] >= WGMMA_MIN_VALUES[w.qtype])
 

@@ -1,7 +1,7 @@
-"""Skinny GEMM for Q4_K and Q8_0 on Hopper's wgmma, through Pallas's Mosaic GPU lowering: x
-(M = 2..64 rows, bf16) @ dequantize(w).T for a weight in the GPU layout (Q4_K as Q4_KChunks,
-quants as words). Batched decode and short prefill chunks; one row stays on the int8 GEMV
-(int8_gemv.py).
+"""Skinny GEMM for Q4_K, Q8_0 and Q6_K on Hopper's wgmma, through Pallas's Mosaic GPU
+lowering: x (M = 1..64 rows, bf16) @ dequantize(w).T for a weight in the GPU layout (Q4_K as
+Q4_KChunks; quants as words or bytes). Batched decode and short prefill chunks; one row stays
+on the int8 GEMV (int8_gemv.py) but for Q6_K below LM-head sizes (`gemv.WGMMA_MIN_M`).
 
 The Triton kernel's tensor-core path (kernel.py) dequantizes a tile into registers in Triton's
 layout, then moves it through shared memory into the MMA's operand layout, and Triton's
@@ -17,15 +17,20 @@ M=16 took twice the M=1 time (benchmarks/NOTES-quant_matmul.md, session 14). Her
   weight. Q8_0: a signed byte v does not fit that trick (128 + v needs 9 bits of mantissa),
   so prmt, then two lop3 make bf16 128 + (v & 0x7f) and 128 + (v & 0x80) (128 or 256), whose
   difference is v exactly; mul by the block's bf16 scale: about 2.6 instructions per weight.
-  Both types put a 64-value chunk in the same K order (`chunk_order`), so x is permuted alike.
+  Q6_K: prmt the low-nibble and the high-bit bytes, two lop3 merge them into bf16 128 + q,
+  sub 160 gives q - 32, mul by d * the 16-value sub-block's scale: about 3.1 instructions per
+  weight; each thread picks the sub-block's scale by its place in the quad (`_q6_k_scale`).
+  All three types put a 64-value chunk in the same K order (`chunk_order`), so x is permuted
+  alike.
 - x is B, (M, 256) per super-block in shared memory, read transposed; the output tile is
   (64 weight rows, M), so results come transposed: (splits, N, M) float32 partial sums.
 - Quants and x stream through shared memory on the TMA engine (`stages` super-blocks in flight,
   `plgpu.emit_pipeline`); the scales (20 bytes per row and super-block, too narrow for TMA)
-  are loaded into registers one super-block ahead; so are Q8_0's eight f16 block scales.
+  are loaded into registers one super-block ahead; so are Q8_0's eight f16 block scales and
+  Q6_K's sixteen int8 ones (as four words) and d.
 
 Numerics: as the Triton kernel's bf16x2 path: scale and bias rounded to bf16, then one rounding
-of q * s + b (Q8_0: of v * s); float32 accumulation.
+of q * s + b (Q8_0 and Q6_K: of v * s); float32 accumulation.
 
 Mosaic GPU, not Triton: Triton cannot hand registers to the MMA in a layout of our choosing.
 The kernel does not run in Mosaic GPU's interpreter (inline Mosaic code and wgmma operands from
@@ -72,6 +77,7 @@ def chunk_order() -> np.ndarray:
       block b takes word 2j + (b >> 2), nibble (b >> 1) & 1, bytes 2 (b & 1) + e.
     - Q8_0 (two 32-value blocks of 8 words): words 2j and 2j + 1 of each block; column block b
       takes block (b >> 1) & 1, its word 2j + (b >> 2), bytes 2 (b & 1) + e: the same order.
+    - Q6_K (32-value groups g of 128-value halves): see `_dequant_q6_k`; again the same order.
     x is permuted the same way."""
     col = np.arange(64)
     b, j, e = col // 8, (col % 8) // 2, col % 2
@@ -184,12 +190,92 @@ def _dequant_q8_0(ctx, words, scales):
     return _fragment(regs)
 
 
+def _q6_k_scale(word, d, byte_base: int):
+    """bf16x2 of d * the sub-block scale this thread's values take: signed byte
+    byte_base + (j >> 1) of `word`, j the thread's place in its quad (lane % 4), since the
+    thread's 32-value groups span two 16-value sub-blocks by j (`_dequant_q6_k`)."""
+    i32 = ir.IntegerType.get_signless(32)
+    return llvm.inline_asm(
+        i32, [word, d],
+        f"""{{
+        .reg .b32 k, sel, v;
+        .reg .f32 f;
+        mov.u32 k, %laneid;
+        bfe.u32 k, k, 1, 1;
+        add.u32 k, k, {byte_base};
+        or.b32 sel, k, 8;
+        mul.lo.u32 sel, sel, 0x1110;
+        or.b32 sel, sel, k;
+        prmt.b32 v, $1, 0, sel;
+        cvt.rn.f32.s32 f, v;
+        mul.f32 f, f, $2;
+        cvt.rn.bf16x2.f32 $0, f, f;
+        }}""",
+        "=r,r,f")
+
+
+def _q6_k_asm(low, high, byte_pair: int, s):
+    """bf16x2 of (6-bit quants of bytes 2p, 2p + 1 - 32) * s: `low` holds the 4 low bits in each
+    byte's low nibble, `high` the 2 high bits at bits 4-5. prmt both into two lanes, the lane
+    becomes bf16 128 + q exactly, sub 160 gives q - 32, mul applies the scale."""
+    i32 = ir.IntegerType.get_signless(32)
+    sel = _PAIR_SELECT[byte_pair]
+    return llvm.inline_asm(
+        i32, [low, high, s],
+        f"""{{
+        .reg .b32 t, h, magic, q160;
+        mov.b32 magic, 0x43004300;
+        mov.b32 q160, 0x43204320;
+        prmt.b32 t, $1, 0, {sel:#x};
+        prmt.b32 h, $2, 0, {sel:#x};
+        lop3.b32 h, h, 0x00300030, magic, 0xEA;
+        lop3.b32 t, t, 0x000F000F, h, 0xEA;
+        sub.bf16x2 t, t, q160;
+        mul.rn.bf16x2 $0, t, $3;
+        }}""",
+        "=r,r,r,r")
+
+
+@plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, (_WG_ROWS,) * 4, _WG_ROWS),
+                   return_type=_BF16_SUPERBLOCK)
+def _dequant_q6_k(ctx, ql, qh, scale_words, d):
+    """(64, 32) int32 words of a Q6_K super-block's low bits per row, (64, 16) of its high
+    bits, its 16 int8 scales as 4 words and d (float32) -> the (64, 256) bf16 A tile.
+
+    ggml's Q6_K: value 128n + 32g + l (half n, group g, l < 32) takes the low nibble (g < 2)
+    or high nibble (g >= 2) of ql byte 64n + 32 (g & 1) + l, bits 2g, 2g + 1 of qh byte
+    32n + l, scale 8n + 2g + l // 16. Thread j holds ql words 16n + 8 (g & 1) + 2j + t and qh
+    words 8n + 2j + t (t < 2), i.e. l = 8j + 4t + 2p + e: column block
+    8 (2n + (g >> 1)) + 4t + 2 (g & 1) + p then holds chunk_order's values, as Q4_K and Q8_0."""
+    del ctx
+    i32 = ir.IntegerType.get_signless(32)
+    shift = lambda w, op, n: op(w, mgpu.utils.c(n, i32))
+    shl, shr = mgpu.utils.arith.shli, mgpu.utils.arith.shrui
+    regs = _empty_tile()
+    for r in range(2):
+        dr = _row_scalar(d, r)
+        for n in range(2):
+            for t in range(2):
+                qh_w = vector.extract(qh.registers[0, n, 0, 0, r, 0, 0, 0, 0], [], [t])
+                highs = (shift(qh_w, shl, 4), shift(qh_w, shl, 2), qh_w, shift(qh_w, shr, 2))
+                for g in range(4):
+                    ql_w = vector.extract(ql.registers[0, 2 * n + (g & 1), 0, 0, r, 0, 0, 0, 0], [], [t])
+                    low = ql_w if g < 2 else shift(ql_w, shr, 4)
+                    sw = _row_scalar(scale_words[2 * n + (g >> 1)], r)
+                    s = _q6_k_scale(sw, dr, 2 * (g & 1))
+                    for p in range(2):
+                        col_block = 8 * (2 * n + (g >> 1)) + 4 * t + 2 * (g & 1) + p
+                        _set(regs, col_block, r, _q6_k_asm(low, highs[g], p, s))
+    return _fragment(regs)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Format:
-    """What the kernel needs to know of a weight type: the int32 words of quants per
-    super-block (256 values) and row, the scale planes it reads (`_operands`), and how one
-    super-block's scales become the dequantizer's arguments."""
-    words: int
+    """What the kernel needs to know of a weight type: the int32 words per super-block (256
+    values) and row of each quant plane it streams through shared memory, the number of
+    scale planes it reads from global memory (`_operands`), and how one super-block's scales
+    and quant words become the A tile."""
+    words: tuple[int, ...]
     n_scale_planes: int
 
     def load_scales(self, refs, rows, sb):
@@ -206,6 +292,7 @@ class _Q4_K(_Format):
                 tuple(_row_vec(cs_ref.at[rows, sb, c]) for c in range(4)))
 
     def dequantize(self, words, loaded):
+        (words,) = words
         d, dmin, cs_all = loaded
         d, dmin = d.astype(jnp.float32), dmin.astype(jnp.float32)
         scales, biases = [], []
@@ -222,19 +309,33 @@ class _Q8_0(_Format):
         return tuple(_row_vec(d_ref.at[rows, 8 * sb + g]) for g in range(8))
 
     def dequantize(self, words, loaded):
+        (words,) = words
         return _dequant_q8_0(words, tuple(d.astype(jnp.float32) for d in loaded))
 
 
-_FORMATS = {QType.Q4_K: _Q4_K(words=32, n_scale_planes=3), QType.Q8_0: _Q8_0(words=64, n_scale_planes=1)}
+class _Q6_K(_Format):
+    def load_scales(self, refs, rows, sb):
+        scales_ref, d_ref = refs
+        return tuple(_row_vec(scales_ref.at[rows, 4 * sb + i]) for i in range(4)), _row_vec(d_ref.at[rows, sb])
+
+    def dequantize(self, words, loaded):
+        ql, qh = words
+        scale_words, d = loaded
+        return _dequant_q6_k(ql, qh, scale_words, d.astype(jnp.float32))
+
+
+_FORMATS = {QType.Q4_K: _Q4_K(words=(32,), n_scale_planes=3), QType.Q8_0: _Q8_0(words=(64,), n_scale_planes=1),
+            QType.Q6_K: _Q6_K(words=(32, 16), n_scale_planes=2)}
 
 
 def _row_vec(ref):
     return plgpu.load(ref, layout=_WG_ROWS, optimized=False)
 
 
-def _kernel(x_ref, qs_ref, *refs, fmt: _Format, bps: int, stages: int, m_tile: int):
+def _kernel(x_ref, *refs, fmt: _Format, bps: int, stages: int, m_tile: int):
     """One program: 64 weight rows, super-blocks [s * bps, (s + 1) * bps) of K."""
-    scale_refs, (o_ref, o_smem) = refs[:fmt.n_scale_planes], refs[fmt.n_scale_planes:]
+    nq, ns = len(fmt.words), fmt.n_scale_planes
+    quant_refs, scale_refs, (o_ref, o_smem) = refs[:nq], refs[nq:nq + ns], refs[nq + ns:]
     n_idx = lax.axis_index("n")
     s_idx = lax.axis_index("s")
     rows = pl.ds(n_idx * _ROWS, _ROWS)
@@ -242,11 +343,10 @@ def _kernel(x_ref, qs_ref, *refs, fmt: _Format, bps: int, stages: int, m_tile: i
     def load_scales(i):
         return fmt.load_scales(scale_refs, rows, s_idx * bps + jnp.minimum(i, bps - 1))
 
-    def body(idx, qs_smem, x_smem, carry):
-        (i,) = idx
-        acc, scales = carry
+    def body(idx, *args):
+        (i,), quant_smem, x_smem, (acc, scales) = idx, args[:nq], args[nq], args[nq + 1]
         nxt = load_scales(i + 1)
-        words = plgpu.load(qs_smem, layout=plgpu.Layout.WGMMA, optimized=False)
+        words = tuple(plgpu.load(q, layout=plgpu.Layout.WGMMA, optimized=False) for q in quant_smem)
         a = fmt.dequantize(words, scales)
         acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a, x_smem.transpose((1, 0))))(plgpu.ACC.init(acc))
         return acc, nxt
@@ -254,11 +354,11 @@ def _kernel(x_ref, qs_ref, *refs, fmt: _Format, bps: int, stages: int, m_tile: i
     x_tf = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     pipeline = plgpu.emit_pipeline(
         body, grid=(bps,), max_concurrent_steps=stages,
-        in_specs=[plgpu.BlockSpec((_ROWS, fmt.words), lambda i: (0, s_idx * bps + i)),
+        in_specs=[*(plgpu.BlockSpec((_ROWS, w), lambda i: (0, s_idx * bps + i)) for w in fmt.words),
                   plgpu.BlockSpec((m_tile, 256), lambda i: (0, s_idx * bps + i), transforms=x_tf)],
         init_carry=(plgpu.layout_cast(jnp.zeros((_ROWS, m_tile), jnp.float32), plgpu.Layout.WGMMA),
                     load_scales(0)))
-    acc, _ = pipeline(qs_ref.at[rows], x_ref)
+    acc, _ = pipeline(*(q.at[rows] for q in quant_refs), x_ref)
     o_smem[...] = acc
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, o_ref.at[s_idx, rows])
@@ -271,7 +371,7 @@ def supports_shape(n: int, k: int) -> bool:
 
 
 def supports(w) -> bool:
-    """Q4_K in the GPU layout (Q4_KChunks) or Q8_0, of a shape `supports_shape` takes."""
+    """Q4_K in the GPU layout (Q4_KChunks), Q8_0 or Q6_K, of a shape `supports_shape` takes."""
     return (isinstance(w, QTensor) and w.qtype in _FORMATS
             and (w.qtype != QType.Q4_K or isinstance(w.planes, Q4_KChunks)) and supports_shape(*w.shape))
 
@@ -301,24 +401,26 @@ def _words(plane, n: int, k: int):
 
 
 def _operands(x, w: QTensor, m_tile: int):
-    """x padded to m_tile rows and permuted into chunk_order; the quants as (N, K / 8) words
-    (Q8_0: K / 4); the scale planes per row."""
+    """x padded to m_tile rows and permuted into chunk_order; the quant planes as (N, words)
+    int32; the scale planes per row."""
     n, k = w.shape
     m = x.shape[0]
     xp = jnp.pad(x, ((0, m_tile - m), (0, 0))) if m_tile != m else x
     xp = xp.reshape(m_tile, k // 64, 64)[:, :, chunk_order()].reshape(m_tile, k)
     p = w.planes
+    nb = k // 256
     if w.qtype == QType.Q8_0:
         return xp, _words(p.qs, n, k), p.d.reshape(n, k // 32)
-    nb = k // 256
+    if w.qtype == QType.Q6_K:
+        return xp, _words(p.ql, n, k), _words(p.qh, n, k), _words(p.scales, n, k), p.d.reshape(n, nb)
     return xp, _words(p.qs, n, k), p.d.reshape(n, nb), p.dmin.reshape(n, nb), p.chunk_scales.reshape(n, nb, 4)
 
 
 def _check(x, w, cfg):
     if not supports(w):
         raise NotImplementedError(f"wgmma_matmul: no kernel for {getattr(w, 'qtype', None)} {getattr(w, 'shape', None)} "
-                                  f"in layout {type(getattr(w, 'planes', None)).__name__} (Q4_K in the GPU layout or "
-                                  f"Q8_0, N a multiple of {_ROWS}, K of 256)")
+                                  f"in layout {type(getattr(w, 'planes', None)).__name__} (Q4_K in the GPU layout, "
+                                  f"Q8_0 or Q6_K, N a multiple of {_ROWS}, K of 256)")
     n, k = w.shape
     if x.ndim != 2 or x.shape[1] != k or not 1 <= x.shape[0] <= MAX_M or x.dtype != jnp.bfloat16:
         raise ValueError(f"wgmma_matmul: x {x.dtype} {x.shape} for weight {w.shape}: bf16, 1..{MAX_M} rows")
@@ -352,19 +454,37 @@ def wgmma_matmul(x: jax.Array, w: QTensor, cfg: WgmmaConfig | None = None, parti
     return out if partials else out.sum(axis=0).astype(x.dtype)
 
 
-def _dequantized_in_tile_order(w: QTensor, qs, scales) -> jax.Array:
+def _q6_k_natural_order(qs, n: int, k: int):
+    """Q6_K's (N, K) quants (0..63) and scale indices per value, from the kernel's word
+    operands (ql, qh, scale words), as ggml lays them out (`_dequant_q6_k`)."""
+    ql, qh, scales = (lax.bitcast_convert_type(q, jnp.uint8).reshape(n, k // 256, -1) for q in qs)
+    v = np.arange(256)
+    half, g, l = v // 128, (v % 128) // 32, v % 32
+    low = (ql[..., 64 * half + 32 * (g & 1) + l].astype(jnp.int32) >> (4 * (g >> 1))) & 0xF
+    high = (qh[..., 32 * half + l].astype(jnp.int32) >> (2 * g)) & 3
+    sc = lax.bitcast_convert_type(scales, jnp.int8)[..., 8 * half + 2 * g + l // 16]
+    return (low | (high << 4)).reshape(n, k), sc.reshape(n, k)
+
+
+def _dequantized_in_tile_order(w: QTensor, operands) -> jax.Array:
     """The kernel's bf16 weight, (N, K) with every 64-value chunk in chunk_order."""
     n, k = w.shape
     nb = k // 256
     f32, bf16 = jnp.float32, jnp.bfloat16
+    tile_order = lambda a: a.reshape(n, k // 64, 64)[:, :, chunk_order()].reshape(n, k)
+    if w.qtype == QType.Q8_0:
+        qs, d = operands
+        v = lax.bitcast_convert_type(qs, jnp.int8).reshape(n, k)
+        s = jnp.repeat(d.astype(f32).astype(bf16), 32, axis=1)
+        return tile_order((v.astype(f32) * s.astype(f32)).astype(bf16))
+    if w.qtype == QType.Q6_K:
+        *qs, d = operands
+        q, sc = _q6_k_natural_order(qs, n, k)
+        s = (sc.astype(f32) * jnp.repeat(d.astype(f32), 256, axis=1)).astype(bf16)
+        return tile_order(((q - 32).astype(f32) * s.astype(f32)).astype(bf16))
+    qs, d, dmin, cs = operands
     col = np.arange(64)
     b, j, e = col // 8, (col % 8) // 2, col % 2
-    if w.qtype == QType.Q8_0:
-        (d,) = scales
-        v = lax.bitcast_convert_type(qs, jnp.int8).reshape(n, k // 64, 64)[:, :, chunk_order()]
-        s = d.astype(f32).astype(bf16).reshape(n, k // 64, 2)[..., (b >> 1) & 1]
-        return (v.astype(f32) * s.astype(f32)).astype(bf16).reshape(n, k)
-    d, dmin, cs = scales
     word = 2 * j + (b >> 2)                       # of the chunk's 8
     shift = 8 * (2 * (b & 1) + e) + 4 * ((b >> 1) & 1)
     q = (qs.reshape(n, nb, 4, 8)[..., word] >> shift) & 0xF     # (n, nb, 4, 64) in tile order
@@ -385,8 +505,8 @@ def reference_arithmetic(x: jax.Array, w: QTensor, cfg: WgmmaConfig | None = Non
     _check(x, w, cfg)
     n, k = w.shape
     m = x.shape[0]
-    xp, qs, *scales = _operands(x, w, m)
-    wq = _dequantized_in_tile_order(w, qs, scales)
+    xp, *operands = _operands(x, w, m)
+    wq = _dequantized_in_tile_order(w, operands)
     prods = xp.astype(jnp.float32).reshape(m, k // 256 // cfg.blocks_per_split, -1)
     wsplit = wq.astype(jnp.float32).reshape(n, prods.shape[1], -1)
     return jnp.einsum("msk,nsk->smn", prods, wsplit, precision=lax.Precision.HIGHEST)
