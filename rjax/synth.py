@@ -10,8 +10,11 @@ normalized input keeps an output RMS near 1. Norm weights are 1.0 (float32).
 Quantization mixes (`MIXES`): "matmul" is every attention/FFN matrix; "output" is the LM head,
 or the token embedding when the embedding is tied to it; "embed" is an untied embedding.
 
-    mix    matmul  embed  output   (as llama-quantize would write, roughly)
-    q4_k   Q4_K    Q4_K   Q6_K     (Q4_K_M without its Q6_K attn_v/ffn_down layers)
+    mix     matmul  embed  output   (as llama-quantize would write, roughly)
+    q4_k    Q4_K    Q4_K   Q6_K     (Q4_K_M without its Q6_K attn_v/ffn_down layers)
+    q4_k_m  Q4_K    Q4_K   Q6_K     and Q6_K attn_v and ffn_down where llama.cpp's Q4_K_M
+                                    gives them more bits: the first and last eighth of the
+                                    layers and every third one between (`more_bits_layer`)
     q8_0   Q8_0    Q8_0   Q8_0
     q4_0   Q4_0    Q4_0   Q6_K
     q4_1   Q4_1    Q4_1   Q8_0     (the default model's mix: Q4_1 with a tied Q8_0 embedding)
@@ -94,10 +97,17 @@ class QuantMix:
     embed: QType    # an untied token embedding
     output: QType   # the LM head, or the tied embedding that serves as it
     file_type: LlamaFileType
+    more_bits: QType | None = None   # attn_v and ffn_down of the `more_bits_layer` layers
+
+
+def more_bits_layer(i: int, n_layers: int) -> bool:
+    """llama.cpp's use_more_bits: the layers whose attn_v and ffn_down Q4_K_M stores as Q6_K."""
+    return i < n_layers // 8 or i >= 7 * n_layers // 8 or (i - n_layers // 8) % 3 == 2
 
 
 MIXES: dict[str, QuantMix] = {
     "q4_k": QuantMix(QType.Q4_K, QType.Q4_K, QType.Q6_K, LlamaFileType.MOSTLY_Q4_K_M),
+    "q4_k_m": QuantMix(QType.Q4_K, QType.Q4_K, QType.Q6_K, LlamaFileType.MOSTLY_Q4_K_M, more_bits=QType.Q6_K),
     "q8_0": QuantMix(QType.Q8_0, QType.Q8_0, QType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
     "q4_0": QuantMix(QType.Q4_0, QType.Q4_0, QType.Q6_K, LlamaFileType.MOSTLY_Q4_0),
     "q4_1": QuantMix(QType.Q4_1, QType.Q4_1, QType.Q8_0, LlamaFileType.MOSTLY_Q4_1),
@@ -154,8 +164,9 @@ def tensor_specs(shape: Shape, mix: QuantMix, n_layers: int | None = None,
     specs = [mat("token_embd.weight", V, d, mix.output if shape.tied_embeddings else mix.embed)]
     for i in range(L):
         b = f"blk.{i}."
+        more = mix.more_bits if mix.more_bits and more_bits_layer(i, L) else mix.matmul
         specs += [vec(b + "attn_norm.weight", d), mat(b + "attn_q.weight", q_out, d),
-                  mat(b + "attn_k.weight", kv_out, d), mat(b + "attn_v.weight", kv_out, d)]
+                  mat(b + "attn_k.weight", kv_out, d), mat(b + "attn_v.weight", kv_out, d, more)]
         if shape.arch == "qwen2":
             specs += [vec(b + "attn_q.bias", q_out, BIAS), vec(b + "attn_k.bias", kv_out, BIAS),
                       vec(b + "attn_v.bias", kv_out, BIAS)]
@@ -165,7 +176,7 @@ def tensor_specs(shape: Shape, mix: QuantMix, n_layers: int | None = None,
         if shape.arch == "gemma3":
             specs.append(vec(b + "post_attention_norm.weight", d))
         specs += [vec(b + "ffn_norm.weight", d), mat(b + "ffn_gate.weight", shape.d_ff, d),
-                  mat(b + "ffn_up.weight", shape.d_ff, d), mat(b + "ffn_down.weight", d, shape.d_ff)]
+                  mat(b + "ffn_up.weight", shape.d_ff, d), mat(b + "ffn_down.weight", d, shape.d_ff, more)]
         if shape.arch == "gemma3":
             specs.append(vec(b + "post_ffw_norm.weight", d))
     specs.append(vec("output_norm.weight", d))

@@ -15,7 +15,7 @@ from rjax import engine
 from rjax.cache import init_cache
 from rjax.loaders.gguf import load_gguf
 from rjax.quant import formats
-from rjax.synth import (MATRIX, MIXES, SHAPES, SynthError, TensorSpec, random_tensor, tensor_specs,
+from rjax.synth import (MATRIX, MIXES, SHAPES, SynthError, TensorSpec, more_bits_layer, random_tensor, tensor_specs,
                         write_synthetic)
 
 SMALL_VOCAB = 1024  # >= the built-in tokenizer's 258 tokens; keeps the LM head small on CPU
@@ -128,6 +128,30 @@ def test_quant_mixes_and_k_quant_fallbacks():
     assert set(types("llama-1b", "q4_1").values()) == {QType.Q4_1, QType.Q8_0, QType.F32}
     assert set(types("llama-1b", "q4_0").values()) == {QType.Q4_0, QType.Q6_K, QType.F32}
     assert set(types("llama-1b", "f16").values()) == {QType.F16, QType.F32}
+
+
+def test_q4_k_m_gives_more_bits_where_llama_cpp_does():
+    """llama.cpp's Q4_K_M: attn_v and ffn_down in Q6_K for the first and last eighth of the
+    layers and every third layer between; every other matrix as the q4_k mix."""
+    assert [i for i in range(16) if more_bits_layer(i, 16)] == [0, 1, 4, 7, 10, 13, 14, 15]
+    assert [i for i in range(32) if more_bits_layer(i, 32)] == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29,
+                                                               30, 31]
+    m = {s.name: s.qtype for s in tensor_specs(SHAPES["llama-1b"], MIXES["q4_k_m"])}
+    q = {s.name: s.qtype for s in tensor_specs(SHAPES["llama-1b"], MIXES["q4_k"])}
+    changed = {k for k in m if m[k] != q[k]}
+    assert changed == {f"blk.{i}.{t}.weight" for i in (0, 1, 4, 7, 10, 13, 14, 15) for t in ("attn_v", "ffn_down")}
+    assert {m[k] for k in changed} == {QType.Q6_K}
+
+
+def test_q4_k_m_file_loads_and_runs(tmp_path):
+    """One layer (a more-bits layer): its attn_v and ffn_down load as Q6_K beside Q4_K q/k."""
+    path = write_synthetic(tmp_path / "m.gguf", "llama-1b", "q4_k_m", n_layers=1, vocab_size=SMALL_VOCAB,
+                           tokenizer_from="builtin")
+    cfg, params, _ = load_gguf(path, progress=False)
+    layer = params.layers[0]
+    assert (layer.wq.qtype, layer.wv.qtype, layer.w_down.qtype) == (QType.Q4_K, QType.Q6_K, QType.Q6_K)
+    a = _prefill_decode(cfg, params, steps=0)
+    assert np.isfinite(a).all() and 0.2 < float(a.std()) < 5.0
 
 
 def test_full_size_llama_8b_q4_k_layout():
