@@ -117,6 +117,8 @@ def test_dispatch():
     assert not gemv.uses_wgmma(w, 16, x, interpret=False)      # under WGMMA_MIN_VALUES: the Triton kernel
     with mock.patch.dict(gemv.WGMMA_MIN_VALUES, dict.fromkeys(gemv.WGMMA_MIN_VALUES, 0)):
         assert gemv.uses_wgmma(w, 16, x, interpret=False)
+        assert gemv.decode_path(x, w) == "wgmma" and gemv.decode_path(x, w, interpret=True) == "float"
+        assert gemv.decode_path(x[:1], w) == "int8_gemv"
         assert gemv.uses_wgmma(w, 64, _x(64, 512), interpret=False)
         assert not gemv.uses_wgmma(w, 16, x, interpret=True)                              # no interpreter
         assert not gemv.uses_wgmma(w, 1, x[:1], interpret=False)

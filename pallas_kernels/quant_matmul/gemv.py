@@ -318,21 +318,34 @@ def gemv_config(qtype: QType, m: int, n: int, k: int, *, method: str = "mma", bl
                       num_warps=num_warps, num_stages=num_stages)
 
 
+def decode_path(x, w: QTensor, *, config: TileConfig | None = None, interpret: bool = False) -> str:
+    """The kernel qmatmul_gemv runs x (M <= 64, K) @ w on: "int8_mma", "int8_gemv" (also for
+    any QuantizedX x), "wgmma", or "float" (given tiles, or the default ones)."""
+    m = x.shape[0]
+    path = None if config is not None else int8_path(w, m, x.dtype)
+    if path == "mma":
+        return "int8_mma"
+    if path == "gemv" or isinstance(x, int8.QuantizedX):
+        return "int8_gemv"
+    if config is None and uses_wgmma(w, m, x, interpret):
+        return "wgmma"
+    return "float"
+
+
 def qmatmul_gemv(x: jax.Array, w: QTensor, *, config: TileConfig | None = None,
                  interpret: bool = False, partials: bool = False) -> jax.Array:
-    """x (M <= 64, K) @ dequantize(w).T -> (M, N) in x.dtype: an int8 kernel where `int8_path`
-    says so (and no float tiles are given) or for a QuantizedX x, the float kernel otherwise. With
-    `partials`: the split-K partial sums (S, M, N), float32."""
+    """x (M <= 64, K) @ dequantize(w).T -> (M, N) in x.dtype, on the kernel `decode_path`
+    names. With `partials`: the split-K partial sums (S, M, N), float32."""
     m, (n, k) = x.shape[0], w.shape
-    path = None if config is not None else int8_path(w, m, x.dtype)
-    if path == "mma" and isinstance(x, int8.QuantizedX) and x.ss is not None:
-        x = int8.dequantize_x(x).astype(x.dtype)  # the MMA kernel has no pending-norm scaling
-    if path == "mma":
+    path = decode_path(x, w, config=config, interpret=interpret)
+    if path == "int8_mma":
+        if isinstance(x, int8.QuantizedX) and x.ss is not None:
+            x = int8.dequantize_x(x).astype(x.dtype)  # the MMA kernel has no pending-norm scaling
         return mma.int8_mma(x, w, default_mma_config(w.qtype, m, n, k), interpret=interpret, partials=partials)
-    if path == "gemv" or isinstance(x, int8.QuantizedX):
+    if path == "int8_gemv":
         return int8.int8_gemv(x, w, default_int8_config(w.qtype, m, n, k), interpret=interpret,
                               partials=partials)
-    if config is None and uses_wgmma(w, m, x, interpret):
+    if path == "wgmma":
         return wgmma.wgmma_matmul(x, w, partials=partials)
     cfg = (config or (None if isinstance(x, GatedX) else bf16x2_config(w, m, x.dtype))
            or default_gemv_config(w.qtype, m, n, k))
