@@ -18,8 +18,10 @@ M=16 took twice the M=1 time (benchmarks/NOTES-quant_matmul.md, session 14). Her
   so prmt, then two lop3 make bf16 128 + (v & 0x7f) and 128 + (v & 0x80) (128 or 256), whose
   difference is v exactly; mul by the block's bf16 scale: about 2.6 instructions per weight.
   Q6_K: prmt the low-nibble and the high-bit bytes, two lop3 merge them into bf16 128 + q,
-  sub 160 gives q - 32, mul by d * the 16-value sub-block's scale: about 3.1 instructions per
-  weight; each thread picks the sub-block's scale by its place in the quad (`_q6_k_scale`).
+  sub 160 gives q - 32, mul by d * the 16-value sub-block's scale: six instructions per two
+  weights, plus shifts and the scale picks (each thread picks the sub-block's scale by its
+  place in the quad, `_q6_k_scale`, once per word of `qh` as written: hoisting it to once per
+  group is left for a device run to confirm).
   All three types put a 64-value chunk in the same K order (`chunk_order`), so x is permuted
   alike.
 - x is B, (M, 256) per super-block in shared memory, read transposed; the output tile is
