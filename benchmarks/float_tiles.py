@@ -2,8 +2,10 @@
 its two dequantizations: "f32" (every quant to float32, scaled, rounded to bf16) and "bf16x2"
 (packed bf16 instructions, tiles.py), and the Mosaic GPU wgmma kernel ("wgmma",
 wgmma_skinny.py; its split-K partial sums, as the int8 GEMV's, are left for the consumer). Q4_K
-(or `--type`) in the GPU layout; GPU kernel time per product, beside the M=1 int8 GEMV (its default tiles, x rounded before) that issue 6's M=16 target
-compares with, and the HBM copy bandwidth measured in the same run.
+(or `--type`) in the GPU layout; GPU kernel time per product, beside the M=1 int8 GEMV (its
+default tiles, x rounded before; for a type it lacks, the "f32" row at M=1, the float kernel's
+CUDA-core tiles) that issue 6's M=16 target compares with, and the HBM copy bandwidth measured
+in the same run.
 
     PYTHONPATH=. python3 benchmarks/float_tiles.py --out "$OUT/float-tiles.json"
 
@@ -32,8 +34,8 @@ from benchmarks.int8_gemv_tiles import streamed_operands  # noqa: E402
 from benchmarks.profile_decode import compile_concurrently, traced_kernel_times  # noqa: E402
 from benchmarks.quant_matmul import measure_ceilings, wbytes  # noqa: E402
 from pallas_kernels.int8_activations import quantize_rows  # noqa: E402
-from pallas_kernels.quant_matmul.gemv import (bf16x2_config, default_gemv_config, default_int8_config,  # noqa: E402
-                                              gemv_config)
+from pallas_kernels.quant_matmul.gemv import (INT8_TILES, bf16x2_config, default_gemv_config,  # noqa: E402
+                                              default_int8_config, gemv_config)
 from pallas_kernels.quant_matmul.int8_gemv import int8_gemv  # noqa: E402
 from pallas_kernels.quant_matmul.kernel import fused_qmatmul  # noqa: E402
 from pallas_kernels.quant_matmul import wgmma_skinny  # noqa: E402
@@ -85,9 +87,11 @@ def main() -> int:
     for name in a.shapes.split(","):
         n, k = SHAPES[name]
         ws, x1 = streamed_operands(qt, n, k)
-        c = default_int8_config(qt, 1, n, k)
-        jobs.append(dict(shape=name, m=1, dequant="int8", config=str(c), copies=len(ws), args=(x1, ws), w0=ws[0],
-                         fn=jax.jit(lambda x, ws, c=c: [int8_gemv(quantize_rows(x), w, c, partials=True) for w in ws])))
+        if qt in INT8_TILES:   # else (Q5_0) the M=1 baseline is the float kernel's row: run with --ms 1
+            c = default_int8_config(qt, 1, n, k)
+            jobs.append(dict(shape=name, m=1, dequant="int8", config=str(c), copies=len(ws), args=(x1, ws), w0=ws[0],
+                             fn=jax.jit(lambda x, ws, c=c: [int8_gemv(quantize_rows(x), w, c, partials=True)
+                                                             for w in ws])))
         for m in map(int, a.ms.split(",")):
             x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16)
             for dq in a.dequants.split(","):
@@ -129,7 +133,9 @@ def main() -> int:
         rows.append(row)
     print("best per shape and M (us per product, fraction of the copy bandwidth, rel. error):")
     for name in a.shapes.split(","):
-        base = next((r for r in rows if r["shape"] == name and r["dequant"] == "int8" and "us" in r), None)
+        base = next((r for r in rows if r["shape"] == name and "us" in r
+                     and (r["dequant"] == "int8" or (qt not in INT8_TILES and r["m"] == 1 and r["dequant"] == "f32"))),
+                    None)
         for m in [1] + list(map(int, a.ms.split(","))):
             for dq in ["int8"] + a.dequants.split(","):
                 ok = sorted((r for r in rows if r["shape"] == name and r["m"] == m and r["dequant"] == dq

@@ -130,11 +130,11 @@ def test_bf16x2_dequantization_gpu(qtype, cfg, m, n, nb):
     assert _rel(sums.sum(axis=0), want.sum(axis=0)) < 1e-3
 
 
-@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q8_0, QType.Q6_K])
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q8_0, QType.Q6_K, QType.Q4_0, QType.Q4_1, QType.Q5_0])
 @pytest.mark.parametrize("m,n,nb,bps", [(1, 64, 2, 2), (5, 64, 1, 1), (16, 128, 8, 4), (16, 192, 16, 8),
                                         (33, 64, 4, 2), (64, 128, 2, 1)])
 def test_wgmma_gpu(m, n, nb, bps, qtype):
-    """The Mosaic GPU wgmma kernel (Q4_K, Q8_0, Q6_K; GPU layout): against gguf-py's dequantized product,
+    """The Mosaic GPU wgmma kernel (Q4_K, Q8_0, Q6_K, Q4_0, Q4_1, Q5_0; GPU layout): against gguf-py's dequantized product,
     and against the same arithmetic in jnp (`reference_arithmetic`, float32 partial sums per
     split), which leaves only the order of the float32 additions to differ."""
     from pallas_kernels.quant_matmul import gemv

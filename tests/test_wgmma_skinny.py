@@ -1,4 +1,4 @@
-"""The Q4_K / Q8_0 wgmma kernel (pallas_kernels/quant_matmul/wgmma_skinny.py) on the CPU: its
+"""The wgmma kernel (pallas_kernels/quant_matmul/wgmma_skinny.py: Q4_K, Q8_0, Q6_K, Q4_0, Q4_1, Q5_0) on the CPU: its
 arithmetic and K order in jnp against gguf-py's dequantizer, the dispatch, the refusals, and the
 lowering for sm_90. The kernel itself runs only on the H100 (no Mosaic GPU interpreter for inline
 Mosaic code or wgmma operands in registers): tests/test_quant_matmul_gpu.py::test_wgmma_gpu."""
@@ -43,7 +43,23 @@ def test_chunk_order_follows_the_wgmma_fragments():
         assert (order[col], order[col + 1]) == (32 * nibble + byte, 32 * nibble + byte + 1)
 
 
-@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q8_0, QType.Q6_K])
+ALL_TYPES = [QType.Q4_K, QType.Q8_0, QType.Q6_K, QType.Q4_0, QType.Q4_1, QType.Q5_0]
+
+
+def test_blocks32_order_follows_the_wgmma_fragments():
+    """Q4_0/Q4_1/Q5_0: thread j's words 2j + t of a chunk's eight are words 2 (j & 1) + t of block
+    j >> 1; column block b takes word b >> 2, nibble (b >> 1) & 1 (low: value i of byte i, high:
+    value i + 16), bytes 2 (b & 1) + e."""
+    order = wg.blocks32_order()
+    assert sorted(order) == list(range(64))
+    for col in range(64):
+        b, j, e = col // 8, (col % 8) // 2, col % 2
+        block, word = j >> 1, 2 * (j & 1) + (b >> 2)
+        byte = 4 * word + 2 * (b & 1) + e
+        assert order[col] == 32 * block + 16 * ((b >> 1) & 1) + byte
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES)
 @pytest.mark.parametrize("m,n,k,bps", [(16, 128, 2048, 8), (5, 64, 512, 1), (33, 192, 4096, 4), (64, 64, 256, 1)])
 def test_reference_arithmetic_against_gguf(m, n, k, bps, qtype):
     raw, w = _weight(n, k, seed=m + n, qtype=qtype)
@@ -129,6 +145,11 @@ def test_dispatch():
         q6_k = _weight(128, 512, qtype=QType.Q6_K)[1]
         assert gemv.uses_wgmma(q6_k, 16, x, interpret=False) and gemv.uses_wgmma(q6_k, 1, x[:1], interpret=False)
         assert not gemv.uses_wgmma(_weight(128, 512, qtype=QType.Q5_K)[1], 16, x, interpret=False)
+        for qtype in (QType.Q4_0, QType.Q4_1, QType.Q5_0):
+            assert gemv.uses_wgmma(_weight(128, 512, qtype=qtype)[1], 16, x, interpret=False)
+        q5_0 = _weight(128, 512, qtype=QType.Q5_0)[1]
+        assert gemv.decode_path(x[:1], q5_0) == "wgmma"                  # one row too, as Q6_K
+        assert gemv.decode_path(x[:1], _weight(128, 512, qtype=QType.Q4_0)[1]) == "float"
         assert not gemv.uses_wgmma(_weight(128, 288, qtype=QType.Q8_0)[1], 16, _x(16, 288), interpret=False)  # K % 256
         assert not gemv.uses_wgmma(w, 16, GatedX(jnp.concatenate([x, x], 1), "silu"), interpret=False)
         with mock.patch.object(gemv, "WGMMA_MAX_M", 0):
@@ -155,7 +176,8 @@ def test_refusals():
 
 
 @pytest.mark.parametrize("qtype,op", [(QType.Q4_K, "fma.rn.bf16x2"), (QType.Q8_0, "mul.rn.bf16x2"),
-                                      (QType.Q6_K, "%laneid")])
+                                      (QType.Q6_K, "%laneid"), (QType.Q4_0, "0x43084308"),
+                                      (QType.Q4_1, "selp.f32"), (QType.Q5_0, "bfe.u32")])
 def test_lowers_to_mosaic_gpu_for_h100(qtype, op):
     """Traced and lowered to a Mosaic GPU custom call with the inline PTX and wgmma, at every
     M tile (16, 32, 64) and with one and several splits."""

@@ -271,6 +271,132 @@ def _dequant_q6_k(ctx, ql, qh, scale_words, d):
     return _fragment(regs)
 
 
+def blocks32_order() -> np.ndarray:
+    """The K order of a 64-value chunk (two 32-value blocks) for Q4_0, Q4_1 and Q5_0, whose byte
+    i of a block holds value i in its low nibble and i + 16 in its high one. Thread j's words
+    2j, 2j + 1 of the chunk's eight are words 2 (j & 1) + t of block j >> 1; column block b takes
+    word t = b >> 2, nibble (b >> 1) & 1, bytes 2 (b & 1) + e. So the block, and with it the
+    scale, depends on the thread (`_lane_pick`), not on the column block."""
+    col = np.arange(64)
+    b, j, e = col // 8, (col % 8) // 2, col % 2
+    return 32 * (j >> 1) + 16 * ((b >> 1) & 1) + 8 * (j & 1) + 4 * (b >> 2) + 2 * (b & 1) + e
+
+
+def _lane_pick(a, b):
+    """bf16x2 of a (float32) in threads whose quad place j is 0 or 1, of b in those with 2 or 3:
+    the scale of the block the thread's words belong to (`blocks32_order`)."""
+    i32 = ir.IntegerType.get_signless(32)
+    return llvm.inline_asm(
+        i32, [a, b],
+        """{
+        .reg .b32 l;
+        .reg .pred p;
+        .reg .f32 f;
+        mov.u32 l, %laneid;
+        and.b32 l, l, 2;
+        setp.ne.u32 p, l, 0;
+        selp.f32 f, $2, $1, p;
+        cvt.rn.bf16x2.f32 $0, f, f;
+        }""",
+        "=r,f,f")
+
+
+def _q5_0_high_bits(a, b):
+    """Q5_0's high-bit word (bit i: value i's fifth bit) of the thread's block (a for j < 2, b
+    otherwise), shifted right by 8 (j & 1): bit 16 n + 4 t + 2 p + e is then that of the value
+    in nibble n, word t, byte pair p, lane e (`blocks32_order`)."""
+    i32 = ir.IntegerType.get_signless(32)
+    return llvm.inline_asm(
+        i32, [a, b],
+        """{
+        .reg .b32 l, s, v;
+        .reg .pred p;
+        mov.u32 l, %laneid;
+        and.b32 s, l, 2;
+        setp.ne.u32 p, s, 0;
+        selp.b32 v, $2, $1, p;
+        and.b32 s, l, 1;
+        shl.b32 s, s, 3;
+        shr.u32 $0, v, s;
+        }""",
+        "=r,r,r")
+
+
+# Per 32-value block type: the bf16x2 subtracted from 128 + q (136: q - 8; 128: q; 144: q - 16)
+# and the final op on (value, d[, m]).
+_NIBBLE_TAIL = {QType.Q4_0: ("0x43084308", "mul.rn.bf16x2 $0, t, $2;"),
+                QType.Q4_1: ("0x43004300", "fma.rn.bf16x2 $0, t, $2, $3;"),
+                QType.Q5_0: ("0x43104310", "mul.rn.bf16x2 $0, t, $2;")}
+
+
+def _nibble_asm(shifted, byte_pair: int, kind: QType, s, extra=None, high_bit: int = 0):
+    """bf16x2 of the two values in the low nibbles of bytes 2p, 2p + 1 of `shifted` (the word,
+    or the word >> 4), for a 32-value block type: prmt and lop3 make the lane bf16 128 + q
+    exactly (Q5_0 first ORs in the fifth bit at bit 4, from bits high_bit, high_bit + 1 of the
+    `extra` word), then
+    - Q4_0: sub 136 (exact q - 8), mul by d;
+    - Q4_1: sub 128 (exact q), fma with d and m (`extra`), one rounding;
+    - Q5_0: sub 144 (exact q - 16), mul by d.
+    s and Q4_1's m are bf16x2."""
+    i32 = ir.IntegerType.get_signless(32)
+    offset, tail = _NIBBLE_TAIL[kind]
+    if kind == QType.Q5_0:
+        # bits high_bit, high_bit + 1 -> bits 4 and 20 (times 2^4 + 2^19, masked), OR bf16 128
+        merge = (f"bfe.u32 h, $3, {high_bit}, 2; mul.lo.u32 h, h, 0x00080010; "
+                 "lop3.b32 h, h, 0x00100010, magic, 0xEA;")
+    else:
+        merge = "mov.b32 h, magic;"
+    args = [shifted, s] + ([extra] if extra is not None else [])
+    return llvm.inline_asm(
+        i32, args,
+        f"""{{
+        .reg .b32 t, h, magic, off;
+        mov.b32 magic, 0x43004300;
+        mov.b32 off, {offset};
+        prmt.b32 t, $1, 0, {_PAIR_SELECT[byte_pair]:#x};
+        {merge}
+        lop3.b32 t, t, 0x000F000F, h, 0xEA;
+        sub.bf16x2 t, t, off;
+        {tail}
+        }}""",
+        "=r" + ",r" * len(args))
+
+
+def _blocks32_dequant(kind: QType):
+    """The A-tile dequantizer of a 32-value block type: (64, 32) int32 quant words of a
+    super-step (eight blocks) per row, the row's float32 d per block, and Q4_1's float32 m or
+    Q5_0's high-bit word per block -> the (64, 256) bf16 A tile, chunk c (blocks 2c, 2c + 1) in
+    columns 64c..64c+63 in blocks32_order()."""
+    per_block = (_WG_ROWS,) * 8
+    arg_types = (plgpu.Layout.WGMMA, per_block) + ((per_block,) if kind != QType.Q4_0 else ())
+
+    def dequant(ctx, words, d, *extra_vecs):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        regs = _empty_tile()
+        for r in range(2):
+            for c in range(4):
+                wv = words.registers[0, c, 0, 0, r, 0, 0, 0, 0]
+                pair = lambda vecs: (_row_scalar(vecs[2 * c], r), _row_scalar(vecs[2 * c + 1], r))
+                s = _lane_pick(*pair(d))
+                extra = None
+                if kind == QType.Q4_1:
+                    extra = _lane_pick(*pair(extra_vecs[0]))
+                elif kind == QType.Q5_0:
+                    extra = _q5_0_high_bits(*pair(extra_vecs[0]))
+                for t in range(2):
+                    word = vector.extract(wv, [], [t])
+                    shifted = (word, mgpu.utils.arith.shrui(word, mgpu.utils.c(4, i32)))
+                    for nib in range(2):
+                        for p in range(2):
+                            reg = _nibble_asm(shifted[nib], p, kind, s, extra, high_bit=16 * nib + 4 * t + 2 * p)
+                            _set(regs, 8 * c + 4 * t + 2 * nib + p, r, reg)
+        return _fragment(regs)
+
+    dequant.__name__ = f"_dequant_{kind.name.lower()}"
+    return plgpu.inline_mgpu(arg_types=arg_types, return_type=_BF16_SUPERBLOCK)(dequant)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Format:
     """What the kernel needs to know of a weight type: the int32 words per super-block (256
@@ -279,6 +405,9 @@ class _Format:
     and quant words become the A tile."""
     words: tuple[int, ...]
     n_scale_planes: int
+
+    def order(self) -> np.ndarray:
+        return chunk_order()
 
     def load_scales(self, refs, rows, sb):
         raise NotImplementedError
@@ -326,8 +455,32 @@ class _Q6_K(_Format):
         return _dequant_q6_k(ql, qh, scale_words, d.astype(jnp.float32))
 
 
+class _Blocks32(_Format):
+    """Q4_0 (d), Q4_1 (d, m) and Q5_0 (d, high-bit word): eight 32-value blocks per super-step,
+    their per-block planes read from global memory one super-step ahead."""
+    def __init__(self, kind: QType):
+        super().__init__(words=(32,), n_scale_planes=1 if kind == QType.Q4_0 else 2)
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "_dequant", _blocks32_dequant(kind))
+
+    def order(self) -> np.ndarray:
+        return blocks32_order()
+
+    def load_scales(self, refs, rows, sb):
+        return tuple(tuple(_row_vec(ref.at[rows, 8 * sb + g]) for g in range(8)) for ref in refs)
+
+    def dequantize(self, words, loaded):
+        (words,) = words
+        d, *extra = loaded
+        f32 = lambda vecs: tuple(v.astype(jnp.float32) for v in vecs)
+        if self.kind == QType.Q4_1:
+            extra = [f32(extra[0])]
+        return self._dequant(words, f32(d), *extra)
+
+
 _FORMATS = {QType.Q4_K: _Q4_K(words=(32,), n_scale_planes=3), QType.Q8_0: _Q8_0(words=(64,), n_scale_planes=1),
-            QType.Q6_K: _Q6_K(words=(32, 16), n_scale_planes=2)}
+            QType.Q6_K: _Q6_K(words=(32, 16), n_scale_planes=2),
+            **{t: _Blocks32(t) for t in (QType.Q4_0, QType.Q4_1, QType.Q5_0)}}
 
 
 def _row_vec(ref):
@@ -368,12 +521,13 @@ def _kernel(x_ref, *refs, fmt: _Format, bps: int, stages: int, m_tile: int):
 
 
 def supports_shape(n: int, k: int) -> bool:
-    """N a multiple of 64 (one wgmma tile), K of 256 (a Q4_K super-block, 8 Q8_0 blocks)."""
+    """N a multiple of 64 (one wgmma tile), K of 256 (a super-block, or 8 blocks of 32)."""
     return n % _ROWS == 0 and k % 256 == 0
 
 
 def supports(w) -> bool:
-    """Q4_K in the GPU layout (Q4_KChunks), Q8_0 or Q6_K, of a shape `supports_shape` takes."""
+    """Q4_K in the GPU layout (Q4_KChunks), Q8_0, Q6_K, Q4_0, Q4_1 or Q5_0, of a shape
+    `supports_shape` takes."""
     return (isinstance(w, QTensor) and w.qtype in _FORMATS
             and (w.qtype != QType.Q4_K or isinstance(w.planes, Q4_KChunks)) and supports_shape(*w.shape))
 
@@ -408,9 +562,15 @@ def _operands(x, w: QTensor, m_tile: int):
     n, k = w.shape
     m = x.shape[0]
     xp = jnp.pad(x, ((0, m_tile - m), (0, 0))) if m_tile != m else x
-    xp = xp.reshape(m_tile, k // 64, 64)[:, :, chunk_order()].reshape(m_tile, k)
+    xp = xp.reshape(m_tile, k // 64, 64)[:, :, _FORMATS[w.qtype].order()].reshape(m_tile, k)
     p = w.planes
     nb = k // 256
+    if w.qtype == QType.Q4_0:
+        return xp, _words(p.qs, n, k), p.d.reshape(n, k // 32)
+    if w.qtype == QType.Q4_1:
+        return xp, _words(p.qs, n, k), p.d.reshape(n, k // 32), p.m.reshape(n, k // 32)
+    if w.qtype == QType.Q5_0:
+        return xp, _words(p.qs, n, k), p.d.reshape(n, k // 32), _words(p.qh, n, k)
     if w.qtype == QType.Q8_0:
         return xp, _words(p.qs, n, k), p.d.reshape(n, k // 32)
     if w.qtype == QType.Q6_K:
@@ -422,7 +582,7 @@ def _check(x, w, cfg):
     if not supports(w):
         raise NotImplementedError(f"wgmma_matmul: no kernel for {getattr(w, 'qtype', None)} {getattr(w, 'shape', None)} "
                                   f"in layout {type(getattr(w, 'planes', None)).__name__} (Q4_K in the GPU layout, "
-                                  f"Q8_0 or Q6_K, N a multiple of {_ROWS}, K of 256)")
+                                  f"Q8_0, Q6_K, Q4_0, Q4_1 or Q5_0, N a multiple of {_ROWS}, K of 256)")
     n, k = w.shape
     if x.ndim != 2 or x.shape[1] != k or not 1 <= x.shape[0] <= MAX_M or x.dtype != jnp.bfloat16:
         raise ValueError(f"wgmma_matmul: x {x.dtype} {x.shape} for weight {w.shape}: bf16, 1..{MAX_M} rows")
@@ -473,7 +633,21 @@ def _dequantized_in_tile_order(w: QTensor, operands) -> jax.Array:
     n, k = w.shape
     nb = k // 256
     f32, bf16 = jnp.float32, jnp.bfloat16
-    tile_order = lambda a: a.reshape(n, k // 64, 64)[:, :, chunk_order()].reshape(n, k)
+    tile_order = lambda a: a.reshape(n, k // 64, 64)[:, :, _FORMATS[w.qtype].order()].reshape(n, k)
+    if w.qtype in (QType.Q4_0, QType.Q4_1, QType.Q5_0):
+        qs, d, *extra = operands
+        byte = lax.bitcast_convert_type(qs, jnp.uint8).reshape(n, k // 32, 16).astype(jnp.int32)
+        q = jnp.concatenate([byte & 0xF, byte >> 4], axis=-1)         # (n, blocks, 32), value order
+        if w.qtype == QType.Q5_0:
+            bits = (extra[0][..., None] >> jnp.arange(32)) & 1
+            q = q | (bits << 4)
+        s = d.astype(f32).astype(bf16).astype(f32)[..., None]
+        if w.qtype == QType.Q4_1:
+            mb = extra[0].astype(f32).astype(bf16).astype(f32)[..., None]
+            v = q.astype(f32) * s + mb
+        else:
+            v = (q - (8 if w.qtype == QType.Q4_0 else 16)).astype(f32) * s
+        return tile_order(v.astype(bf16).reshape(n, k))
     if w.qtype == QType.Q8_0:
         qs, d = operands
         v = lax.bitcast_convert_type(qs, jnp.int8).reshape(n, k)
