@@ -1,7 +1,8 @@
-"""Skinny GEMM for Q4_K, Q8_0 and Q6_K on Hopper's wgmma, through Pallas's Mosaic GPU
-lowering: x (M = 1..64 rows, bf16) @ dequantize(w).T for a weight in the GPU layout (Q4_K as
-Q4_KChunks; quants as words or bytes). Batched decode and short prefill chunks; one row stays
-on the int8 GEMV (int8_gemv.py) but for Q6_K below LM-head sizes (`gemv.WGMMA_MIN_M`).
+"""Skinny GEMM for Q4_K, Q8_0, Q6_K, Q4_0, Q4_1 and Q5_0 on Hopper's wgmma, through Pallas's
+Mosaic GPU lowering: x (M = 1..64 rows, bf16) @ dequantize(w).T for a weight in the GPU layout
+(Q4_K as Q4_KChunks; quants as words or bytes). Batched decode and short prefill chunks; one
+row stays on the int8 GEMV (int8_gemv.py) or the float kernel, but for Q6_K below LM-head sizes
+and Q5_0 (`gemv.WGMMA_MIN_M`).
 
 The Triton kernel's tensor-core path (kernel.py) dequantizes a tile into registers in Triton's
 layout, then moves it through shared memory into the MMA's operand layout, and Triton's
@@ -22,14 +23,24 @@ M=16 took twice the M=1 time (benchmarks/NOTES-quant_matmul.md, session 14). Her
   weights, plus shifts and the scale picks (each thread picks the sub-block's scale by its
   place in the quad, `_q6_k_scale`, once per word of `qh` as written: hoisting it to once per
   group is left for a device run to confirm).
-  All three types put a 64-value chunk in the same K order (`chunk_order`), so x is permuted
-  alike.
+  Q4_K, Q8_0 and Q6_K put a 64-value chunk in the same K order (`chunk_order`), so x is
+  permuted alike. The 32-value block types (Q4_0, Q4_1, Q5_0) have their own (`blocks32_order`):
+  a thread's two words of a chunk lie in one block, chosen by its place in its quad, so each
+  thread picks that block's scale (`_lane_pick`, once per chunk and row) and the per-register
+  PTX is prmt, lop3 (nibble | bf16 128), sub (136, 128 or 144), then mul by d (Q4_0, Q5_0) or
+  fma with d and m (Q4_1): two instructions per weight. Q5_0 first ORs the fifth bit into bit 4
+  (bfe, a multiply that puts two bits at bits 4 and 20, lop3: three more per two weights).
 - x is B, (M, 256) per super-block in shared memory, read transposed; the output tile is
   (64 weight rows, M), so results come transposed: (splits, N, M) float32 partial sums.
 - Quants and x stream through shared memory on the TMA engine (`stages` super-blocks in flight,
   `plgpu.emit_pipeline`); the scales (20 bytes per row and super-block, too narrow for TMA)
-  are loaded into registers one super-block ahead; so are Q8_0's eight f16 block scales and
-  Q6_K's sixteen int8 ones (as four words) and d.
+  are loaded into registers one super-block ahead; so are Q8_0's eight f16 block scales,
+  Q6_K's sixteen int8 ones (as four words) and d, and the 32-value block types' eight d (and
+  m, or Q5_0's high-bit words). Q4_1 and Q5_0, with 16 such loads per super-block against
+  Q4_0's 8 and 11-22% more bytes, ran 1.4x Q4_0's time (notes, session 17). Streaming those
+  planes through shared memory with the quants did not lower (a column of a (64, 8) tile is a
+  non-contiguous ref, which Mosaic GPU does not load); loading the tile in the WGMMA layout
+  and exchanging values within the quad by shuffles is untried.
 
 Numerics: as the Triton kernel's bf16x2 path: scale and bias rounded to bf16, then one rounding
 of q * s + b (Q8_0 and Q6_K: of v * s); float32 accumulation.
