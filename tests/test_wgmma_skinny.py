@@ -175,9 +175,9 @@ def test_refusals():
         wg.wgmma_matmul(_x(16, 512), w, wg.WgmmaConfig(blocks_per_split=4))
 
 
-@pytest.mark.parametrize("qtype,op", [(QType.Q4_K, "fma.rn.bf16x2"), (QType.Q8_0, "mul.rn.bf16x2"),
+@pytest.mark.parametrize("qtype,op", [(QType.Q4_K, "fma.rn.bf16x2"), (QType.Q8_0, "shfl.sync.idx"),
                                       (QType.Q6_K, "%laneid"), (QType.Q4_0, "0x43084308"),
-                                      (QType.Q4_1, "selp.f32"), (QType.Q5_0, "bfe.u32")])
+                                      (QType.Q4_1, "shfl.sync.idx"), (QType.Q5_0, "bfe.u32")])
 def test_lowers_to_mosaic_gpu_for_h100(qtype, op):
     """Traced and lowered to a Mosaic GPU custom call with the inline PTX and wgmma, at every
     M tile (16, 32, 64) and with one and several splits."""

@@ -166,7 +166,7 @@ BF16X2_TILES = dict(block_n=64, values_per_step=256, programs=448, num_warps=4, 
 # llama-1b Q8_0 decoded 2-3% faster with its small products on the kernel (and as words) than
 # with both from 2**24 values. Q6_K's Triton path is the float32 one too (2-2.2x its M=1 time).
 WGMMA_MAX_M = MAX_M
-# Q4_0, Q4_1 and Q5_0 (session 17, M=16): 14336x4096 19.6, 27.8 and 28.4 us against 39.7 and
+# Q4_0, Q4_1 and Q5_0 (session 17, M=16): 14336x4096 16.8, 19.3 and 24.7 us against 39.7 and
 # 42.4 for bf16x2 and 85.7 for Q5_0's float32 path. Q4_0 and Q4_1 keep Q4_K's threshold (their
 # Triton alternative is bf16x2 too), Q5_0 takes every size, as Q8_0.
 WGMMA_MIN_VALUES = {QType.Q4_K: 2**24, QType.Q8_0: 0, QType.Q6_K: 0, QType.Q4_0: 2**24, QType.Q4_1: 2**24,
@@ -177,7 +177,8 @@ WGMMA_MIN_VALUES = {QType.Q4_K: 2**24, QType.Q8_0: 0, QType.Q6_K: 0, QType.Q4_0:
 # against 7.1); llama-1b q4_k_m (Q6_K attn_v, ffn_down in some layers) decoded at the same rate
 # either way at batch 1 (1,064 against 1,053 tokens/s, session 17). Q5_0 from one row too: 28.5
 # against 43.4 us for the FMA tiles at 14336x4096, 10.1 against 14.8 at 4096x4096, 3.9 against
-# 6.5 at 1024x4096 (session 17).
+# 6.5 at 1024x4096 (session 17, before the kernel's per-block scales were shared in the quad,
+# which took 14336x4096 to 24.7).
 WGMMA_MIN_M = {QType.Q4_K: 2, QType.Q8_0: 2, QType.Q6_K: 1, QType.Q4_0: 2, QType.Q4_1: 2, QType.Q5_0: 1}
 # Weights held as int32 words on the GPU (`reads_words`), from this many values up. Q8_0 where
 # the wgmma kernel takes its M > 4 products: its M=1 int8 GEMV ran 3-6% faster on words (H100,

@@ -26,7 +26,7 @@ M=16 took twice the M=1 time (benchmarks/NOTES-quant_matmul.md, session 14). Her
   Q4_K, Q8_0 and Q6_K put a 64-value chunk in the same K order (`chunk_order`), so x is
   permuted alike. The 32-value block types (Q4_0, Q4_1, Q5_0) have their own (`blocks32_order`):
   a thread's two words of a chunk lie in one block, chosen by its place in its quad, so each
-  thread picks that block's scale (`_lane_pick`, once per chunk and row) and the per-register
+  thread picks that block's scale (`_quad_pick_f16`, once per chunk and row) and the per-register
   PTX is prmt, lop3 (nibble | bf16 128), sub (136, 128 or 144), then mul by d (Q4_0, Q5_0) or
   fma with d and m (Q4_1): two instructions per weight. Q5_0 first ORs the fifth bit into bit 4
   (bfe, a multiply that puts two bits at bits 4 and 20, lop3: three more per two weights).
@@ -34,13 +34,14 @@ M=16 took twice the M=1 time (benchmarks/NOTES-quant_matmul.md, session 14). Her
   (64 weight rows, M), so results come transposed: (splits, N, M) float32 partial sums.
 - Quants and x stream through shared memory on the TMA engine (`stages` super-blocks in flight,
   `plgpu.emit_pipeline`); the scales (20 bytes per row and super-block, too narrow for TMA)
-  are loaded into registers one super-block ahead; so are Q8_0's eight f16 block scales,
-  Q6_K's sixteen int8 ones (as four words) and d, and the 32-value block types' eight d (and
-  m, or Q5_0's high-bit words). Q4_1 and Q5_0, with 16 such loads per super-block against
-  Q4_0's 8 and 11-22% more bytes, ran 1.4x Q4_0's time (notes, session 17). Streaming those
-  planes through shared memory with the quants did not lower (a column of a (64, 8) tile is a
-  non-contiguous ref, which Mosaic GPU does not load); loading the tile in the WGMMA layout
-  and exchanging values within the quad by shuffles is untried.
+  are loaded into registers one super-block ahead; so are Q6_K's sixteen int8 ones (as four
+  words) and d. The 32-value block types' per-block planes (Q8_0's and Q4_0's d, Q4_1's d and
+  m, Q5_0's d and high-bit words) are loaded one super-block ahead as (64, 8) tiles in the
+  WGMMA layout, where each thread holds two of its rows' eight values, and the dequantizer
+  takes the others from the thread's quad by shuffles (`_quad_word`). Loading each value
+  per row instead (eight or sixteen loads per super-block) was the bottleneck: at 14336x4096
+  and 16 rows Q4_1 took 27.9 us against 19.3, Q5_0 28.7 against 24.7, Q4_0 19.3 against 16.8,
+  Q8_0 29.0 against 27.5 (notes, session 17).
 
 Numerics: as the Triton kernel's bf16x2 path: scale and bias rounded to bf16, then one rounding
 of q * s + b (Q8_0 and Q6_K: of v * s); float32 accumulation.
@@ -122,24 +123,54 @@ def _q4_k_asm(shifted, byte_pair: int, s, b):
 
 
 def _q8_0_asm(word, byte_pair: int, s):
-    """bf16x2 of (signed bytes 2p and 2p + 1 of `word`) * s. After prmt, one lop3 makes the
-    lane bf16 128 + (v & 0x7f), the other 128 + (v & 0x80), i.e. 128 or 256 (bit 7 lands on
-    the exponent's lowest bit): their difference is v, exact; mul applies the scale with one
-    rounding."""
+    """bf16x2 of (signed bytes 2p and 2p + 1 of `word`) * s (bf16x2). After prmt, one lop3
+    makes the lane bf16 128 + (v & 0x7f), the other 128 + (v & 0x80), i.e. 128 or 256 (bit 7
+    lands on the exponent's lowest bit): their difference is v, exact; mul applies the scale
+    with one rounding."""
     i32 = ir.IntegerType.get_signless(32)
     return llvm.inline_asm(
         i32, [word, s],
         f"""{{
-        .reg .b32 t, lo, hi, sb, magic;
+        .reg .b32 t, lo, hi, magic;
         mov.b32 magic, 0x43004300;
         prmt.b32 t, $1, 0, {_PAIR_SELECT[byte_pair]:#x};
         lop3.b32 lo, t, 0x007F007F, magic, 0xEA;
         lop3.b32 hi, t, 0x00800080, magic, 0xEA;
         sub.bf16x2 t, lo, hi;
-        cvt.rn.bf16x2.f32 sb, $2, $2;
-        mul.rn.bf16x2 $0, t, sb;
+        mul.rn.bf16x2 $0, t, $2;
         }}""",
-        "=r,r,f")
+        "=r,r,r")
+
+
+_QUAD_SOURCE = """
+        mov.u32 l, %laneid;
+        and.b32 src, l, 0xFFFFFFFC;
+        or.b32 src, src, {c};"""
+
+
+def _quad_word(word, c: int):
+    """`word` of thread c of this thread's quad (same rows in the WGMMA layout)."""
+    return llvm.inline_asm(
+        ir.IntegerType.get_signless(32), [word],
+        f"""{{
+        .reg .b32 l, src;{_QUAD_SOURCE.format(c=c)}
+        shfl.sync.idx.b32 $0, $1, src, 0x1f, 0xffffffff;
+        }}""",
+        "=r,r")
+
+
+def _f16_half_bf16x2(word, half: int):
+    """bf16x2 of f16 `half` (0: low 16 bits) of `word`, in both lanes."""
+    return llvm.inline_asm(
+        ir.IntegerType.get_signless(32), [word],
+        f"""{{
+        .reg .b16 lo, hi;
+        .reg .f32 f;
+        mov.b32 {{lo, hi}}, $1;
+        cvt.f32.f16 f, {('lo', 'hi')[half]};
+        cvt.rn.bf16x2.f32 $0, f, f;
+        }}""",
+        "=r,r")
 
 
 _BF16_SUPERBLOCK = plgpu.ShapeDtypeStruct((_ROWS, 256), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
@@ -184,17 +215,20 @@ def _dequant_q4_k(ctx, words, scales, biases):
     return _fragment(regs)
 
 
-@plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, (_WG_ROWS,) * 8), return_type=_BF16_SUPERBLOCK)
+@plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA), return_type=_BF16_SUPERBLOCK)
 def _dequant_q8_0(ctx, words, scales):
-    """(64, 64) int32 words of eight Q8_0 blocks per row (block g = words 8g..8g+7), the row's
-    float32 scale per block -> the (64, 256) bf16 A tile, chunk c (blocks 2c, 2c + 1) in columns
-    64c..64c+63 in chunk_order()."""
+    """(64, 64) int32 words of eight Q8_0 blocks per row (block g = words 8g..8g+7) and the
+    (64, 8) f16 tile of their scales -> the (64, 256) bf16 A tile, chunk c (blocks 2c, 2c + 1) in
+    columns 64c..64c+63 in chunk_order(). In the WGMMA layout thread j holds scales 2j, 2j + 1
+    of its rows; it takes the others from its quad by shuffles (`_quad_word`)."""
     del ctx
+    i32 = ir.IntegerType.get_signless(32)
     regs = _empty_tile()
     for r in range(2):
+        pairs = [_quad_word(mgpu.utils.bitcast(scales.registers.flat[r], i32), c) for c in range(4)]
         for g in range(8):
+            s = _f16_half_bf16x2(pairs[g >> 1], g & 1)
             wv = words.registers[0, g, 0, 0, r, 0, 0, 0, 0]
-            s = _row_scalar(scales[g], r)
             c, h = g >> 1, g & 1
             for t in range(2):
                 word = vector.extract(wv, [], [t])
@@ -287,49 +321,54 @@ def blocks32_order() -> np.ndarray:
     i of a block holds value i in its low nibble and i + 16 in its high one. Thread j's words
     2j, 2j + 1 of the chunk's eight are words 2 (j & 1) + t of block j >> 1; column block b takes
     word t = b >> 2, nibble (b >> 1) & 1, bytes 2 (b & 1) + e. So the block, and with it the
-    scale, depends on the thread (`_lane_pick`), not on the column block."""
+    scale, depends on the thread (`_quad_pick_f16`), not on the column block."""
     col = np.arange(64)
     b, j, e = col // 8, (col % 8) // 2, col % 2
     return 32 * (j >> 1) + 16 * ((b >> 1) & 1) + 8 * (j & 1) + 4 * (b >> 2) + 2 * (b & 1) + e
 
 
-def _lane_pick(a, b):
-    """bf16x2 of a (float32) in threads whose quad place j is 0 or 1, of b in those with 2 or 3:
-    the scale of the block the thread's words belong to (`blocks32_order`)."""
+def _quad_pick_f16(pair, c: int):
+    """bf16x2 of the f16 of block 2c + (j >> 1) of the thread's row: thread c of the quad holds
+    blocks 2c, 2c + 1 as one word (`pair`, the WGMMA layout of a (64, 8) f16 tile); one shuffle
+    fetches it, the thread's place picks the half."""
     i32 = ir.IntegerType.get_signless(32)
     return llvm.inline_asm(
-        i32, [a, b],
-        """{
-        .reg .b32 l;
-        .reg .pred p;
-        .reg .f32 f;
-        mov.u32 l, %laneid;
-        and.b32 l, l, 2;
-        setp.ne.u32 p, l, 0;
-        selp.f32 f, $2, $1, p;
+        i32, [pair],
+        f"""{{
+        .reg .b32 l, src, v, sh;
+        .reg .b16 h;
+        .reg .f32 f;{_QUAD_SOURCE.format(c=c)}
+        shfl.sync.idx.b32 v, $1, src, 0x1f, 0xffffffff;
+        and.b32 sh, l, 2;
+        shl.b32 sh, sh, 3;
+        shr.u32 v, v, sh;
+        cvt.u16.u32 h, v;
+        cvt.f32.f16 f, h;
         cvt.rn.bf16x2.f32 $0, f, f;
-        }""",
-        "=r,f,f")
+        }}""",
+        "=r,r")
 
 
-def _q5_0_high_bits(a, b):
-    """Q5_0's high-bit word (bit i: value i's fifth bit) of the thread's block (a for j < 2, b
-    otherwise), shifted right by 8 (j & 1): bit 16 n + 4 t + 2 p + e is then that of the value
-    in nibble n, word t, byte pair p, lane e (`blocks32_order`)."""
+def _quad_pick_high_bits(w0, w1, c: int):
+    """Q5_0's high-bit word (bit i: value i's fifth bit) of block 2c + (j >> 1), shifted right by
+    8 (j & 1): bit 16 n + 4 t + 2 p + e is then that of the value in nibble n, word t, byte pair
+    p, lane e (`blocks32_order`). Thread c of the quad holds blocks 2c (w0) and 2c + 1 (w1) in
+    the WGMMA layout of the (64, 8) int32 tile; two shuffles fetch both."""
     i32 = ir.IntegerType.get_signless(32)
     return llvm.inline_asm(
-        i32, [a, b],
-        """{
-        .reg .b32 l, s, v;
-        .reg .pred p;
-        mov.u32 l, %laneid;
+        i32, [w0, w1],
+        f"""{{
+        .reg .b32 l, src, a, b, s, v;
+        .reg .pred p;{_QUAD_SOURCE.format(c=c)}
+        shfl.sync.idx.b32 a, $1, src, 0x1f, 0xffffffff;
+        shfl.sync.idx.b32 b, $2, src, 0x1f, 0xffffffff;
         and.b32 s, l, 2;
         setp.ne.u32 p, s, 0;
-        selp.b32 v, $2, $1, p;
+        selp.b32 v, b, a, p;
         and.b32 s, l, 1;
         shl.b32 s, s, 3;
         shr.u32 $0, v, s;
-        }""",
+        }}""",
         "=r,r,r")
 
 
@@ -378,8 +417,7 @@ def _blocks32_dequant(kind: QType):
     super-step (eight blocks) per row, the row's float32 d per block, and Q4_1's float32 m or
     Q5_0's high-bit word per block -> the (64, 256) bf16 A tile, chunk c (blocks 2c, 2c + 1) in
     columns 64c..64c+63 in blocks32_order()."""
-    per_block = (_WG_ROWS,) * 8
-    arg_types = (plgpu.Layout.WGMMA, per_block) + ((per_block,) if kind != QType.Q4_0 else ())
+    arg_types = (plgpu.Layout.WGMMA,) * (2 if kind == QType.Q4_0 else 3)
 
     def dequant(ctx, words, d, *extra_vecs):
         del ctx
@@ -388,13 +426,14 @@ def _blocks32_dequant(kind: QType):
         for r in range(2):
             for c in range(4):
                 wv = words.registers[0, c, 0, 0, r, 0, 0, 0, 0]
-                pair = lambda vecs: (_row_scalar(vecs[2 * c], r), _row_scalar(vecs[2 * c + 1], r))
-                s = _lane_pick(*pair(d))
                 extra = None
+                word = lambda t: mgpu.utils.bitcast(t.registers.flat[r], i32)
+                s = _quad_pick_f16(word(d), c)
                 if kind == QType.Q4_1:
-                    extra = _lane_pick(*pair(extra_vecs[0]))
+                    extra = _quad_pick_f16(word(extra_vecs[0]), c)
                 elif kind == QType.Q5_0:
-                    extra = _q5_0_high_bits(*pair(extra_vecs[0]))
+                    qh = extra_vecs[0].registers.flat[r]
+                    extra = _quad_pick_high_bits(vector.extract(qh, [], [0]), vector.extract(qh, [], [1]), c)
                 for t in range(2):
                     word = vector.extract(wv, [], [t])
                     shifted = (word, mgpu.utils.arith.shrui(word, mgpu.utils.c(4, i32)))
@@ -445,14 +484,20 @@ class _Q4_K(_Format):
         return _dequant_q4_k(words, tuple(scales), tuple(biases))
 
 
+def _block_tile(ref, rows, sb):
+    """A per-block plane's (64, 8) tile of one super-block, in the WGMMA layout: two values per
+    thread and row, shared in the quad by the dequantizer."""
+    return plgpu.load(ref.at[rows, pl.ds(8 * sb, 8)], layout=plgpu.Layout.WGMMA, optimized=False)
+
+
 class _Q8_0(_Format):
     def load_scales(self, refs, rows, sb):
         (d_ref,) = refs
-        return tuple(_row_vec(d_ref.at[rows, 8 * sb + g]) for g in range(8))
+        return _block_tile(d_ref, rows, sb)
 
     def dequantize(self, words, loaded):
         (words,) = words
-        return _dequant_q8_0(words, tuple(d.astype(jnp.float32) for d in loaded))
+        return _dequant_q8_0(words, loaded)
 
 
 class _Q6_K(_Format):
@@ -478,15 +523,11 @@ class _Blocks32(_Format):
         return blocks32_order()
 
     def load_scales(self, refs, rows, sb):
-        return tuple(tuple(_row_vec(ref.at[rows, 8 * sb + g]) for g in range(8)) for ref in refs)
+        return tuple(_block_tile(ref, rows, sb) for ref in refs)
 
     def dequantize(self, words, loaded):
         (words,) = words
-        d, *extra = loaded
-        f32 = lambda vecs: tuple(v.astype(jnp.float32) for v in vecs)
-        if self.kind == QType.Q4_1:
-            extra = [f32(extra[0])]
-        return self._dequant(words, f32(d), *extra)
+        return self._dequant(words, *loaded)
 
 
 _FORMATS = {QType.Q4_K: _Q4_K(words=(32,), n_scale_planes=3), QType.Q8_0: _Q8_0(words=(64,), n_scale_planes=1),

@@ -1,3 +1,5 @@
+"""Issue 6's closing table from quant_matmul.py JSON files: per type and shape, what qmatmul runs at
+M = 1, 16, 64 and 2048, its time over the M=1 time, and XLA's bf16 dot as the baseline."""
 import json, sys, glob
 rows = []; meta = []
 for f in sys.argv[1:]:
