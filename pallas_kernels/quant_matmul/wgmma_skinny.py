@@ -414,9 +414,10 @@ def _nibble_asm(shifted, byte_pair: int, kind: QType, s, extra=None, high_bit: i
 
 def _blocks32_dequant(kind: QType):
     """The A-tile dequantizer of a 32-value block type: (64, 32) int32 quant words of a
-    super-step (eight blocks) per row, the row's float32 d per block, and Q4_1's float32 m or
-    Q5_0's high-bit word per block -> the (64, 256) bf16 A tile, chunk c (blocks 2c, 2c + 1) in
-    columns 64c..64c+63 in blocks32_order()."""
+    super-step (eight blocks) per row, the (64, 8) tile of d (f16) and of Q4_1's m (f16) or
+    Q5_0's high-bit words (int32), each in the WGMMA layout (thread j holds blocks 2j, 2j + 1 of
+    its rows; `_block_tile`) -> the (64, 256) bf16 A tile, chunk c (blocks 2c, 2c + 1) in columns
+    64c..64c+63 in blocks32_order()."""
     arg_types = (plgpu.Layout.WGMMA,) * (2 if kind == QType.Q4_0 else 3)
 
     def dequant(ctx, words, d, *extra_vecs):
