@@ -21,8 +21,7 @@ M=16 took twice the M=1 time (benchmarks/NOTES-quant_matmul.md, session 14). Her
   Q6_K: prmt the low-nibble and the high-bit bytes, two lop3 merge them into bf16 128 + q,
   sub 160 gives q - 32, mul by d * the 16-value sub-block's scale: six instructions per two
   weights, plus shifts and the scale picks (each thread picks the sub-block's scale by its
-  place in the quad, `_q6_k_scale`, once per word of `qh` as written: hoisting it to once per
-  group is left for a device run to confirm).
+  place in the quad, `_q6_k_scale`, once per 32-value group and row).
   Q4_K, Q8_0 and Q6_K put a 64-value chunk in the same K order (`chunk_order`), so x is
   permuted alike. The 32-value block types (Q4_0, Q4_1, Q5_0) have their own (`blocks32_order`):
   a thread's two words of a chunk lie in one block, chosen by its place in its quad, so each
@@ -302,14 +301,15 @@ def _dequant_q6_k(ctx, ql, qh, scale_words, d):
     for r in range(2):
         dr = _row_scalar(d, r)
         for n in range(2):
+            # the thread's scale of each group (the same for both words t): picked once
+            scales = [_q6_k_scale(_row_scalar(scale_words[2 * n + (g >> 1)], r), dr, 2 * (g & 1)) for g in range(4)]
             for t in range(2):
                 qh_w = vector.extract(qh.registers[0, n, 0, 0, r, 0, 0, 0, 0], [], [t])
                 highs = (shift(qh_w, shl, 4), shift(qh_w, shl, 2), qh_w, shift(qh_w, shr, 2))
                 for g in range(4):
                     ql_w = vector.extract(ql.registers[0, 2 * n + (g & 1), 0, 0, r, 0, 0, 0, 0], [], [t])
                     low = ql_w if g < 2 else shift(ql_w, shr, 4)
-                    sw = _row_scalar(scale_words[2 * n + (g >> 1)], r)
-                    s = _q6_k_scale(sw, dr, 2 * (g & 1))
+                    s = scales[g]
                     for p in range(2):
                         col_block = 8 * (2 * n + (g >> 1)) + 4 * t + 2 * (g & 1) + p
                         _set(regs, col_block, r, _q6_k_asm(low, highs[g], p, s))
