@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from pallas_kernels.attention import fuses_rope
 from pallas_kernels.int8_activations import GatedX, QuantizedX, quantize
 from pallas_kernels.kv_append import apply_rope, split_qkv
-from pallas_kernels.rms_norm import add_rms_norm, rms_norm
+from pallas_kernels.rms_norm import PendingNorm, add_rms_norm, rms_norm
 from rjax.cache import KVCache
 from rjax.config import ModelConfig
 from rjax.quant.qtensor import QTensor, Weight, matmul, matmul_partials, take_rows
@@ -123,17 +123,34 @@ def _activation(cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return jax.nn.silu(x)
 
 
+def _project(h, w: Weight, partials: bool = False):
+    """(h @ w.T, or its partial sums, and the residual stream where h is a PendingNorm, which
+    the product materializes; else None)."""
+    from pallas_kernels.quant_matmul import qmatmul_pending_norm  # here: the kernels import rjax
+
+    if isinstance(h, PendingNorm):
+        if isinstance(w, QTensor):
+            return qmatmul_pending_norm(h, w, partials=partials)
+        x, h = h.materialize()
+        return (matmul_partials if partials else matmul)(h, w), x
+    return (matmul_partials if partials else matmul)(h, w), None
+
+
 def _attention_block(cfg: ModelConfig, i: int, p: LayerParams, x, cache: KVCache, pos, slots):
-    """Attention of the normed rows x [B, T, d_model]: its output [B, T, Hq * D] before the
-    output projection, and the cache with the chunk's keys and values written."""
+    """Attention of the normed rows x [B, T, d_model] (or a PendingNorm of them): its output
+    [B, T, Hq * D] before the output projection, the cache with the chunk's keys and values
+    written, and the residual stream where x was a PendingNorm (else None)."""
     B, T, _ = x.shape
+    residual = None
+    if isinstance(x, PendingNorm) and (p.wqkv is None or p.q_norm is not None or not isinstance(cache, KVCache)):
+        residual, x = x.materialize()
     inv_freq = rope_inv_freq(cfg, cfg.layer_rope_theta[i], cfg.layer_rope_linear[i])
     if p.wqkv is not None:
         if p.q_norm is None and isinstance(cache, KVCache):
             # Sum of the split-K partials, bias, split, rotation and cache append: one kernel at
             # decode, or one with the attention too (every slot decoding one token).
             bias = None if p.bq is None else jnp.concatenate([p.bq, p.bk, p.bv])
-            parts = matmul_partials(x, p.wqkv)
+            parts, residual = _project(x, p.wqkv, partials=True)
             if slots is None and fuses_rope(B, T):
                 from pallas_kernels.quant_matmul import gemv, runs_int8_gemv
 
@@ -143,12 +160,12 @@ def _attention_block(cfg: ModelConfig, i: int, p: LayerParams, x, cache: KVCache
                                                      quantize_out=bool(gemv.QUANTIZED_ATTENTION_OUT)
                                                      and cfg.head_dim % 32 == 0 and runs_int8_gemv(p.wo, B * T, x.dtype))
                 if isinstance(out, QuantizedX):
-                    return out, cache
-                return out.reshape(B, T, cfg.n_heads * cfg.head_dim), cache
+                    return out, cache, residual
+                return out.reshape(B, T, cfg.n_heads * cfg.head_dim), cache, residual
             q, cache = cache.rope_write(i, parts, bias, pos, slots, inv_freq,
                                         n_heads=cfg.n_heads, pairing=cfg.rope_pairing, dtype=x.dtype)
-            return _attention_output(cfg, i, p, q, cache, pos, slots)
-        qkv = matmul(x, p.wqkv)
+            return (*_attention_output(cfg, i, p, q, cache, pos, slots), residual)
+        qkv, residual = _project(x, p.wqkv)
         if p.bq is not None:
             qkv = qkv + jnp.concatenate([p.bq, p.bk, p.bv]).astype(qkv.dtype)
         q, k, v = split_qkv(qkv, cfg.n_heads, cfg.n_kv_heads)
@@ -165,7 +182,7 @@ def _attention_block(cfg: ModelConfig, i: int, p: LayerParams, x, cache: KVCache
     q = apply_rope(q, pos, inv_freq, cfg.rope_pairing)
     k = apply_rope(k, pos, inv_freq, cfg.rope_pairing)
     cache = cache.write(i, k, v, pos, slots)
-    return _attention_output(cfg, i, p, q, cache, pos, slots)
+    return (*_attention_output(cfg, i, p, q, cache, pos, slots), residual)
 
 
 def _attention_output(cfg: ModelConfig, i: int, p: LayerParams, q, cache, pos, slots):
@@ -201,13 +218,18 @@ def _residual_norm(cfg: ModelConfig, a, w, post_norm, x, norm, consumers, counts
     """x + a @ w.T (post-normed where the architecture norms a block's output), and that sum
     RMS-normed by `norm` for the products `consumers` (None: for no product, as a plain array)
     -> (residual, normed, counts). Where the product's kernel can do the add and the norm
-    itself (`fuses_add_norm`), it does, with `counts` (see qmatmul_add_norm)."""
-    from pallas_kernels.quant_matmul import fuses_add_norm, qmatmul_add_norm
+    itself (`fuses_add_norm`), it does, with `counts` (see qmatmul_add_norm). Where the one
+    consumer's kernel can (`takes_pending_norm`), the normed rows are a PendingNorm and the
+    residual None: the consumer's product hands it back (`_project`)."""
+    from pallas_kernels.quant_matmul import fuses_add_norm, qmatmul_add_norm, takes_pending_norm
 
     rows = x.shape[0] * x.shape[1]
     if post_norm is None and consumers is not None and fuses_add_norm(w, rows, dtype, consumers):
         return qmatmul_add_norm(a, w, x, norm, cfg.rms_eps, counts, dtype)
     parts = _post_norm(cfg, matmul_partials(a, w), post_norm)
+    takers = [c for c in consumers or () if c is not None]
+    if len(takers) == 1 and takes_pending_norm(takers[0], rows, dtype):
+        return None, PendingNorm(x, parts, norm, cfg.rms_eps, jnp.dtype(dtype)), counts
     quantize = consumers is not None and _int8_in(consumers, rows, dtype)
     return (*add_rms_norm(x, parts, norm, cfg.rms_eps, dtype, quantize=quantize), counts)
 
@@ -215,20 +237,27 @@ def _residual_norm(cfg: ModelConfig, a, w, post_norm, x, norm, consumers, counts
 def _layer(cfg: ModelConfig, i: int, p: LayerParams, x, h, cache, pos, slots, dtype, next_norm, next_consumers,
            counts):
     """One transformer layer. x is the float32 residual stream, h the rows normed for this
-    layer's attention. Returns the residual with the layer's output added, that normed by
-    `next_norm` for `next_consumers` (the next layer's q/k/v products, or None after the last
-    layer), the cache, and the counts the fused residual-norm products pass on. The blocks
-    compute in `dtype` (bfloat16 on GPU)."""
+    layer's attention (or, with x None, a PendingNorm that holds the residual). Returns the
+    residual with the layer's output added, that normed by `next_norm` for `next_consumers`
+    (the next layer's q/k/v products, or None after the last layer; the pair may again be None
+    and a PendingNorm), the cache, and the counts the fused residual-norm products pass on.
+    The blocks compute in `dtype` (bfloat16 on GPU)."""
     from pallas_kernels.quant_matmul import fuses_glu, qmatmul_glu, takes_gated_x  # here: the kernels import rjax
 
-    rows = x.shape[0] * x.shape[1]
-    attn, cache = _attention_block(cfg, i, p, h, cache, pos, slots)
+    rows = h.shape[0] * h.shape[1]
+    attn, cache, residual = _attention_block(cfg, i, p, h, cache, pos, slots)
+    x = x if residual is None else residual
     x, h, counts = _residual_norm(cfg, attn, p.wo, p.post_attn_norm, x, p.ffn_norm, _ffn_in_weights(p), counts,
                                   dtype)
+    if isinstance(h, PendingNorm) and p.w_gate_up is None:
+        x, h = h.materialize()
     if p.w_gate_up is not None and fuses_glu(p.w_gate_up, p.w_down, rows, dtype):
+        if isinstance(h, PendingNorm):
+            x, h = h.materialize()
         glu_out = qmatmul_glu(h, p.w_gate_up, cfg.activation, dtype)  # act(gate) * up rounded in the product
     elif p.w_gate_up is not None:
-        gate_up = matmul(h, p.w_gate_up)
+        gate_up, residual = _project(h, p.w_gate_up)
+        x = x if residual is None else residual
         if _int8_in([p.w_down], rows, dtype):  # act(gate) * up rounded to int8 in one kernel
             glu_out = quantize(gate_up, cfg.activation)
         elif takes_gated_x(p.w_down, rows, dtype):  # act(gate) * up applied by the down product's kernel

@@ -15,6 +15,11 @@
         rms_norm(that) * norm_w as a QuantizedX with the norm pending, counts): the residual
         add and the norm between two decode products done by the first one's kernel, where
         `fuses_add_norm` says so
+    takes_pending_norm(w, rows, dtype) -> bool  the product should be given the residual add +
+        RMS norm before it pending (a PendingNorm), which its decode kernel applies
+    qmatmul_pending_norm(x, w, partials=False) -> (x @ w.T for the normed rows of the
+        PendingNorm x, the summed residual): on the kernel where `takes_pending_norm` says
+        so, else the add + norm kernel, then the product
     qmatmul_glu(x, w, activation, out_dtype) -> act(x @ gate.T) * (x @ up.T) for w = [gate; up],
         rounded to int8 (a QuantizedX) for the int8 GEMV or in x's dtype for the float kernel:
         the FFN's GLU done by the gate/up product's kernel, where `fuses_glu` says so
@@ -38,6 +43,7 @@ from pallas_kernels.quant_matmul.int8_gemv import int8_gemv_add_norm, int8_gemv_
 from pallas_kernels.quant_matmul.kernel import fused_qmatmul
 from pallas_kernels.quant_matmul.reference import qmatmul_reference
 from pallas_kernels.quant_matmul.tiles import FORMATS
+from pallas_kernels.rms_norm.pending import PendingNorm
 from rjax.quant.qtensor import QTensor
 
 IMPLEMENTATIONS = ("reference", "pallas", "interpret")
@@ -99,6 +105,35 @@ def qmatmul_add_norm(x: jax.Array | QuantizedX, w: QTensor, residual: jax.Array,
                                            default_int8_config(w.qtype, rows, n, k), eps, out_dtype,
                                            interpret=interpret)
     return x_out.reshape(residual.shape), xq.reshape(*lead), counts
+
+
+def takes_pending_norm(w, rows: int, dtype) -> bool:
+    """Whether x (rows, K) @ w, where x is the residual stream RMS-normed, should be given x as
+    a PendingNorm (the add and the norm applied by the product's kernel, `qmatmul_pending_norm`):
+    on this backend's float decode kernel's CUDA-core tiles, for at most gemv.PENDING_NORM_MAX_M
+    rows."""
+    return (isinstance(w, QTensor) and jax.default_backend() == "gpu" and supports(w.qtype)
+            and 0 < rows <= gemv.PENDING_NORM_MAX_M and gemv.fma_config(w, rows, dtype) is not None)
+
+
+def qmatmul_pending_norm(x: PendingNorm, w: QTensor, *, partials: bool = False, implementation: str | None = None):
+    """(rms_norm(x.residual + sum(x.parts)) * x.weight @ dequantize(w).T, x.residual +
+    sum(x.parts)): the product (..., N) in x.dtype, or with `partials` its partial sums, and the
+    new residual (..., K) float32. On the float kernel's CUDA-core tiles in one kernel where
+    the backend's path (or `implementation`) has them, else materialized first."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = 1
+    for d in lead:
+        rows *= d
+    if implementation is None:
+        implementation = "pallas" if takes_pending_norm(w, rows, x.dtype) else "reference"
+    cfg = gemv.pending_norm_config(w, rows, x.dtype) if implementation != "reference" and supports(w.qtype) else None
+    if cfg is None:
+        residual, normed = x.materialize()
+        return qmatmul(normed, w, implementation=implementation, partials=partials), residual
+    out, residual = fused_qmatmul(x.reshape(rows), w, cfg, interpret=implementation == "interpret",
+                                  partials=partials)
+    return out.reshape(*out.shape[:-2], *lead, w.shape[0]), residual.reshape(x.shape)
 
 
 def fuses_glu(w, w_down, rows: int, dtype) -> bool:

@@ -30,6 +30,7 @@ from pallas_kernels.quant_matmul import int8_mma as mma
 from pallas_kernels.quant_matmul import wgmma_skinny as wgmma
 from pallas_kernels.quant_matmul.kernel import TileConfig, fused_qmatmul
 from pallas_kernels.quant_matmul.tiles import supports_bf16x2
+from pallas_kernels.rms_norm.pending import PendingNorm
 from rjax.quant.qtensor import QTensor
 
 MAX_M = 64
@@ -116,6 +117,18 @@ GLU_MAX_M = 0
 FLOAT_GLU_MAX_M = 0
 # Programs that tiling aims for: rows per program are halved while the product has fewer.
 FLOAT_GLU_PROGRAMS = 264
+# Products of up to this many rows on the float kernel's CUDA-core tiles (FMA_AT_M1) that take
+# their x from a residual add + RMS norm are given that add and norm pending (a PendingNorm),
+# so that the norm kernel before them goes (`takes_pending_norm`). 0 turns it off.
+# Every program of such a product loads x's whole row (the residual, the partial sums, the norm
+# weight: float32), so their tiles take more weight rows while there are more than
+# PENDING_NORM_MAX_TILES of them. H100, GPU kernel time against the norm kernel + the product
+# (notes, session 18): smollm2's q/k/v 960x576 2.57 against 3.60 us, gate/up 3072x576 4.18
+# against 4.58 (both at 8 rows); qwen2.5-0.5b's gate/up 9728x896 15.8 at 8 rows, 9.7 at 16,
+# 11.1 at 32, against 10.6. One split for every product (each program then sums the row's
+# squares from its own loads) lost: q/k/v 5.1 us, smollm2 decoded 0.82x.
+PENDING_NORM_MAX_M = 1
+PENDING_NORM_MAX_TILES = 640
 # Tiles of that kernel: gate rows per program (each with its up row; a multiple of 32, so that
 # a program rounds whole groups), values per step, warps, prefetch (best in session 12's sweep).
 GLU_TILES = {
@@ -301,9 +314,34 @@ def uses_wgmma(w: QTensor, m: int, x, interpret: bool) -> bool:
     interpreter), WGMMA_MIN_M..WGMMA_MAX_M rows of plain bf16 x, a weight it supports of at
     least WGMMA_MIN_VALUES values."""
     return (not interpret and WGMMA_MIN_M.get(w.qtype, 2) <= m <= WGMMA_MAX_M
-            and not isinstance(x, (GatedX, int8.QuantizedX))
+            and not isinstance(x, (GatedX, int8.QuantizedX, PendingNorm))
             and jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16) and wgmma.supports(w)
             and w.shape[0] * w.shape[1] >= WGMMA_MIN_VALUES[w.qtype])
+
+
+def fma_config(w: QTensor, m: int, dtype) -> TileConfig | None:
+    """The float kernel's CUDA-core tiles where x (m, K) of `dtype` @ w runs on them (the
+    kernel that can apply a PendingNorm), else None."""
+    x = jax.ShapeDtypeStruct((m, w.shape[1]), dtype)
+    if not 0 < m <= MAX_M or decode_path(x, w) != "float" or bf16x2_config(w, m, dtype) is not None:
+        return None
+    cfg = default_gemv_config(w.qtype, m, *w.shape)
+    return cfg if cfg.method == "fma" else None
+
+
+def pending_norm_config(w: QTensor, m: int, dtype) -> TileConfig | None:
+    """The tiles of a product that applies a PendingNorm: `fma_config`'s, with the weight rows
+    per program doubled while there are more than PENDING_NORM_MAX_TILES tiles; None off them."""
+    cfg = fma_config(w, m, dtype)
+    if cfg is None:
+        return None
+    n, k = w.shape
+    block_n = cfg.block_n
+    while -(-n // block_n) > PENDING_NORM_MAX_TILES:
+        block_n *= 2
+    if block_n == cfg.block_n:
+        return cfg
+    return gemv_config(w.qtype, m, n, k, method="fma", block_n=block_n, programs=FMA_AT_M1[w.qtype]["programs"])
 
 
 def gemv_config(qtype: QType, m: int, n: int, k: int, *, method: str = "mma", block_n: int = BLOCK_N,

@@ -37,6 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.int8_activations import GatedX
 from pallas_kernels.int8_activations.reference import activate
 from pallas_kernels.quant_matmul.tiles import FORMATS, format_of, index, split_k_launch
+from pallas_kernels.rms_norm.pending import PendingNorm
 from rjax.quant.qtensor import QTensor
 
 
@@ -69,12 +70,38 @@ def _iota(n):
 
 
 def _kernel(x_ref, *refs, fmt, cfg: TileConfig, split_out, m_rows, n_rows, n_blocks, blocks_per_split, cdt,
-            activation, glu, interpret):
+            activation, glu, norm, interpret):
     """activation: None, x_ref is x by block; else x_ref is [gate | up] by half and block, and x
     is act(gate) * up, evaluated in float32 as each tile is loaded (a GatedX).
     glu: None, or the weight is [gate; up] (2 n_rows, K) and the program multiplies its gate rows
-    and the up rows n_rows further on, and stores act(gate) * up ("fma" only, one split)."""
-    *w_refs, o_ref = refs
+    and the up rows n_rows further on, and stores act(gate) * up ("fma" only, one split).
+    norm: None, or (S, eps) for a PendingNorm: x_ref is the residual by block, followed in refs
+    by its S partial sums (if S) and the norm weight; x is residual + sum(parts) times the
+    weight, and the sums are scaled by each row's 1/rms (from the whole row, loaded once).
+    The programs of the first weight-row tile store residual + sum(parts) to the last output
+    ("fma" only)."""
+    n_parts = 0 if norm is None else norm[0]
+    n_norm_in = 0 if norm is None else n_parts and 1
+    parts_ref = refs[0] if n_parts else None
+    norm_w_ref = refs[n_norm_in] if norm is not None else None
+    refs = refs[n_norm_in + 1:] if norm is not None else refs
+    *w_refs, o_ref = refs if norm is None else refs[:-1]
+    res_out_ref = refs[-1] if norm is not None else None
+    pid_n, pid_m, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+
+    def row_tiles(rows, blocks, seg, mask):
+        """The residual's and the parts' tiles, loaded; summed where they are used."""
+        tiles = [plgpu.load(x_ref.at[rows, blocks, seg], mask=mask, other=0)]
+        for s in range(n_parts):
+            tiles.append(plgpu.load(parts_ref.at[jnp.int32(s), rows, blocks, seg], mask=mask, other=0))
+        return tiles
+
+    def normed_x(rows, blocks, seg, mask):
+        """(residual + sum(parts)) * norm weight, and residual + sum(parts), stored as the new
+        residual by the first weight-row tile's programs."""
+        h = functools.reduce(jnp.add, [t.astype(jnp.float32) for t in row_tiles(rows, blocks, seg, mask)])
+        plgpu.store(res_out_ref.at[rows, blocks, seg], h, mask=mask & (pid_n == 0))
+        return h * plgpu.load(norm_w_ref.at[blocks, seg], mask=mask, other=0).astype(jnp.float32), h
 
     def load_x(rows, blocks, seg, mask):
         if activation is None:
@@ -84,7 +111,6 @@ def _kernel(x_ref, *refs, fmt, cfg: TileConfig, split_out, m_rows, n_rows, n_blo
         return activate(gate, activation) * up.astype(jnp.float32)
 
     bm, bn, bkb = cfg.block_m, cfg.block_n, cfg.block_k
-    pid_n, pid_m, pid_s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     n0, m0 = pid_n * bn, pid_m * bm
     kb0 = pid_s * blocks_per_split
     kb_end = jnp.minimum(kb0 + blocks_per_split, n_blocks)
@@ -124,24 +150,34 @@ def _kernel(x_ref, *refs, fmt, cfg: TileConfig, split_out, m_rows, n_rows, n_blo
                                             preferred_element_type=jnp.float32)
         return acc
 
-    def step_fma(i, accs):
+    # A PendingNorm's 1/rms needs the sum of squares of the whole row: a program whose range
+    # covers all of K sums it from the tiles it loads anyway; one with part of K loads the
+    # whole row before its loop and sums it after, so that the loads overlap the weights'.
+    whole_row = blocks_per_split >= n_blocks
+
+    def step_fma(i, carry):
         # Elementwise accumulation into a full (BN, BKB, sub, run/sub) tile per x row: no
         # reductions or layout changes inside the loop; one reduction after it.
+        accs, squares = map(list, carry)
         b0 = kb0 + i * bkb
         blocks = pl.ds(b0, bkb)
         bmask = (b0 + _iota(bkb)) < kb_end
         wmask = rmask[:, None] & bmask[None, :]
-        accs = list(accs)
         for r, row_set in enumerate(row_sets):
             for part in fmt.parts(w_refs, row_set, blocks, wmask):
                 w = part.q * part.scale[..., None]
                 if part.bias is not None:
                     w = w + part.bias[..., None]
                 for m in range(bm):
-                    xmask_m = bmask & (m0 + m < m_rows)
-                    xp = load_x(m0 + m, blocks, index(part.seg), xmask_m.reshape(bkb, 1, 1)).astype(jnp.float32)
+                    xmask_m = (bmask & (m0 + m < m_rows)).reshape(bkb, 1, 1)
+                    if norm is None:
+                        xp = load_x(m0 + m, blocks, index(part.seg), xmask_m).astype(jnp.float32)
+                    else:
+                        xp, h = normed_x(m0 + m, blocks, index(part.seg), xmask_m)
+                        if whole_row:
+                            squares[m] = squares[m] + h * h
                     accs[r * bm + m] = accs[r * bm + m] + w * xp[None]
-        return tuple(accs)
+        return tuple(accs), tuple(squares)
 
     n_steps = blocks_per_split // bkb
     if cfg.method == "mma":
@@ -151,9 +187,24 @@ def _kernel(x_ref, *refs, fmt, cfg: TileConfig, split_out, m_rows, n_rows, n_blo
         plgpu.store(o_ref.at[idx], out, mask=xmask[:, None] & rmask[None, :])
     else:
         tile = (bn, bkb, sub, run // sub)
-        accs = jax.lax.fori_loop(0, n_steps, step_fma,
-                                 tuple(jnp.zeros(tile, jnp.float32) for _ in range(bm * len(row_sets))))
+        every = pl.next_power_of_2(n_blocks)
+        rows_ahead = []
+        if norm is not None and not whole_row:
+            rows_ahead = [row_tiles(m0 + m, pl.ds(0, every), slice(None),
+                                    ((_iota(every) < n_blocks) & (m0 + m < m_rows)).reshape(every, 1, 1, 1))
+                          for m in range(bm)]
+        squares = tuple(jnp.zeros(tile[1:], jnp.float32) for _ in range(bm if norm is not None and whole_row else 0))
+        accs, squares = jax.lax.fori_loop(
+            0, n_steps, step_fma, (tuple(jnp.zeros(tile, jnp.float32) for _ in range(bm * len(row_sets))), squares))
         sums = [jnp.sum(jnp.sum(jnp.sum(acc, axis=3), axis=2), axis=1) for acc in accs]
+        if norm is not None:
+            if whole_row:
+                ss = [jnp.sum(sq) for sq in squares]
+            else:
+                hs = [functools.reduce(jnp.add, [t.astype(jnp.float32) for t in ts]) for ts in rows_ahead]
+                ss = [jnp.sum(h * h) for h in hs]
+            k = n_blocks * fmt.block_size
+            sums = [sums[m] * jax.lax.rsqrt(ss[m] / k + norm[1]) for m in range(bm)]
         for m in range(bm):
             out = sums[m] if glu is None else activate(sums[m], glu) * sums[bm + m]
             idx = (pid_s, m0 + m, rows) if split_out else (m0 + m, rows)
@@ -167,20 +218,25 @@ def compute_dtype(dtype) -> jnp.dtype:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret", "partials", "glu"))
-def fused_qmatmul(x: jax.Array | GatedX, w: QTensor, cfg: TileConfig, interpret: bool = False,
-                  partials: bool = False, glu: str | None = None) -> jax.Array:
+def fused_qmatmul(x: jax.Array | GatedX | PendingNorm, w: QTensor, cfg: TileConfig, interpret: bool = False,
+                  partials: bool = False, glu: str | None = None):
     """x (M, K) @ dequantize(w).T -> (M, N) in x.dtype, by the fused kernel with tiles `cfg`;
     with `partials`, the split-K partial sums (split_k, M, N) in float32. x may be a GatedX,
     whose GLU the kernel applies as it loads x. With `glu` (an activation), w is [gate; up]
     (2F, K) and the result act(x @ gate.T) * (x @ up.T) (M, F), applied as the kernel stores
-    its rows ("fma" tiles with one split)."""
+    its rows ("fma" tiles with one split). x may be a PendingNorm ("fma" tiles), whose add and
+    norm the kernel applies: the result is then (product, residual + sum(parts) (M, K))."""
     if w.qtype not in FORMATS:
         raise NotImplementedError(f"fused_qmatmul: no kernel for {w.qtype.name}; have "
                                   f"{', '.join(t.name for t in FORMATS)}")
     fmt = format_of(w, cfg.dequant)
-    if cfg.dequant != "f32" and (isinstance(x, GatedX) or x.dtype != jnp.bfloat16):
+    if cfg.dequant != "f32" and (isinstance(x, (GatedX, PendingNorm)) or x.dtype != jnp.bfloat16):
         raise ValueError(f"fused_qmatmul: {cfg.dequant} dequantization takes plain bf16 x, got "
                          f"{type(x).__name__} {x.dtype}")
+    pending = isinstance(x, PendingNorm)
+    if pending and (cfg.method != "fma" or glu is not None):
+        raise ValueError(f"fused_qmatmul: a PendingNorm x is normed by 'fma' tiles without a GLU, got {cfg}, "
+                         f"glu={glu}")
     n_rows, k = w.shape
     if glu is not None:
         if cfg.method != "fma" or cfg.split_k != 1 or partials or isinstance(x, GatedX):
@@ -202,13 +258,30 @@ def fused_qmatmul(x: jax.Array | GatedX, w: QTensor, cfg: TileConfig, interpret:
                                                  partials)
     by_block = (n_blocks, fmt.segments, fmt.sub, fmt.seg_len // fmt.sub)
     activation = x.activation if isinstance(x, GatedX) else None
-    x5 = x.reshape(m_rows, *by_block) if activation is None else x.gate_up.reshape(m_rows, 2, *by_block)
+    norm_in, norm = [], None
+    if pending:
+        if x.residual.dtype != jnp.float32 or x.weight.shape != (k,) or (
+                x.parts is not None and x.parts.shape[1:] != x.residual.shape):
+            raise ValueError(f"fused_qmatmul: a PendingNorm of a float32 residual {x.residual.shape} "
+                             f"{x.residual.dtype}, parts {None if x.parts is None else x.parts.shape} and "
+                             f"weight {x.weight.shape} for K={k}")
+        x5 = x.residual.reshape(m_rows, *by_block)
+        if x.parts is not None:
+            norm_in.append(x.parts.astype(jnp.float32).reshape(x.parts.shape[0], m_rows, *by_block))
+        norm_in.append(x.weight.reshape(by_block))
+        norm = (0 if x.parts is None else x.parts.shape[0], float(x.eps))
+        out_shape = (out_shape, jax.ShapeDtypeStruct(x5.shape, jnp.float32))
+    elif activation is None:
+        x5 = x.reshape(m_rows, *by_block)
+    else:
+        x5 = x.gate_up.reshape(m_rows, 2, *by_block)
     views = fmt.views(w.planes)
     grid = (pl.cdiv(n_rows, cfg.block_n), pl.cdiv(m_rows, cfg.block_m), cfg.split_k)
+    product_shape = out_shape[0] if pending else out_shape
     kernel = functools.partial(
-        _kernel, fmt=fmt, cfg=cfg, split_out=len(out_shape.shape) == 3, m_rows=m_rows, n_rows=n_rows, n_blocks=n_blocks,
-        blocks_per_split=blocks_per_split, cdt=compute_dtype(x.dtype), activation=activation, glu=glu,
-        interpret=interpret)
+        _kernel, fmt=fmt, cfg=cfg, split_out=len(product_shape.shape) == 3, m_rows=m_rows, n_rows=n_rows,
+        n_blocks=n_blocks, blocks_per_split=blocks_per_split, cdt=compute_dtype(x.dtype), activation=activation,
+        glu=glu, norm=norm, interpret=interpret)
     wbytes = sum(math.prod(v.shape) * v.dtype.itemsize for v in views)
     out = pl.pallas_call(
         kernel,
@@ -218,10 +291,13 @@ def fused_qmatmul(x: jax.Array | GatedX, w: QTensor, cfg: TileConfig, interpret:
         cost_estimate=pl.CostEstimate(
             flops=2 * m_rows * w.shape[0] * k, transcendentals=0,
             bytes_accessed=wbytes * grid[1] + x5.size * x5.dtype.itemsize * grid[0]
-            + m_rows * n_rows * jnp.dtype(out_shape.dtype).itemsize * cfg.split_k),
+            + m_rows * n_rows * jnp.dtype(product_shape.dtype).itemsize * cfg.split_k),
         interpret=interpret,
-        name=f"qmatmul_{w.qtype.name.lower()}" + ("_glu" if glu else ""),
-    )(x5, *views)
+        name=f"qmatmul_{w.qtype.name.lower()}" + ("_glu" if glu else "") + ("_norm" if pending else ""),
+    )(x5, *norm_in, *views)
+    residual = None
+    if pending:
+        out, residual = out[0], out[1].reshape(m_rows, k)
     if cfg.split_k > 1 and not partials:
         out = out.sum(axis=0).astype(x.dtype)
-    return out
+    return out if residual is None else (out, residual)

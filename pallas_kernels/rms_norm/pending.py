@@ -1,0 +1,44 @@
+"""The residual add + RMS norm between two blocks, left to the kernel of the product after it.
+
+At batch 1 the add + norm kernel between two small products costs as much as either product
+(a launch and a dependent round trip for a few kilobytes), so a product on the float decode
+kernel can take its x as a `PendingNorm` instead: the residual, the block output's split-K
+partial sums and the norm weight. Each program sums the row itself, gets the row's sum of
+squares from one extra load of the whole row, multiplies what it loads by the norm weight and
+scales its sums by the row's 1/rms at the end; the programs of the first weight-row tile also
+write the summed residual, which the next residual add needs. `materialize` is what every
+other consumer does instead: the add + norm kernel (or its reference).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PendingNorm:
+    """rms_norm(residual + sum(parts)) * weight, in `dtype`, not computed yet."""
+
+    residual: jax.Array        # (..., K) float32, the residual stream before the block's output is added
+    parts: jax.Array | None    # (S, ..., K) float32 partial sums of the block's output, or None
+    weight: jax.Array          # (K,)
+    eps: float = dataclasses.field(metadata=dict(static=True))
+    dtype: Any = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.residual.shape
+
+    def reshape(self, *lead: int) -> "PendingNorm":
+        k = self.residual.shape[-1]
+        parts = None if self.parts is None else self.parts.reshape(self.parts.shape[0], *lead, k)
+        return PendingNorm(self.residual.reshape(*lead, k), parts, self.weight, self.eps, self.dtype)
+
+    def materialize(self) -> tuple[jax.Array, jax.Array]:
+        """(residual + sum(parts), the normed rows in `dtype`), by the add + norm kernel."""
+        from pallas_kernels.rms_norm import add_rms_norm
+
+        return add_rms_norm(self.residual, self.parts, self.weight, self.eps, self.dtype)
