@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--batch", default="1,8,32")
-    p.add_argument("--steps-per-dispatch", default="16,1")
+    p.add_argument("--steps-per-dispatch", default="128,16,1")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--layers", type=int, default=None, help="override every shape's layer count (smoke tests)")
     p.add_argument("--vocab", type=int, default=None, help="override every shape's vocabulary (smoke tests)")

@@ -59,7 +59,10 @@ class BenchSettings:
     prompt_len: int = 512
     gen: int = 128
     batches: tuple[int, ...] = (1, 8, 32)
-    steps_per_dispatch: tuple[int, ...] = (1, 16)
+    # 128: a tg128 run in one dispatch. Each dispatch costs the host's call and sync on top of its
+    # steps: smollm2-135m at batch 1 on the H100 took 2,544 / 877 / 658 us per token at N = 1 /
+    # 16 / 128 (notes, session 18).
+    steps_per_dispatch: tuple[int, ...] = (1, 16, 128)
     repeats: int = 3
     copy_bytes: int = 1 << 30      # bandwidth probe array size
     copy_repeats: int = 5
@@ -646,7 +649,8 @@ def register_cli(subparsers) -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen", type=int, default=128, help="tokens generated per timed decode run")
     p.add_argument("--batch", type=_int_list, default=(1, 8, 32), help="batch sizes, e.g. 1,8,32")
-    p.add_argument("--steps-per-dispatch", type=_int_list, default=(1, 16), help="decode steps per dispatch, e.g. 1,16")
+    p.add_argument("--steps-per-dispatch", type=_int_list, default=BenchSettings.steps_per_dispatch,
+                   help="decode steps per dispatch, e.g. 1,16,128")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration")
     p.add_argument("--copy-mib", type=float, default=None,
                    help="bandwidth probe array size in MiB (default 1024 on accelerators, 64 on CPU)")

@@ -120,6 +120,9 @@ def test_dispatch_takes_the_float_glu_where_both_products_are_float():
 
     gate_up, down = w(QType.Q4_1, 3072, 576), w(QType.Q4_1, 576, 1536)
     with mock.patch.object(jax, "default_backend", lambda: "gpu"), mock.patch.object(gemv, "FLOAT_GLU_MAX_M", 1):
+        assert not quant_matmul.fuses_glu(gate_up, down, 1, jnp.bfloat16)  # the down product takes a GatedX
+    with (mock.patch.object(jax, "default_backend", lambda: "gpu"), mock.patch.object(gemv, "FLOAT_GLU_MAX_M", 1),
+          mock.patch.object(gemv, "GATED_X_MAX_M", 0)):
         assert quant_matmul.fuses_glu(gate_up, down, 1, jnp.bfloat16)
         assert not quant_matmul.fuses_glu(gate_up, down, 2, jnp.bfloat16)
         assert not quant_matmul.fuses_glu(w(QType.Q8_0, 3072, 576), w(QType.Q8_0, 576, 1536), 1, jnp.bfloat16)

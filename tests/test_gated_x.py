@@ -153,3 +153,17 @@ def test_gpu_kernels_apply_the_glu(qtype, m):
     rel = lambda out: np.linalg.norm(np.asarray(out, np.float64) - oracle) / np.linalg.norm(oracle)  # noqa: E731
     assert rel(fused_qmatmul(GatedX(gu, "silu"), w, cfg)) < 2 * rel(fused_qmatmul(GatedX(gu, "silu").materialize(), w,
                                                                                   cfg)) + 1e-3
+
+
+def test_dispatch_takes_it_on_the_float_kernels_cuda_core_tiles():
+    """On a GPU backend, at one row: a Q4_1 down product on the float kernel yes; one on the
+    int8 GEMV or on the wgmma kernel (Q6_K from one row), or two rows, no."""
+    import unittest.mock as mock
+
+    from pallas_kernels.quant_matmul import gemv
+
+    with mock.patch.object(jax, "default_backend", lambda: "gpu"), mock.patch.object(gemv, "GATED_X_MAX_M", 1):
+        assert takes_gated_x(_w(QType.Q4_1, 576, 1536, 0), 1, jnp.bfloat16)
+        assert not takes_gated_x(_w(QType.Q4_1, 576, 1536, 0), 2, jnp.bfloat16)
+        assert not takes_gated_x(_w(QType.Q4_K, 2048, 8192, 0), 1, jnp.bfloat16)
+        assert not takes_gated_x(_w(QType.Q6_K, 2048, 8192, 0), 1, jnp.bfloat16)

@@ -57,10 +57,10 @@ def supports(qtype: QType) -> bool:
 def takes_gated_x(w, rows: int, dtype) -> bool:
     """Whether the FFN's down product x (rows, K) @ w should be given x as the GLU's
     [gate | up] (a GatedX, its GLU applied by the decode kernel as it loads x) rather than
-    act(gate) * up from a pass of its own: on this backend's decode kernels, for at most
-    gemv.GATED_X_MAX_M rows, where x is not handed over rounded (`takes_quantized_x`)."""
+    act(gate) * up from a pass of its own: on this backend's float decode kernel's CUDA-core
+    tiles (the wgmma kernel takes plain x only), for at most gemv.GATED_X_MAX_M rows."""
     return (isinstance(w, QTensor) and jax.default_backend() == "gpu" and supports(w.qtype)
-            and 0 < rows <= min(MAX_M, gemv.GATED_X_MAX_M) and not takes_quantized_x(w, rows, dtype))
+            and 0 < rows <= min(MAX_M, gemv.GATED_X_MAX_M) and gemv.fma_config(w, rows, dtype) is not None)
 
 
 def takes_quantized_x(w, rows: int, dtype) -> bool:

@@ -84,10 +84,13 @@ INT8_MIN_VALUES_ROUNDED_FIRST = 2**24
 INT8_PRODUCER_MIN_VALUES = {QType.Q4_K: 0, QType.Q8_0: 2**25, QType.Q4_1: 2**25, QType.Q4_0: 2**25}
 # Down products of up to this many rows are given the GLU's [gate | up] (a GatedX, applied
 # by the kernel as it loads x) where they would otherwise multiply act(gate) * up from an XLA
-# pass of its own (`takes_gated_x`): one launch fewer per layer, against every program
-# evaluating the activation for its K range. 0, so never, until an end-to-end A/B on the H100
-# decides it.
-GATED_X_MAX_M = 0
+# pass of its own (`takes_gated_x`), where they run on the float kernel's CUDA-core tiles: one
+# launch fewer per layer, against every program evaluating the activation for its K range.
+# smollm2-135m Q4_1 at batch 1 (H100, notes): 1,202 against 1,200 tokens/s in session 13; with
+# the PendingNorm (session 18) 1,295 against 1,239 (2 rounds) and 1,322 against 1,330 (3 rounds,
+# 1,256-1,400 between processes), and 658 against 690 us of kernels per step (the multiply's 30
+# launches gone, the down product 0.4 us longer).
+GATED_X_MAX_M = 1
 # Products of up to this many rows on the int8 GEMV whose output goes through the residual
 # add and an RMS norm into other int8 products (attention's output projection, the FFN's down
 # projection) do that add and norm in their own kernel (`int8_gemv_add_norm`), so that the
