@@ -314,6 +314,38 @@ def test_gpu_int8_decode_paths_agree(tmp_path):
 
 
 @pytest.mark.gpu
+def test_gpu_float_decode_paths_agree(tmp_path):
+    """Batch-1 decode on the GPU, smollm2 layers in Q4_1 (the float kernel's CUDA-core tiles):
+    the norms between layers left to the next product (PendingNorm) and the GLU to the down
+    product (GatedX), the defaults, against either or both off: the same logits up to bf16
+    rounding."""
+    import unittest.mock as mock
+
+    from pallas_kernels.quant_matmul import gemv
+    from rjax.synth import write_synthetic
+
+    path = write_synthetic(tmp_path / "sm.gguf", "smollm2-135m", "q4_1", seed=3, n_layers=3, vocab_size=512,
+                           tokenizer_from="builtin")
+    model = rjax.load(path, progress=False)
+    cfg, params = model.config, model.params
+    t, l = engine.pad_prompts(_prompts(3, [9], cfg.vocab_size))
+    variants = {"default": dict(PENDING_NORM_MAX_M=1, GATED_X_MAX_M=1), "no_pending": dict(PENDING_NORM_MAX_M=0),
+                "no_gated": dict(GATED_X_MAX_M=0), "neither": dict(PENDING_NORM_MAX_M=0, GATED_X_MAX_M=0)}
+    out = {}
+    for name, patch in variants.items():
+        jax.clear_caches()
+        with mock.patch.multiple(gemv, **patch):
+            cache = init_cache(cfg, 1, 512, dtype=jnp.bfloat16)
+            _, cache = engine.prefill(cfg, params, cache, jnp.asarray(t), jnp.asarray(l))
+            logits, _ = engine.decode_step(cfg, params, cache, jnp.asarray([3], jnp.int32))
+            out[name] = np.asarray(logits, np.float32)
+    jax.clear_caches()
+    scale = float(np.abs(out["neither"]).max())
+    for name in ("default", "no_pending", "no_gated"):
+        np.testing.assert_allclose(out[name], out["neither"], rtol=0, atol=2e-2 * scale, err_msg=name)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape,quant,batch", [("smollm2-135m", "q8_0", 1), ("llama-1b", "q4_k", 3),
                                                ("qwen2.5-1.5b", "q8_0", 2), ("smollm2-135m", "q4_1", 1)])
 def test_gpu_decode_matches_longer_prefill(tmp_path, shape, quant, batch):
