@@ -5,10 +5,19 @@ state, sampling parameters and stop ids as device arrays. Each `step()`:
 
 1. admits queued requests into free slots (first come, first served) and prefills all of them
    in one multi-prompt call, each prompt written straight into its slot;
-2. runs one `engine.decode_loop` dispatch of `steps_per_dispatch` steps over every slot (free
-   and finished slots are masked off);
+2. runs one decode dispatch (`decode_dispatch`: `steps_per_dispatch` decode steps, sampling and
+   stop conditions in one XLA program, as `engine.decode_loop`) over every slot (free and
+   finished slots are masked off);
 3. streams the new tokens of every request, and frees the slots of finished ones: their pages
    go back to the free list and the slot's length is reset by a pure function.
+
+Each slot draws from its own random stream, made from its request's seed at admission, so a
+seeded request samples the same tokens whatever else runs beside it. Log-probabilities (the
+chosen token's and the top `MAX_TOP_LOGPROBS`, of the model's raw distribution) come out of
+prefill always (one small top-k per prompt) and out of a decode dispatch only while some running
+request asked for them (a second compiled variant of the dispatch, so the plain one pays nothing).
+`cancel(request_id)` may be called from any thread; the cancellation is applied at the start of
+the next `step`, which frees the request's slot and pages.
 
 A slot index is data, never a static argument, and sampling parameters are per-slot arrays, so
 admitting a request with other settings into any slot reuses the compiled programs. Prompt
@@ -21,7 +30,8 @@ Limits (`ServingConfig`), and what happens beyond them:
 - more requests than free slots, or than free pages, wait in the queue (admission reserves the
   pages a request may need at most, so a running sequence never runs out of pages and no
   sequence is ever evicted);
-- a request stops at `max_len` positions with finish reason "context".
+- a request stops at `max_len` positions with finish reason "context"; a cancelled one ends with
+  finish reason "cancelled".
 """
 from __future__ import annotations
 
@@ -31,7 +41,7 @@ import functools
 import heapq
 import itertools
 import time
-from typing import Hashable, Iterator, Sequence
+from typing import Hashable, Iterator, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +54,10 @@ from rjax.engine import DecodeState
 from rjax.memory import kv_bytes_per_position, plan_memory
 from rjax.model import Params
 from rjax.paged_cache import PageAllocator, PagedKVCache, init_paged_cache, set_block_tables
-from rjax.sampling import SamplingParams
+from rjax.sampling import SamplingParams, sample
+
+# Top log-probabilities a request may ask for per token (OpenAI's top_logprobs limit).
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,22 +133,70 @@ def fit_config(cfg: ModelConfig, *, max_len: int, page_size: int | None = 16, n_
 class SlotBatch:
     """Everything per slot that the decode loop reads, as arrays over all slots."""
 
-    state: DecodeState         # last_token, done, remaining [n_slots]; a free slot is done
+    state: DecodeState         # last_token, done, remaining [n_slots]; a free slot is done;
+    #                            key [n_slots]: one random stream per slot
     sampling: SamplingParams   # [n_slots]
     stop_ids: jax.Array        # [n_slots, max_stop_ids] int32, -1 padded
 
 
-def init_slots(n_slots: int, max_stop_ids: int, key: jax.Array) -> SlotBatch:
+def init_slots(n_slots: int, max_stop_ids: int) -> SlotBatch:
+    # The keys are placeholders: admission gives each slot its request's key.
     state = DecodeState(jnp.zeros((n_slots,), jnp.int32), jnp.ones((n_slots,), bool),
-                        jnp.zeros((n_slots,), jnp.int32), key)
+                        jnp.zeros((n_slots,), jnp.int32), jax.random.split(jax.random.key(0), n_slots))
     return SlotBatch(state, SamplingParams.make(n_slots), jnp.full((n_slots, max_stop_ids), -1, jnp.int32))
 
 
+def request_keys(seeds, sample_index):
+    """One key per request from its 64-bit seed (seeds [P, 2] uint32: low and high words) and its
+    sample index [P] (n samples of one seed draw apart)."""
+    def one(seed, index):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed[0]), seed[1]), index)
+
+    return jax.vmap(one)(seeds, sample_index)
+
+
+def sample_rows(logits, keys, sp: SamplingParams):
+    """`rjax.sample` with one key per row: logits [B, V], keys [B] -> (tokens [B] int32, the keys
+    advanced). A row's draw depends on its own key alone, not on the rows beside it."""
+    pair = jax.vmap(jax.random.split)(keys)
+    keys, subs = pair[:, 0], pair[:, 1]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw():
+        def one(row, key, t, k, p):
+            return sample(row[None], key, SamplingParams(t[None], k[None], p[None]))[0]
+        return jax.vmap(one)(logits, subs, sp.temperature, sp.top_k, sp.top_p)
+
+    # All-greedy batches (the common serving case) skip the sort that filtered sampling needs.
+    sampled = jax.lax.cond(jnp.any(sp.temperature > 0), draw, lambda: greedy)
+    return jnp.where(sp.temperature > 0, sampled, greedy).astype(jnp.int32), keys
+
+
+class TopLogprobs(NamedTuple):
+    """Log-probabilities under the model's raw distribution (log_softmax of the logits)."""
+
+    chosen: jax.Array     # [...] the sampled token's
+    top_ids: jax.Array    # [..., MAX_TOP_LOGPROBS] int32, most likely first
+    top: jax.Array        # [..., MAX_TOP_LOGPROBS]
+
+
+def top_logprobs(logits, tokens) -> TopLogprobs:
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    top, ids = jax.lax.top_k(logp, min(MAX_TOP_LOGPROBS, logp.shape[-1]))
+    return TopLogprobs(chosen, ids.astype(jnp.int32), top)
+
+
+def _is_stop(tokens, stop_ids):
+    return jnp.any(tokens[:, None] == stop_ids, axis=-1)
+
+
 def admit(slots: SlotBatch, cache, rows, valid, first_tokens, max_new_tokens, sampling: SamplingParams,
-          stop_ids) -> SlotBatch:
+          stop_ids, keys) -> SlotBatch:
     """Start the sequences just prefilled into cache rows `rows` [P], whose first tokens are
-    `first_tokens` [P]; rows with valid False are padding and change nothing."""
-    new = engine.initial_state(first_tokens, max_new_tokens, stop_ids, slots.state.key, cache, rows)
+    `first_tokens` [P] and random streams `keys` [P]; rows with valid False are padding and
+    change nothing."""
+    new = engine.initial_state(first_tokens, max_new_tokens, stop_ids, keys, cache, rows)
     idx = jnp.where(valid, rows, slots.stop_ids.shape[0])  # padding scatters out of range: dropped
 
     def put(full, part):
@@ -143,19 +204,65 @@ def admit(slots: SlotBatch, cache, rows, valid, first_tokens, max_new_tokens, sa
 
     s = slots.state
     state = DecodeState(put(s.last_token, new.last_token), put(s.done, new.done),
-                        put(s.remaining, new.remaining), s.key)
+                        put(s.remaining, new.remaining), put(s.key, keys))
     return SlotBatch(state, jax.tree.map(put, slots.sampling, sampling), put(slots.stop_ids, stop_ids))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache", "slots"))
-def prefill_into_slots(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, tokens, lengths, rows, valid, key,
-                       sampling: SamplingParams, max_new_tokens, stop_ids):
+def prefill_into_slots(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, tokens, lengths, rows, valid, seeds,
+                       sample_index, sampling: SamplingParams, max_new_tokens, stop_ids):
     """Prefill P prompts (tokens [P, T], lengths [P]; padding prompts have length 0 and valid
-    False) into cache rows `rows` [P], sample each first token and start the sequences with
-    their per-prompt sampling parameters, token budgets [P] and stop ids [P, K].
-    -> (first tokens [P], slots, cache)."""
-    first, cache = engine.prefill_and_sample(cfg, params, cache, tokens, lengths, rows, key, sampling)
-    return first, admit(slots, cache, rows, valid, first, max_new_tokens, sampling, stop_ids), cache
+    False) into cache rows `rows` [P], sample each first token from its request's key
+    (`request_keys(seeds, sample_index)`) and start the sequences with their per-prompt sampling
+    parameters, token budgets [P] and stop ids [P, K].
+    -> (first tokens [P], their TopLogprobs, slots, cache)."""
+    logits, cache = engine.prefill(cfg, params, cache, tokens, lengths, rows)
+    first, keys = sample_rows(logits, request_keys(seeds, sample_index), sampling)
+    slots = admit(slots, cache, rows, valid, first, max_new_tokens, sampling, stop_ids, keys)
+    return first, top_logprobs(logits, first), slots, cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "n_steps", "logprobs"), donate_argnames=("cache", "slots"),
+                   compiler_options=engine.DECODE_LOOP_COMPILER_OPTIONS)
+def decode_dispatch(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, n_steps: int, logprobs: bool = False):
+    """Up to n_steps decode steps over every slot in one XLA program (`engine.decode_loop` with a
+    random stream per slot), stopping early when every slot is done. With `logprobs` (static:
+    a second program) also each step's TopLogprobs [n_slots, n_steps, ...].
+    -> (tokens [n_slots, n_steps] int32, -1 where nothing was generated; TopLogprobs or None;
+    slots; cache)."""
+    B = slots.state.last_token.shape[0]
+    out0 = jnp.full((B, n_steps), -1, jnp.int32)
+    k = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
+    lp0 = TopLogprobs(jnp.zeros((B, n_steps)), jnp.zeros((B, n_steps, k), jnp.int32),
+                      jnp.zeros((B, n_steps, k))) if logprobs else None
+
+    def cond(carry):
+        i, _, _, state, _ = carry
+        return (i < n_steps) & ~jnp.all(state.done)
+
+    def body(carry):
+        i, out, lp, state, cache = carry
+        active = ~state.done & (cache.lengths < cache.max_len)
+        logits, cache = engine.decode_step(cfg, params, cache, state.last_token, active)
+        tok, keys = sample_rows(logits, state.key, slots.sampling)
+        out = out.at[:, i].set(jnp.where(active, tok, -1))
+        if logprobs:
+            lp = jax.tree.map(lambda full, step: full.at[:, i].set(step), lp, top_logprobs(logits, tok))
+        remaining = state.remaining - active.astype(jnp.int32)
+        done = state.done | (active & (_is_stop(tok, slots.stop_ids) | (remaining <= 0)
+                                       | (cache.lengths >= cache.max_len)))
+        state = DecodeState(jnp.where(active, tok, state.last_token), done, remaining, keys)
+        return i + 1, out, lp, state, cache
+
+    _, out, lp, state, cache = jax.lax.while_loop(cond, body, (jnp.int32(0), out0, lp0, slots.state, cache))
+    return out, lp, dataclasses.replace(slots, state=state), cache
+
+
+@functools.partial(jax.jit, donate_argnames=("slots",))
+def stop_slots(slots: SlotBatch, rows) -> SlotBatch:
+    """Mark slots `rows` done (indices >= n_slots are padding), so decoding skips them."""
+    state = dataclasses.replace(slots.state, done=slots.state.done.at[rows].set(True, mode="drop"))
+    return dataclasses.replace(slots, state=state)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -171,13 +278,25 @@ def free_slots(cache, rows):
 # host side
 
 @dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and the most likely tokens at its position, under
+    the model's raw distribution (before temperature, top-k and top-p)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]   # (token id, log-probability), MAX_TOP_LOGPROBS, most likely first
+
+
+@dataclasses.dataclass(frozen=True)
 class Completion:
     request_id: Hashable
     prompt: list[int]
     tokens: list[int]
-    finish_reason: str        # "stop" (a stop id), "length" (max_new_tokens) or "context" (max_len)
-    ttft_s: float             # from submit to the first token on the host
+    # "stop" (a stop id), "length" (max_new_tokens), "context" (max_len) or "cancelled"
+    finish_reason: str
+    ttft_s: float             # from submit to the first token on the host (0 if it never had one)
     decode_tokens_per_s: float
+    logprobs: list[TokenLogprob] | None = None  # one per token, for a request submitted with logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +305,7 @@ class StreamEvent:
     tokens: list[int]         # the request's new tokens (may be empty)
     finished: bool
     completion: Completion | None = None  # set when finished
+    logprobs: list[TokenLogprob] | None = None  # one per new token, for a request submitted with logprobs
 
 
 @dataclasses.dataclass
@@ -198,18 +318,22 @@ class _Request:
     top_p: float
     stop_ids: tuple[int, ...]
     submitted_s: float
+    seed: int = 0             # 64 bits: the request's random stream
+    sample_index: int = 0
+    logprobs: bool = False
     slot: int = -1
     length: int = 0           # positions the request holds in its slot
     # Positions it may write at most: the prompt and every generated token but the last.
     length_limit: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)
+    token_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     first_token_s: float = 0.0
 
 
 class ServingEngine:
     """Continuous batching over one model: `submit` requests, then iterate `run()` (or call
-    `step()`) for (request_id, new tokens, finished) events. Not thread-safe beyond `submit`,
-    which may be called from another thread while the serving thread steps."""
+    `step()`) for (request_id, new tokens, finished) events. Not thread-safe beyond `submit` and
+    `cancel`, which may be called from another thread while the serving thread steps."""
 
     def __init__(self, cfg: ModelConfig, params: Params, config: ServingConfig = ServingConfig(), *,
                  stop_ids: Sequence[int] = (), seed: int = 0, available_bytes: int | None = None,
@@ -236,9 +360,10 @@ class ServingEngine:
         else:
             self.cache = init_cache(cfg, config.n_slots, config.max_len, dtype)
             self.pages = None
-        key, self._key = jax.random.split(jax.random.key(seed))
-        self.slots = init_slots(config.n_slots, config.max_stop_ids, key)
+        self._seeds = np.random.default_rng(seed)  # seeds of the requests that bring none
+        self.slots = init_slots(config.n_slots, config.max_stop_ids)
         self._queue: collections.deque[_Request] = collections.deque()
+        self._cancels: collections.deque = collections.deque()  # request ids; deque appends are thread-safe
         self._free = list(range(config.n_slots))  # a heap: the lowest free slot is taken first
         self._running: dict[int, _Request] = {}                # slot -> request
         self._ids = itertools.count()
@@ -260,22 +385,24 @@ class ServingEngine:
         return [(p, t) for p in counts for t in lengths if p == 1 or p * t <= c.max_prefill_tokens]
 
     def precompile(self, prompt_lengths: Sequence[int] | None = None, workers: int | None = None,
-                   progress: bool = False):
-        """Compile the programs `step` calls (the decode dispatch and every prefill shape of
+                   progress: bool = False, logprobs: bool = True):
+        """Compile the programs `step` calls (the decode dispatch, also its log-probability
+        variant unless `logprobs` is False, and every prefill shape of
         `prefill_shapes(prompt_lengths)`) concurrently, before any request: a server pays its
         compile time at start-up rather than on its first requests. -> rjax.precompile.CompileReport."""
         from rjax.precompile import Program, compile_programs
 
         c, n = self.config, self.config.n_slots
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        u32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.uint32)  # noqa: E731
         f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-        programs = [Program(f"decode B={n} N={c.steps_per_dispatch}", engine.decode_loop,
-                            (self.cfg, self.params, self.cache, self.slots.state, self.slots.sampling,
-                             self.slots.stop_ids, c.steps_per_dispatch))]
+        programs = [Program(f"decode B={n} N={c.steps_per_dispatch}{' logprobs' if lp else ''}", decode_dispatch,
+                            (self.cfg, self.params, self.cache, self.slots, c.steps_per_dispatch, lp))
+                    for lp in ((False, True) if logprobs else (False,))]
         for p, t in self.prefill_shapes(prompt_lengths):
             programs.append(Program(f"prefill P={p} T={t}", prefill_into_slots, (
                 self.cfg, self.params, self.cache, self.slots, i32(p, t), i32(p), i32(p),
-                jax.ShapeDtypeStruct((p,), jnp.bool_), jax.eval_shape(lambda: jax.random.key(0)),
+                jax.ShapeDtypeStruct((p,), jnp.bool_), u32(p, 2), u32(p),
                 SamplingParams(f32(p), i32(p), f32(p)), i32(p), i32(p, c.max_stop_ids))))
         return compile_programs(programs, workers, progress=progress)
 
@@ -288,18 +415,17 @@ class ServingEngine:
         if bad:
             raise ValueError(f"stop ids {bad} are outside the vocabulary of {self.cfg.vocab_size}")
 
-    def submit(self, prompt: Sequence[int], *, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, stop_ids: Sequence[int] | None = None, request_id: Hashable = None) -> Hashable:
-        """Queue a tokenized prompt. -> its request id (`request_id`, or a new integer).
-        Raises ValueError for a request that could never run (see the module docstring)."""
-        prompt = [int(t) for t in prompt]
+    def check_request(self, prompt: Sequence[int], *, max_new_tokens: int = 256, temperature: float = 0.0,
+                      top_k: int = 0, top_p: float = 1.0, stop_ids: Sequence[int] | None = None) -> tuple[int, ...]:
+        """Raise ValueError for a request `submit` would refuse (see the module docstring); reads
+        only the engine's fixed settings, so any thread may call it. -> the request's stop ids."""
         c = self.config
-        if not prompt:
+        if len(prompt) == 0:
             raise ValueError("empty prompt: at least one token is needed")
         if len(prompt) >= c.max_len:
             raise ValueError(f"prompt of {len(prompt)} tokens: ServingConfig.max_len is {c.max_len} positions and "
                              f"generation needs at least one free position")
-        bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
+        bad = [int(t) for t in prompt if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary of {self.cfg.vocab_size}")
         if max_new_tokens < 1:
@@ -307,6 +433,24 @@ class ServingEngine:
         SamplingParams.make(1, temperature, top_k, top_p)  # validates
         stops = self.default_stop_ids if stop_ids is None else tuple(int(t) for t in stop_ids)
         self._check_stop_ids(stops)
+        return stops
+
+    def submit(self, prompt: Sequence[int], *, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, stop_ids: Sequence[int] | None = None, request_id: Hashable = None,
+               seed: int | None = None, sample_index: int = 0, logprobs: bool = False) -> Hashable:
+        """Queue a tokenized prompt. -> its request id (`request_id`, or a new integer).
+        Raises ValueError for a request that could never run (see the module docstring).
+
+        seed: the request's random stream (any integer, taken modulo 2**64; None: one drawn from
+        the engine's seed); sample_index: folded into that stream, so several samples of one
+        seed differ. logprobs: its events carry TokenLogprob entries, one per token."""
+        prompt = [int(t) for t in prompt]
+        c = self.config
+        stops = self.check_request(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                   top_p=top_p, stop_ids=stop_ids)
+        if not 0 <= sample_index < 2 ** 32:
+            raise ValueError(f"sample_index must be in [0, 2**32), got {sample_index}")
+        seed = int(self._seeds.integers(0, 2 ** 64, dtype=np.uint64)) if seed is None else int(seed) % 2 ** 64
         # Never more than one slot's table, which the config guarantees the pool can hold.
         limit = min(len(prompt) + max_new_tokens - 1, c.max_len)
         if request_id is None:
@@ -318,8 +462,15 @@ class ServingEngine:
         rid = request_id
         self._live_ids.add(rid)
         self._queue.append(_Request(rid, prompt, int(max_new_tokens), float(temperature), int(top_k), float(top_p),
-                                    stops, time.perf_counter(), length_limit=limit))
+                                    stops, time.perf_counter(), seed, int(sample_index), bool(logprobs),
+                                    length_limit=limit))
         return rid
+
+    def cancel(self, request_id: Hashable) -> None:
+        """Stop a queued or running request: at the start of the next `step` it leaves the queue,
+        or its slot and pages are freed, and the step reports it finished with reason
+        "cancelled". Safe from any thread; an unknown or already finished id is ignored."""
+        self._cancels.append(request_id)
 
     @property
     def n_queued(self) -> int:
@@ -330,8 +481,17 @@ class ServingEngine:
         return len(self._running)
 
     @property
+    def n_free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def pages_in_use(self) -> int | None:
+        """KV pages that sequences hold now (None for a contiguous cache)."""
+        return None if self.pages is None else self.pages.n_pages - self.pages.n_free
+
+    @property
     def has_work(self) -> bool:
-        return bool(self._queue or self._running)
+        return bool(self._queue or self._running or self._cancels)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -341,15 +501,32 @@ class ServingEngine:
             yield from self.step()
 
     def step(self) -> list[StreamEvent]:
-        """Admit and prefill what fits, then one decode dispatch. -> the events it produced."""
-        events = self._prefill_new()
+        """Apply cancellations, admit and prefill what fits, then one decode dispatch.
+        -> the events it produced."""
+        events = self._apply_cancels()
+        events += self._prefill_new()
         if self._running:
             events += self._decode()
         return events
 
-    def _next_key(self):
-        self._key, sub = jax.random.split(self._key)
-        return sub
+    def _apply_cancels(self) -> list[StreamEvent]:
+        ids = set()
+        while self._cancels:
+            ids.add(self._cancels.popleft())
+        ids &= self._live_ids
+        if not ids:
+            return []
+        queued = [r for r in self._queue if r.request_id in ids]
+        for r in queued:
+            self._queue.remove(r)
+            self._live_ids.discard(r.request_id)
+        running = [r for r in self._running.values() if r.request_id in ids]
+        if running:
+            self.slots = stop_slots(self.slots, jnp.asarray(self._slot_rows([r.slot for r in running])))
+        now = time.perf_counter()
+        events = [self._event(r, [], True, now, reason="cancelled") for r in queued + running]
+        self._release(running)
+        return events
 
     def _take_admissible(self) -> list[_Request]:
         c, batch = self.config, []
@@ -408,19 +585,24 @@ class ServingEngine:
         for i, r in enumerate(batch):
             stops[i, : len(r.stop_ids)] = r.stop_ids
         budget = np.asarray([r.max_new_tokens for r in batch + pad], np.int32)
-        first, self.slots, self.cache = prefill_into_slots(
+        seeds = np.asarray([[r.seed & 0xFFFFFFFF, r.seed >> 32] for r in batch + pad], np.uint32)
+        index = np.asarray([r.sample_index for r in batch + pad], np.uint32)
+        first, lp, self.slots, self.cache = prefill_into_slots(
             self.cfg, self.params, self.cache, self.slots, jnp.asarray(tokens), jnp.asarray(lengths),
-            jnp.asarray(rows), jnp.asarray(valid), self._next_key(), sp, jnp.asarray(budget), jnp.asarray(stops))
+            jnp.asarray(rows), jnp.asarray(valid), jnp.asarray(seeds), jnp.asarray(index), sp, jnp.asarray(budget),
+            jnp.asarray(stops))
         first = np.asarray(first)
         done = np.asarray(self.slots.state.done)
+        # Only what a request asked for crosses to the host.
+        lp = jax.tree.map(np.asarray, lp) if any(r.logprobs for r in batch) else None
         now = time.perf_counter()
         events = []
         for i, r in enumerate(batch):
-            r.tokens.append(int(first[i]))
             r.first_token_s = now
             r.length = len(r.prompt)
             self._running[r.slot] = r
-            events.append(self._event(r, [int(first[i])], bool(done[r.slot]), now))
+            entries = [_token_logprob(lp, i, None, int(first[i]))] if r.logprobs else None
+            events.append(self._add_tokens(r, [int(first[i])], entries, bool(done[r.slot]), now))
         self._release([r for r in batch if done[r.slot]])
         return events
 
@@ -430,37 +612,47 @@ class ServingEngine:
             grown = [s for s, r in self._running.items()
                      if self.pages.grow(s, min(r.length + c.steps_per_dispatch, r.length_limit))]
             self._sync_block_tables(grown)
-        out, state, self.cache = engine.decode_loop(self.cfg, self.params, self.cache, self.slots.state,
-                                                    self.slots.sampling, self.slots.stop_ids, c.steps_per_dispatch)
-        self.slots = dataclasses.replace(self.slots, state=state)
+        want_lp = any(r.logprobs for r in self._running.values())
+        out, lp, self.slots, self.cache = decode_dispatch(self.cfg, self.params, self.cache, self.slots,
+                                                          c.steps_per_dispatch, want_lp)
         out = np.asarray(out)
-        done = np.asarray(state.done)
+        done = np.asarray(self.slots.state.done)
+        lp = jax.tree.map(np.asarray, lp) if want_lp else None
         now = time.perf_counter()
         events, finished = [], []
         for s, r in list(self._running.items()):
-            new = [int(t) for t in out[s] if t >= 0]
-            r.tokens.extend(new)
+            steps = [i for i, t in enumerate(out[s]) if t >= 0]
+            new = [int(out[s, i]) for i in steps]
             r.length += len(new)
-            events.append(self._event(r, new, bool(done[s]), now))
+            entries = [_token_logprob(lp, s, i, int(out[s, i])) for i in steps] if r.logprobs else None
+            events.append(self._add_tokens(r, new, entries, bool(done[s]), now))
             if done[s]:
                 finished.append(r)
         self._release(finished)
         return events
 
-    def _event(self, r: _Request, new: list[int], finished: bool, now: float) -> StreamEvent:
+    def _add_tokens(self, r: _Request, new: list[int], entries: list[TokenLogprob] | None, finished: bool,
+                    now: float) -> StreamEvent:
+        r.tokens.extend(new)
+        if entries is not None:
+            r.token_logprobs.extend(entries)
+        return self._event(r, new, finished, now, entries)
+
+    def _event(self, r: _Request, new: list[int], finished: bool, now: float,
+               entries: list[TokenLogprob] | None = None, reason: str | None = None) -> StreamEvent:
+        if r.logprobs and entries is None:
+            entries = []
         if not finished:
-            return StreamEvent(r.request_id, new, False)
-        if r.tokens[-1] in r.stop_ids:
-            reason = "stop"
-        elif len(r.tokens) >= r.max_new_tokens:
-            reason = "length"
-        else:
-            reason = "context"
+            return StreamEvent(r.request_id, new, False, logprobs=entries)
+        if reason is None:
+            reason = "stop" if r.tokens[-1] in r.stop_ids else "length" if len(r.tokens) >= r.max_new_tokens \
+                else "context"
         decode_s = now - r.first_token_s
         rate = (len(r.tokens) - 1) / decode_s if decode_s > 0 and len(r.tokens) > 1 else 0.0
+        ttft = r.first_token_s - r.submitted_s if r.first_token_s else 0.0
         return StreamEvent(r.request_id, new, True,
-                           Completion(r.request_id, r.prompt, list(r.tokens), reason, r.first_token_s - r.submitted_s,
-                                      rate))
+                           Completion(r.request_id, r.prompt, list(r.tokens), reason, ttft, rate,
+                                      list(r.token_logprobs) if r.logprobs else None), logprobs=entries)
 
     def _release(self, finished: list[_Request]) -> None:
         if not finished:
@@ -473,6 +665,14 @@ class ServingEngine:
         self.cache = free_slots(self.cache, jnp.asarray(self._slot_rows(slots)))
         for s in slots:
             heapq.heappush(self._free, s)
+
+
+def _token_logprob(lp: TopLogprobs, row: int, step: int | None, token: int) -> TokenLogprob:
+    """The host copy of one token's TopLogprobs (prefill's [P, ...] when step is None, else a
+    decode dispatch's [n_slots, n_steps, ...])."""
+    at = (row,) if step is None else (row, step)
+    ids, top = lp.top_ids[at], lp.top[at]
+    return TokenLogprob(token, float(lp.chosen[at]), tuple((int(i), float(v)) for i, v in zip(ids, top)))
 
 
 def serve(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], config: ServingConfig = ServingConfig(),
