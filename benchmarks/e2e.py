@@ -1,16 +1,24 @@
-"""End-to-end benchmark for one device session: synthesize models, `rjax bench` each, compare
-with llama.cpp measured on the same shapes and GPU (an H100 80GB HBM3).
+"""End to end against llama.cpp: prefill and decode tokens/s of synthetic models of real shapes,
+beside llama.cpp's numbers for the same shapes and the HBM roofline of this run.
 
     python benchmarks/e2e.py --out "$OUT" --budget 540
 
+Peers: llama.cpp's llama-bench (pp512 / tg128, flash attention on, and batched decode of 32
+sequences for llama-8b) on the same synthetic shapes on an H100 80GB HBM3. Those numbers are
+recorded in LLAMA_CPP below, not measured by this script. The host they came from copied at
+LLAMA_CPP_COPY_GB_S, so read them beside this run's copy rate (the table's GB/s column).
+Measured in this run: the device-to-device copy bandwidth and, from it, each model's batch-1
+decode roofline (`rjax bench`).
+
 For each (shape, mix) in turn: write the synthetic GGUF under --workdir (local disk), then run
 `rjax bench` on it in a child process (so a crash or an out-of-memory error loses only that
-model), with prompt 512, 128 generated tokens, batches 1, 8, 32 and 1 or 16 steps per
-dispatch. Each model gets a share of the time budget in proportion to its weight; time a model
-leaves unused passes on to the next ones. A bench that reaches its share skips its remaining
-measurements cleanly; one that overruns is killed, and the JSON it had written so far is kept
-(bench rewrites it after every measurement). `<out>/e2e.json` collects everything and is
-rewritten after each model; the last thing printed is a table beside llama.cpp's numbers.
+model), with prompt 512, 128 generated tokens, batches 1, 8, 32 and 1, 16 or 128 steps per
+dispatch (the best is reported). Each model gets a share of the time budget in proportion to
+its weight; time a model leaves unused passes on to the next ones. A bench that reaches its
+share skips its remaining measurements cleanly; one that overruns is killed, and the JSON it had
+written so far is kept (bench rewrites it after every measurement). `<out>/e2e.json` collects
+everything and is rewritten after each model; the last thing printed is a table beside
+llama.cpp's numbers. docs/kernels.md explains what the decode step spends its time on.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The whole model on the GPU (Pallas kernels, bfloat16) against the CPU reference path (float32).
+"""Correctness, not speed: the whole model on the GPU (Pallas kernels, bfloat16 and float32)
+against the CPU reference path (float32) in the same run.
 
     python benchmarks/gpu_check.py --out "$OUT" [--shape smollm2-135m --quant q4_1]
 

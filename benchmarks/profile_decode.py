@@ -7,6 +7,10 @@ Synthesizes the model (rjax synth), prefills one batch, then traces `engine.deco
 kernels' durations by name. The report: wall time per step, the summed kernel time per step
 (the rest is gaps between kernels: launches and host syncs), and the kernels that take it,
 grouped by family (quantized matmul, attention, other fusions).
+
+No peer: this is the diagnostic behind docs/kernels.md's per-layer split. Compare two trees or
+two settings by running it in each, on one host. `kernel_times` (a trace's GPU kernel time by
+name) is also what quant_matmul.py's `--timing kernels` uses.
 """
 from __future__ import annotations
 
@@ -112,7 +116,7 @@ def main() -> int:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--layers", type=int, default=None, help="override the layer count (smoke tests)")
     p.add_argument("--set", action="append", default=[], metavar="module:CONST[KEY]=value",
-                   help="set an integer dispatch constant before rjax is imported (as benchmarks/ab.py)")
+                   help="set an integer module constant before rjax is imported")
     p.add_argument("--tag", default="", help="appended to the report's file name")
     a = p.parse_args()
     set_constants(a.set)

@@ -1,5 +1,8 @@
 """Serving throughput: aggregate decode tokens/s against the number of running sequences.
 
+Peer: the same engine's batch-1 rate, measured in the same run (each row's speed-up over it).
+No external engine runs here; llama.cpp's batched-decode figure for llama-8b is in e2e.py.
+
     python benchmarks/serving.py --out "$OUT/serving.json"             # H100, about 4 minutes
     python benchmarks/serving.py --smoke --out /tmp/serving.json       # tiny shapes, CPU, a minute
 

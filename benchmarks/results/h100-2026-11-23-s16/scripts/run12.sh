@@ -1,6 +1,0 @@
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
-T0=$(date +%s)
-timeout 200 python3 benchmarks/float_tiles.py --type Q6_K --shapes 8b-down,8b-o,8b-kv,1b-down --ms 1 --dequants f32,wgmma --grid none \
-    --out $OUT/run12-Q6_K-m1.json 2>&1 | grep "M=\|rror" | grep -v "^W\|^I"
-echo "elapsed $(( $(date +%s) - T0 ))"
