@@ -44,8 +44,6 @@ from pallas_kernels.quant_matmul.gemm import gemm_config, qmatmul_gemm
 from pallas_kernels.quant_matmul import qmatmul
 from pallas_kernels.quant_matmul.gemv import MAX_M, decode_path, default_gemv_config, gemv_config, qmatmul_gemv, uses_int8
 from pallas_kernels.quant_matmul.int8_gemv import Int8GemvConfig, int8_gemv
-from pallas_kernels.quant_matmul.int8_mma import Int8MmaConfig, int8_mma
-from pallas_kernels.quant_matmul import int8_mma as int8_mma_module
 from pallas_kernels.quant_matmul.kernel import TileConfig, fused_qmatmul
 from pallas_kernels.quant_matmul.reference import dequantize_then_dot
 from rjax.quant import formats
@@ -190,7 +188,7 @@ def kernel_time(compiled, x, ws, trace_dir="/tmp/qmm-trace"):
         out = compiled(x, ws)
         jax.block_until_ready(out)
     total, _ = kernel_times(trace_dir)
-    own = sum(t for name, t in total.items() if any(s in name for s in ("qmatmul", "int8_gemv", "int8_mma", "wgmma_")))
+    own = sum(t for name, t in total.items() if any(s in name for s in ("qmatmul", "int8_gemv", "wgmma_")))
     kernel_time.own_us = own / 1e3 / len(ws)  # the Pallas kernel alone, without the fusions
     return sum(total.values()) / 1e9 / len(ws), out
 
@@ -345,27 +343,7 @@ def int8_configs(qt, m, n, k, grid=None):
     return list(dict.fromkeys(out))
 
 
-MMA_GRID = dict(block_n=(64, 128), values=(128, 256, 512), warps=(4,), programs=(264, 528))
-
-
-def mma_configs(qt, n, k, grid=None):
-    """Candidate tiles for the int8 MMA kernel: rows per program, values per step, warps; K is
-    split until there are about `programs` programs."""
-    g = grid or MMA_GRID
-    bs = GGML_QUANT_SIZES[qt][0]
-    out = []
-    for bn in g["block_n"]:
-        for vps in g["values"]:
-            for warps in g["warps"]:
-                for programs in g["programs"]:
-                    bk = max(1, vps // bs)
-                    n_tiles = -(-n // bn)
-                    split = max(1, min(-(-programs // n_tiles), k // bs // bk))
-                    out.append(Int8MmaConfig(block_n=bn, block_k=bk, split_k=split, num_warps=warps))
-    return list(dict.fromkeys(out))
-
-
-def int8_jobs(types, shapes, ms, sweep_int8=True, packed=False, mma=False):
+def int8_jobs(types, shapes, ms, sweep_int8=True, packed=False):
     """The int8 GEMV's tile sweep on the byte planes (the model's layout), beside the float
     kernel's default and XLA's bf16 dot."""
     jobs = []
@@ -384,10 +362,6 @@ def int8_jobs(types, shapes, ms, sweep_int8=True, packed=False, mma=False):
                 jobs.append(Job(dict(kind="qmatmul", type=qt.name, N=n, K=k, M=m,
                                      config="int8" if uses_int8(qt, m, n, k, jnp.bfloat16) else "float"),
                                 qmatmul, mk, nbytes, m, k))
-                if mma and qt in int8_mma_module.TYPES and m >= 4:
-                    for c in mma_configs(qt, n, k):
-                        jobs.append(Job(dict(kind="int8_mma", type=qt.name, N=n, K=k, M=m, config=str(c)),
-                                        lambda x, w, c=c: int8_mma(x, w, c), mk, nbytes, m, k))
                 if not sweep_int8:
                     continue
                 for c in int8_configs(qt, m, n, k, INT8_GRID):
@@ -444,9 +418,9 @@ def fmt_row(r, hbm):
         s += f" {r['vs_m1']:.2f}x_M1"
     if "path" in r:
         s += f" [{r['path']}]"
-    if "config" in r and r["kind"] in ("sweep", "gemv", "gemm_fused", "float_gemv", "int8_words", "int8_bytes", "int8_packed", "int8_mma",
+    if "config" in r and r["kind"] in ("sweep", "gemv", "gemm_fused", "float_gemv", "int8_words", "int8_bytes", "int8_packed",
                                        "qmatmul"):
-        s += " " + r["config"].replace("TileConfig", "").replace("Int8GemvConfig", "").replace("Int8MmaConfig", "")
+        s += " " + r["config"].replace("TileConfig", "").replace("Int8GemvConfig", "")
     return s
 
 
@@ -461,7 +435,6 @@ def main():
                     help="host: wall clock around batches of calls; kernels: summed GPU kernel time from a trace")
     ap.add_argument("--out", default="quant_matmul.json")
     ap.add_argument("--packed", action="store_true", help="int8 sweep: also Q4_K with the file's packed scales")
-    ap.add_argument("--mma", action="store_true", help="int8 and decode modes: also the int8 MMA kernel's tiles")
     ap.add_argument("--time-budget", type=float, default=1e9, help="stop timing rows after this many seconds")
     for name in INT8_GRID:
         ap.add_argument(f"--int8-{name.replace('_', '-')}", default=None,
@@ -480,8 +453,8 @@ def main():
     log(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
     hbm, peak = measure_ceilings()
     log(f"HBM copy bandwidth: {hbm:.0f} GB/s (read+write); bf16 jnp.dot 8192^3: {peak:.0f} TFLOP/s")
-    jobs = {"full": full_jobs, "sweep": sweep_jobs, "int8": lambda *args: int8_jobs(*args, packed=a.packed, mma=a.mma),
-            "decode": lambda *args: int8_jobs(*args, sweep_int8=False, mma=a.mma)}[a.mode](types, shapes, ms)
+    jobs = {"full": full_jobs, "sweep": sweep_jobs, "int8": lambda *args: int8_jobs(*args, packed=a.packed),
+            "decode": lambda *args: int8_jobs(*args, sweep_int8=False)}[a.mode](types, shapes, ms)
     compile_all(jobs, a.workers)
     rows = []
     for i, j in enumerate(jobs):

@@ -94,7 +94,6 @@ def test_fallback_materializes():
 
 @pytest.mark.parametrize("cfg,kw,match", [
     (TileConfig(16, 16, 1, method="mma"), {}, "fma"),
-    (TileConfig(1, 8, 1, method="fma"), dict(glu="silu"), "GLU"),
 ])
 def test_refusals(cfg, kw, match):
     w = _w(QType.Q8_0, 64, 64)

@@ -33,11 +33,6 @@ barrier), and the one that arrives last merges them, as the decode attention mer
 splits. H100, llama-8b (session 11): the output and down products take 1.5-1.7 us more, the
 two norm kernels and their gaps (about 9.7 us per layer) go; batch-1 decode 345 -> 363 tokens/s.
 
-`int8_gemv_glu` is the FFN's gate/up product applying the GLU: a program multiplies gate rows
-and the up rows that pair with them and rounds act(gate) * up to int8 for the down product.
-Off in the model (`gemv.GLU_MAX_M`): at 64 weight rows per program, the rows of whole groups,
-llama-8b's gate/up had too few programs to balance over the SMs (notes, session 12).
-
 Lowering: Pallas' Triton backend, with `dp4a` as inline PTX (`elementwise_inline_asm`):
 neither Pallas-Triton nor Mosaic GPU exposes an integer dot-product primitive. In Pallas'
 CPU interpreter (tests) `dp4a` is the same arithmetic written in jnp, so everything but the
@@ -63,7 +58,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.int8_activations import GatedX, QuantizedX, dequantize_x, quantize, quantize_x  # noqa: F401
 from pallas_kernels.int8_activations import kernel as q8
-from pallas_kernels.int8_activations.reference import ACTIVATIONS, activate
+from pallas_kernels.int8_activations.reference import activate
 from pallas_kernels.quant_matmul.tiles import index, load_masked, split_k_launch
 from rjax.quant.formats import Q4_KChunks
 from rjax.quant.qtensor import QTensor
@@ -495,7 +490,7 @@ def _add_norm_epilogue(o_ref, inputs, out_refs, *, g, m_rows: int, split_k: int,
 
 
 def _kernel(*refs, fmt, cfg, split_out, m_rows, n_rows, n_blocks, blocks_per_split, n_x, n_w, interpret,
-            activation=None, x_norm=None, add_norm=False, glu=None):
+            activation=None, x_norm=None, add_norm=False):
     n_extra = 3 if add_norm else 0  # residual, norm weight, counts (aliased to the last output)
     n_in = n_x + (x_norm is not None) + n_w + n_extra
     x_refs, w_refs, o_ref = refs[:n_x], refs[n_in - n_w - n_extra:n_in - n_extra], refs[n_in]
@@ -526,14 +521,11 @@ def _kernel(*refs, fmt, cfg, split_out, m_rows, n_rows, n_blocks, blocks_per_spl
         else:  # a GatedX: row 2m of the view is row m's gate, row 2m + 1 its up
             xs = [_gated(fmt.load_x(x_refs[0], 2 * m, blocks, bmask), fmt.load_x(x_refs[0], 2 * m + 1, blocks, bmask),
                          activation) for m in ms]
-        w_tiles = (fmt.load_w(w_refs, rows, blocks, wmask),)
-        if glu is not None:  # and the up rows that pair with these gate rows, d_ff further on
-            w_tiles += (fmt.load_w(w_refs, pl.ds(n_rows + n0, bn), blocks, wmask),)
-        return w_tiles, xs
+        return fmt.load_w(w_refs, rows, blocks, wmask), xs
 
     def products(tile):
-        w_tiles, xs = tile
-        return [p for w in w_tiles for p in fmt.dot(w, xs, interpret)]
+        w, xs = tile
+        return fmt.dot(w, xs, interpret)
 
     def step(i, carry):
         accs, tile = carry
@@ -542,7 +534,7 @@ def _kernel(*refs, fmt, cfg, split_out, m_rows, n_rows, n_blocks, blocks_per_spl
         following = load(i + 1)
         return tuple(a + p for a, p in zip(accs, products(tile))), following
 
-    zeros = tuple(jnp.zeros((bn, bkb) + fmt.acc_tail, _F32) for _ in range(m_rows * (1 if glu is None else 2)))
+    zeros = tuple(jnp.zeros((bn, bkb) + fmt.acc_tail, _F32) for _ in ms)
     accs, _ = jax.lax.fori_loop(0, blocks_per_split // bkb, step,
                                 (zeros, load(0) if cfg.prefetch else ()))
     outs = []
@@ -552,15 +544,8 @@ def _kernel(*refs, fmt, cfg, split_out, m_rows, n_rows, n_blocks, blocks_per_spl
         out = jnp.sum(acc, axis=1)
         if row_ss is not None:
             k_all, eps = x_norm
-            out = out * jax.lax.rsqrt(jnp.sum(row_ss[m % m_rows]) / k_all + eps)
+            out = out * jax.lax.rsqrt(jnp.sum(row_ss[m]) / k_all + eps)
         outs.append(out)
-    if glu is not None:  # act(gate) * up, rounded per 32 rows: whole groups, so no other program is needed
-        groups, n_groups = bn // 32, n_rows // 32
-        for m in ms:
-            v = activate(outs[m], glu) * outs[m_rows + m]
-            q8.store_quantized_rows(v.reshape(groups, 32), refs[n_in:n_in + 4], pl.ds(m * n_groups + n0 // 32, groups),
-                                    _iota(groups) >= 0, interpret)
-        return
     for m, out in enumerate(outs):
         if add_norm:  # the partials in the (S, M, N / 4, 4) view the epilogue reads lanes of
             plgpu.store(o_ref.at[pid_s, index(m), pl.ds(n0 // 4, bn // 4), :], out.reshape(bn // 4, 4))
@@ -624,32 +609,8 @@ def int8_gemv_add_norm(x: jax.Array | QuantizedX, w: QTensor, residual: jax.Arra
     return x_out.reshape(m_rows, n_rows), dataclasses.replace(xq, ss=ss, eps=float(eps)), counts
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "activation", "out_dtype", "interpret"))
-def int8_gemv_glu(x: jax.Array | QuantizedX, w: QTensor, cfg: Int8GemvConfig, activation: str,
-                  out_dtype=jnp.bfloat16, interpret: bool = False) -> QuantizedX:
-    """The FFN's gate/up product and its GLU in one kernel: for w = [gate; up] (2F, K), act(x @
-    gate.T) * (x @ up.T) (M, F) rounded to int8 per 32 values for the down product.
-
-    A program takes cfg.block_n gate rows and the block_n up rows that pair with them, so that it
-    holds whole 32-value groups of the GLU's output and rounds them itself: no other program's
-    sums are needed, and no kernel runs between the two products. No K split (cfg.split_k 1)."""
-    m_rows, (n2, _) = x.shape[0], w.shape
-    if n2 % 64 or cfg.block_n % 32 or (n2 // 2) % cfg.block_n or cfg.split_k != 1:
-        raise ValueError(f"int8_gemv_glu: weight {w.qtype.name} {w.shape} as [gate; up] with block_n "
-                         f"{cfg.block_n} and split_k {cfg.split_k}: each half's rows must be a multiple of 32 "
-                         f"and of block_n, block_n a multiple of 32, split_k 1")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"int8_gemv_glu: activation={activation!r}; expected one of {ACTIVATIONS}")
-    if not isinstance(x, QuantizedX):  # rounded once here, not by both halves' dots
-        x = quantize(x, implementation="interpret" if interpret else "pallas")
-    (words, d, dsum32, dsum16), _ = _launch(x, w, cfg, interpret, False, glu=activation)
-    return q8.as_quantized((words, d.reshape(m_rows, -1), dsum32.reshape(m_rows, -1), dsum16), m_rows, n2 // 2,
-                           out_dtype)
-
-
-def _launch(x, w: QTensor, cfg: Int8GemvConfig, interpret: bool, partials: bool, add_norm=None, glu=None):
-    """The pallas_call behind int8_gemv, int8_gemv_add_norm and int8_gemv_glu: (outputs, x as
-    multiplied)."""
+def _launch(x, w: QTensor, cfg: Int8GemvConfig, interpret: bool, partials: bool, add_norm=None):
+    """The pallas_call behind int8_gemv and int8_gemv_add_norm: (outputs, x as multiplied)."""
     if w.qtype not in FORMATS:
         raise NotImplementedError(f"int8_gemv: no kernel for {w.qtype.name}")
     fmt = _format_of(w)
@@ -680,11 +641,6 @@ def _launch(x, w: QTensor, cfg: Int8GemvConfig, interpret: bool, partials: bool,
     blocks_per_split, out_shape = split_k_launch(n_blocks, cfg.block_k, cfg.split_k, m_rows, n_rows, out_dtype,
                                                  partials)
     out_shapes, extra, aliases = [out_shape], [], {}
-    if glu is not None:  # the QuantizedX planes viewed per 32-value group (rows of one group)
-        n_rows //= 2
-        g = m_rows * n_rows // 32
-        out_shapes = [jax.ShapeDtypeStruct((g, 8), _I32), jax.ShapeDtypeStruct((g, 1), _F32),
-                      jax.ShapeDtypeStruct((g, 1), _F32), jax.ShapeDtypeStruct((g, 2), _F32)]
     if add_norm is not None:
         residual, norm_w, counts = add_norm
         # Rows in (N / 4 words, 4 lanes) views, whose lanes the epilogue loads without strides.
@@ -697,7 +653,7 @@ def _launch(x, w: QTensor, cfg: Int8GemvConfig, interpret: bool, partials: bool,
     kernel = functools.partial(_kernel, fmt=fmt, cfg=cfg, split_out=len(out_shape.shape) == 3, m_rows=m_rows,
                                n_rows=n_rows, n_blocks=n_blocks, blocks_per_split=blocks_per_split,
                                n_x=len(x_views) - (x_norm is not None), n_w=len(w_views), interpret=interpret,
-                               activation=activation, x_norm=x_norm, add_norm=add_norm is not None, glu=glu)
+                               activation=activation, x_norm=x_norm, add_norm=add_norm is not None)
     wbytes = sum(math.prod(v.shape) * v.dtype.itemsize for v in w_views)
     xbytes = sum(math.prod(v.shape) * v.dtype.itemsize for v in x_views)
     outs = pl.pallas_call(
@@ -705,7 +661,6 @@ def _launch(x, w: QTensor, cfg: Int8GemvConfig, interpret: bool, partials: bool,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         cost_estimate=pl.CostEstimate(flops=2 * m_rows * w.shape[0] * k, transcendentals=0,
                                       bytes_accessed=wbytes + xbytes + m_rows * n_rows * 4),
-        interpret=interpret, name=f"int8_gemv_{w.qtype.name.lower()}" + ("_add_norm" if add_norm is not None else "")
-        + ("_glu" if glu is not None else ""),
+        interpret=interpret, name=f"int8_gemv_{w.qtype.name.lower()}" + ("_add_norm" if add_norm is not None else ""),
     )(*x_views, *w_views, *extra)
     return outs, x

@@ -70,11 +70,9 @@ def _iota(n):
 
 
 def _kernel(x_ref, *refs, fmt, cfg: TileConfig, split_out, m_rows, n_rows, n_blocks, blocks_per_split, cdt,
-            activation, glu, norm, interpret):
+            activation, norm, interpret):
     """activation: None, x_ref is x by block; else x_ref is [gate | up] by half and block, and x
     is act(gate) * up, evaluated in float32 as each tile is loaded (a GatedX).
-    glu: None, or the weight is [gate; up] (2 n_rows, K) and the program multiplies its gate rows
-    and the up rows n_rows further on, and stores act(gate) * up ("fma" only, one split).
     norm: None, or (S, eps) for a PendingNorm: x_ref is the residual by block, followed in refs
     by its S partial sums (if S) and the norm weight; x is residual + sum(parts) times the
     weight, and the sums are scaled by each row's 1/rms (from the whole row, loaded once).
@@ -115,7 +113,6 @@ def _kernel(x_ref, *refs, fmt, cfg: TileConfig, split_out, m_rows, n_rows, n_blo
     kb0 = pid_s * blocks_per_split
     kb_end = jnp.minimum(kb0 + blocks_per_split, n_blocks)
     rows, xrows = pl.ds(n0, bn), pl.ds(m0, bm)
-    row_sets = (rows,) if glu is None else (rows, pl.ds(n0 + n_rows, bn))  # gate rows, then their up rows
     rmask = (n0 + _iota(bn)) < n_rows
     xmask = (m0 + _iota(bm)) < m_rows
     run, sub = fmt.seg_len, fmt.sub
@@ -163,20 +160,19 @@ def _kernel(x_ref, *refs, fmt, cfg: TileConfig, split_out, m_rows, n_rows, n_blo
         blocks = pl.ds(b0, bkb)
         bmask = (b0 + _iota(bkb)) < kb_end
         wmask = rmask[:, None] & bmask[None, :]
-        for r, row_set in enumerate(row_sets):
-            for part in fmt.parts(w_refs, row_set, blocks, wmask):
-                w = part.q * part.scale[..., None]
-                if part.bias is not None:
-                    w = w + part.bias[..., None]
-                for m in range(bm):
-                    xmask_m = (bmask & (m0 + m < m_rows)).reshape(bkb, 1, 1)
-                    if norm is None:
-                        xp = load_x(m0 + m, blocks, index(part.seg), xmask_m).astype(jnp.float32)
-                    else:
-                        xp, h = normed_x(m0 + m, blocks, index(part.seg), xmask_m)
-                        if whole_row:
-                            squares[m] = squares[m] + h * h
-                    accs[r * bm + m] = accs[r * bm + m] + w * xp[None]
+        for part in fmt.parts(w_refs, rows, blocks, wmask):
+            w = part.q * part.scale[..., None]
+            if part.bias is not None:
+                w = w + part.bias[..., None]
+            for m in range(bm):
+                xmask_m = (bmask & (m0 + m < m_rows)).reshape(bkb, 1, 1)
+                if norm is None:
+                    xp = load_x(m0 + m, blocks, index(part.seg), xmask_m).astype(jnp.float32)
+                else:
+                    xp, h = normed_x(m0 + m, blocks, index(part.seg), xmask_m)
+                    if whole_row:
+                        squares[m] = squares[m] + h * h
+                accs[m] = accs[m] + w * xp[None]
         return tuple(accs), tuple(squares)
 
     n_steps = blocks_per_split // bkb
@@ -195,7 +191,7 @@ def _kernel(x_ref, *refs, fmt, cfg: TileConfig, split_out, m_rows, n_rows, n_blo
                           for m in range(bm)]
         squares = tuple(jnp.zeros(tile[1:], jnp.float32) for _ in range(bm if norm is not None and whole_row else 0))
         accs, squares = jax.lax.fori_loop(
-            0, n_steps, step_fma, (tuple(jnp.zeros(tile, jnp.float32) for _ in range(bm * len(row_sets))), squares))
+            0, n_steps, step_fma, (tuple(jnp.zeros(tile, jnp.float32) for _ in range(bm)), squares))
         sums = [jnp.sum(jnp.sum(jnp.sum(acc, axis=3), axis=2), axis=1) for acc in accs]
         if norm is not None:
             if whole_row:
@@ -206,9 +202,8 @@ def _kernel(x_ref, *refs, fmt, cfg: TileConfig, split_out, m_rows, n_rows, n_blo
             k = n_blocks * fmt.block_size
             sums = [sums[m] * jax.lax.rsqrt(ss[m] / k + norm[1]) for m in range(bm)]
         for m in range(bm):
-            out = sums[m] if glu is None else activate(sums[m], glu) * sums[bm + m]
             idx = (pid_s, m0 + m, rows) if split_out else (m0 + m, rows)
-            plgpu.store(o_ref.at[idx], out.astype(o_ref.dtype), mask=rmask & (m0 + m < m_rows))
+            plgpu.store(o_ref.at[idx], sums[m].astype(o_ref.dtype), mask=rmask & (m0 + m < m_rows))
 
 
 def compute_dtype(dtype) -> jnp.dtype:
@@ -217,15 +212,13 @@ def compute_dtype(dtype) -> jnp.dtype:
     return dtype if dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else jnp.dtype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "interpret", "partials", "glu"))
+@functools.partial(jax.jit, static_argnames=("cfg", "interpret", "partials"))
 def fused_qmatmul(x: jax.Array | GatedX | PendingNorm, w: QTensor, cfg: TileConfig, interpret: bool = False,
-                  partials: bool = False, glu: str | None = None):
+                  partials: bool = False):
     """x (M, K) @ dequantize(w).T -> (M, N) in x.dtype, by the fused kernel with tiles `cfg`;
     with `partials`, the split-K partial sums (split_k, M, N) in float32. x may be a GatedX,
-    whose GLU the kernel applies as it loads x. With `glu` (an activation), w is [gate; up]
-    (2F, K) and the result act(x @ gate.T) * (x @ up.T) (M, F), applied as the kernel stores
-    its rows ("fma" tiles with one split). x may be a PendingNorm ("fma" tiles), whose add and
-    norm the kernel applies: the result is then (product, residual + sum(parts) (M, K))."""
+    whose GLU the kernel applies as it loads x. x may be a PendingNorm ("fma" tiles), whose
+    add and norm the kernel applies: the result is then (product, residual + sum(parts) (M, K))."""
     if w.qtype not in FORMATS:
         raise NotImplementedError(f"fused_qmatmul: no kernel for {w.qtype.name}; have "
                                   f"{', '.join(t.name for t in FORMATS)}")
@@ -234,18 +227,9 @@ def fused_qmatmul(x: jax.Array | GatedX | PendingNorm, w: QTensor, cfg: TileConf
         raise ValueError(f"fused_qmatmul: {cfg.dequant} dequantization takes plain bf16 x, got "
                          f"{type(x).__name__} {x.dtype}")
     pending = isinstance(x, PendingNorm)
-    if pending and (cfg.method != "fma" or glu is not None):
-        raise ValueError(f"fused_qmatmul: a PendingNorm x is normed by 'fma' tiles without a GLU, got {cfg}, "
-                         f"glu={glu}")
+    if pending and cfg.method != "fma":
+        raise ValueError(f"fused_qmatmul: a PendingNorm x is normed by 'fma' tiles, got {cfg}")
     n_rows, k = w.shape
-    if glu is not None:
-        if cfg.method != "fma" or cfg.split_k != 1 or partials or isinstance(x, GatedX):
-            raise ValueError(f"fused_qmatmul: the GLU is applied by 'fma' tiles with split_k 1 to a plain x, got "
-                             f"{cfg}, partials={partials}, x {type(x).__name__}")
-        if n_rows % 2:
-            raise ValueError(f"fused_qmatmul: a [gate; up] weight has an even row count, got {w.shape}")
-        activate(jnp.zeros((), jnp.float32), glu)  # names an unknown activation here, not in the kernel
-        n_rows //= 2
     m_rows = x.shape[0]
     if len(x.shape) != 2 or x.shape[1] != k:
         raise ValueError(f"fused_qmatmul: x of shape {x.shape} does not match weight {w.qtype.name} {w.shape}")
@@ -281,7 +265,7 @@ def fused_qmatmul(x: jax.Array | GatedX | PendingNorm, w: QTensor, cfg: TileConf
     kernel = functools.partial(
         _kernel, fmt=fmt, cfg=cfg, split_out=len(product_shape.shape) == 3, m_rows=m_rows, n_rows=n_rows,
         n_blocks=n_blocks, blocks_per_split=blocks_per_split, cdt=compute_dtype(x.dtype), activation=activation,
-        glu=glu, norm=norm, interpret=interpret)
+        norm=norm, interpret=interpret)
     wbytes = sum(math.prod(v.shape) * v.dtype.itemsize for v in views)
     out = pl.pallas_call(
         kernel,
@@ -293,7 +277,7 @@ def fused_qmatmul(x: jax.Array | GatedX | PendingNorm, w: QTensor, cfg: TileConf
             bytes_accessed=wbytes * grid[1] + x5.size * x5.dtype.itemsize * grid[0]
             + m_rows * n_rows * jnp.dtype(product_shape.dtype).itemsize * cfg.split_k),
         interpret=interpret,
-        name=f"qmatmul_{w.qtype.name.lower()}" + ("_glu" if glu else "") + ("_norm" if pending else ""),
+        name=f"qmatmul_{w.qtype.name.lower()}" + ("_norm" if pending else ""),
     )(x5, *norm_in, *views)
     residual = None
     if pending:
