@@ -48,7 +48,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
-from rjax.quant.qtensor import QTensor
+from gguf_blocks.qtensor import QTensor
 
 QK_K = 256
 

@@ -1,4 +1,4 @@
-"""Quantize on load: dense host weights (f32/f16/bf16) -> the planes of `rjax.quant.formats`.
+"""Quantize on load: dense host weights (f32/f16/bf16) -> the planes of `gguf_blocks.formats`.
 
 Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 go through gguf-py's quantizers (its numpy ports of ggml's
 reference quantizers), so the planes are bit-exact with `gguf.quants.quantize`; Q4_K, which
@@ -27,8 +27,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
-from rjax.quant import formats
-from rjax.quant.qtensor import QTensor
+from gguf_blocks import formats
+from gguf_blocks.qtensor import QTensor
 
 GGUF_QUANTIZED = (QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1)
 QUANTIZE_TYPES: tuple[QType, ...] = GGUF_QUANTIZED + (QType.Q4_K,)

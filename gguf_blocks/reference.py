@@ -1,4 +1,4 @@
-"""Pure-JAX dequantizers over the planes of `rjax.quant.formats`: the ground truth that the
+"""Pure-JAX dequantizers over the planes of `gguf_blocks.formats`: the ground truth that the
 Pallas kernels are tested against.
 
 Each follows the float32 arithmetic of `gguf.quants` (ggml's reference) operation by
@@ -14,9 +14,9 @@ import jax.numpy as jnp
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
-from rjax.quant.formats import IQ4_NL_VALUES, QK_K, Q4_KChunks
-from rjax.quant.words import as_bytes
-from rjax.quant.qtensor import QTensor
+from gguf_blocks.formats import IQ4_NL_VALUES, QK_K, Q4_KChunks
+from gguf_blocks.words import as_bytes
+from gguf_blocks.qtensor import QTensor
 
 _F32 = jnp.float32
 

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 
-from rjax.quant.formats import LAYOUTS, Q4_KChunks
-from rjax.quant.qtensor import QTensor
+from gguf_blocks.formats import LAYOUTS, Q4_KChunks
+from gguf_blocks.qtensor import QTensor
 
 # The planes a kernel reads as packed 4-byte groups (Q4_K's packed scales are 12 bytes: 3 words;
 # Q6_K's 16 int8 scales 4 words, one load each instead of one per byte).

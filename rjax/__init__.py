@@ -13,15 +13,16 @@ from rjax.engine import decode_loop, decode_step, pad_prompts, prefill, prefill_
 from rjax.generation import GenerationResult, generate, stream
 from rjax.loaders import Model, load
 from rjax.model import Params, forward
+from rjax.plan import Plan, plan_for
 from rjax.paged_cache import PagedKVCache, init_paged_cache
 from rjax.sampling import SamplingParams, sample
 from rjax.scoring import perplexity, score, token_logprobs
 from rjax.serving import ServingConfig, ServingEngine
 
 __all__ = [
-    "DEFAULT_MODEL", "GenerationResult", "KVCache", "Model", "ModelConfig", "PagedKVCache", "Params",
+    "DEFAULT_MODEL", "GenerationResult", "KVCache", "Model", "ModelConfig", "PagedKVCache", "Params", "Plan",
     "SamplingParams", "ServingConfig", "ServingEngine",
-    "decode_loop", "decode_step", "forward", "generate", "init_cache", "init_paged_cache", "load", "pad_prompts",
+    "decode_loop", "decode_step", "forward", "generate", "init_cache", "init_paged_cache", "load", "pad_prompts", "plan_for",
     "prefill",
     "perplexity", "prefill_and_sample", "prompt_bucket", "pull", "sample", "score", "stream", "token_logprobs",
 ]

@@ -50,7 +50,7 @@ from rjax.cache import init_cache
 from rjax.config import ModelConfig
 from rjax.generation import activation_dtype, cache_length
 from rjax.model import Params
-from rjax.quant.qtensor import QTensor
+from gguf_blocks.qtensor import QTensor
 from rjax.sampling import SamplingParams
 
 

@@ -31,6 +31,9 @@ class KVCache:
     # Carried here so that a step need not make fresh zeros for every layer. None: it does.
     arrivals: jax.Array | None = None
 
+    # Whether positions live in pages (a block table per slot) rather than contiguous rows.
+    paged = False
+
     @property
     def n_slots(self) -> int:
         return self.k[0].shape[0]

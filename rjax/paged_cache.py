@@ -33,6 +33,9 @@ class PagedKVCache:
     block_tables: jax.Array  # [n_slots, max_pages] int32, NO_PAGE where unallocated
     lengths: jax.Array       # [n_slots] int32
 
+    # Whether positions live in pages (a block table per slot) rather than contiguous rows.
+    paged = True
+
     @property
     def n_slots(self) -> int:
         return self.block_tables.shape[0]

@@ -51,7 +51,7 @@ from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType, GGUFWriter, LlamaF
 from gguf import GGMLQuantizationType as QType
 from tqdm.auto import tqdm
 
-from rjax.quant import formats
+from gguf_blocks import formats
 from rjax.tokenizer import byte_alphabet
 
 log = logging.getLogger(__name__)

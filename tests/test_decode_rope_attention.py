@@ -165,7 +165,7 @@ def test_model_decode_step_takes_it_when_enabled(tmp_path, monkeypatch, kernels)
     from rjax import engine
     from rjax.bench import load_for_bench
     from rjax.cache import init_cache
-    from rjax.model import fuse_projections
+    from rjax.layout import fuse_projections
     from rjax.synth import write_synthetic
 
     path = write_synthetic(tmp_path / "m.gguf", "smollm2-135m", "q4_1", n_layers=2, vocab_size=512,

@@ -17,7 +17,7 @@ from pallas_kernels.int8_activations import dequantize_x, quantize_normed, quant
 from pallas_kernels.quant_matmul import int8_gemv
 from pallas_kernels.quant_matmul.int8_gemv import Int8GemvConfig, as_words
 from pallas_kernels.quant_matmul.testing import dequantized_product, random_qtensor, rel_error
-from rjax.quant.reference import q4_k_chunks
+from gguf_blocks.reference import q4_k_chunks
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 EPS = 1e-5

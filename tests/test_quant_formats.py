@@ -8,8 +8,8 @@ import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
-from rjax.quant import formats
-from rjax.quant.qtensor import QTensor
+from gguf_blocks import formats
+from gguf_blocks.qtensor import QTensor
 
 QUANT_TYPES = sorted(formats.LAYOUTS)
 

@@ -24,8 +24,8 @@ from pallas_kernels.quant_matmul.gemv import default_gemv_config
 from pallas_kernels.quant_matmul.kernel import TileConfig, fused_qmatmul
 from pallas_kernels.quant_matmul.reference import dequantize_then_dot, qmatmul_reference
 from pallas_kernels.quant_matmul.testing import quantized_qtensor, random_qtensor, raw_bytes
-from rjax.quant.reference import dequantize, q4_k_chunks
-from rjax.quant.words import WORD_FIELDS, as_words
+from gguf_blocks.reference import dequantize, q4_k_chunks
+from gguf_blocks.words import WORD_FIELDS, as_words
 
 TYPES = [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q4_K, QType.Q6_K]
 F32_TOL, BF16_TOL = 1e-5, 1e-2
@@ -94,7 +94,7 @@ def test_fused_kernel_f32(qtype, method, bm, bn, bk, split, m, n):
 @pytest.mark.parametrize("qtype", [t for t in TYPES if t in WORD_FIELDS], ids=lambda t: t.name)
 @pytest.mark.parametrize("method,bm,bn,bk,split,m,n", [CONFIGS[1], CONFIGS[3]])
 def test_fused_kernel_word_planes(qtype, method, bm, bn, bk, split, m, n):
-    """Quant planes as int32 words (the GPU layout, rjax.quant.words), unpacked to bytes in the
+    """Quant planes as int32 words (the GPU layout, gguf_blocks.words), unpacked to bytes in the
     kernel: the same sums as the byte planes, bit for bit."""
     k = 3 * _block(qtype)
     w = jax.tree.map(jnp.asarray, random_qtensor(qtype, n, k, seed=m * 100 + n + 1))
@@ -250,7 +250,7 @@ def test_word_planes_lower_to_triton_for_h100(qtype):
     Triton module for sm_90 without a GPU."""
     from jax._src.pallas.triton import gpu_info
 
-    from rjax.model import gpu_weight_layout
+    from rjax.layout import gpu_weight_layout
 
     h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
     w = gpu_weight_layout(jax.tree.map(jnp.asarray, random_qtensor(qtype, 64, 512, seed=1)))

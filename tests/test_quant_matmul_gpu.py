@@ -30,7 +30,7 @@ TYPES = [QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q4_K, QType.Q6_K]
 
 
 def _ref(x, w):
-    from rjax.quant.reference import dequantize
+    from gguf_blocks.reference import dequantize
     wd = np.asarray(dequantize(w), np.float64)
     return np.asarray(jnp.asarray(x, jnp.float32), np.float64) @ wd.T
 
@@ -46,10 +46,10 @@ def _dev(w):
 
 
 def _layouts(w):
-    """w as the file has it, and as a GPU model holds it (rjax.model.gpu_weight_layout: Q4_K
+    """w as the file has it, and as a GPU model holds it (rjax.layout.gpu_weight_layout: Q4_K
     scales per quant chunk, quant planes as int32 words)."""
-    from rjax.quant.reference import q4_k_chunks
-    from rjax.quant.words import as_words
+    from gguf_blocks.reference import q4_k_chunks
+    from gguf_blocks.words import as_words
     return [w, as_words(q4_k_chunks(w))]
 
 
@@ -115,7 +115,7 @@ def test_bf16x2_dequantization_gpu(qtype, cfg, m, n, nb):
     """Q4_K (GPU layout), Q4_0 and Q4_1 dequantized by the packed bf16x2 PTX, at edge tiles
     (rows, blocks and x rows past the tiles, split K): against the reference, and against the
     same arithmetic in the interpreter (which rounds q * s + b twice where the PTX rounds once)."""
-    from rjax.model import gpu_weight_layout
+    from rjax.layout import gpu_weight_layout
 
     k = nb * gguf.GGML_QUANT_SIZES[qtype][0]
     w = gpu_weight_layout(_dev(random_qtensor(qtype, n, k, seed=n)))
@@ -140,7 +140,7 @@ def test_wgmma_gpu(m, n, nb, bps, qtype):
     from pallas_kernels.quant_matmul import gemv
     from pallas_kernels.quant_matmul import wgmma_skinny as wg
     from pallas_kernels.quant_matmul.testing import dequantized_product
-    from rjax.model import gpu_weight_layout
+    from rjax.layout import gpu_weight_layout
 
     k = nb * 256
     raw = random_qtensor(qtype, n, k, seed=n + nb)

@@ -9,8 +9,8 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGUFReader, quants
 
 from rjax.catalog import CATALOG, CatalogError, resolve_model
-from rjax.quant import formats, reference
-from rjax.quant.qtensor import QTensor
+from gguf_blocks import formats, reference
+from gguf_blocks.qtensor import QTensor
 
 MODELS = ["smollm2-135m-instruct", "gemma3-270m"]
 CHUNK_VALUES = 1 << 22  # dequantize big tensors this many values at a time

@@ -6,8 +6,8 @@ import pytest
 from gguf import GGMLQuantizationType as QType
 from gguf import quants
 
-from rjax.quant import formats, quantize, reference
-from rjax.quant.qtensor import QTensor
+from gguf_blocks import formats, quantize, reference
+from gguf_blocks.qtensor import QTensor
 
 
 def weights(rows, cols, seed=0, kind="gauss"):

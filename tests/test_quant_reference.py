@@ -9,8 +9,9 @@ import pytest
 from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as QType
 
-from rjax.quant import formats, reference
-from rjax.quant.qtensor import QTensor, matmul, take_rows
+from gguf_blocks import formats, reference
+from gguf_blocks.qtensor import QTensor
+from rjax.ops import matmul, take_rows
 
 QUANT_TYPES = sorted(formats.LAYOUTS)
 

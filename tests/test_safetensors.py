@@ -21,7 +21,7 @@ from rjax.cache import init_cache
 from rjax.info import format_info, model_info
 from rjax.loaders.gguf import ModelFileError, load_gguf
 from rjax.loaders.safetensors import describe_hf_dir, load_hf_dir
-from rjax.quant.qtensor import QTensor
+from gguf_blocks.qtensor import QTensor
 from tests.compare import assert_close, check_against_oracle, greedy_continuations, relative_error
 from tests.oracle.client import (oracle_logits, oracle_random_model, oracle_random_qwen2, oracle_save_pretrained,
                                  oracle_tokenize)

@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as QType
 from rjax import engine
 from rjax.cache import init_cache
 from rjax.loaders.gguf import load_gguf
-from rjax.quant import formats
+from gguf_blocks import formats
 from rjax.synth import (MATRIX, MIXES, SHAPES, SynthError, TensorSpec, more_bits_layer, random_tensor, tensor_specs,
                         write_synthetic)
 

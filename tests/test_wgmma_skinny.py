@@ -17,7 +17,7 @@ from pallas_kernels.int8_activations import GatedX
 from pallas_kernels.quant_matmul import gemv
 from pallas_kernels.quant_matmul import wgmma_skinny as wg
 from pallas_kernels.quant_matmul.testing import dequantized_product, random_qtensor, rel_error
-from rjax.model import gpu_weight_layout
+from rjax.layout import gpu_weight_layout
 
 BF16_TOL = 1e-2
 
@@ -92,7 +92,7 @@ def test_q8_0_weight_is_rounded_once():
 
 def test_weights_as_bytes_read_as_the_same_words():
     """A Q4_KChunks weight whose quants are still bytes gives the same operands as words."""
-    from rjax.quant.reference import q4_k_chunks
+    from gguf_blocks.reference import q4_k_chunks
 
     raw, words = _weight(64, 512, seed=3)
     chunks = q4_k_chunks(jax.tree.map(jnp.asarray, raw))
@@ -106,7 +106,7 @@ def test_weights_as_bytes_read_as_the_same_words():
 def test_bytes_and_words_read_alike(qtype):
     """A GPU model holds Q8_0 quants as words where the kernel takes the shape, small Q6_K
     weights as bytes and Q6_K LM heads as words: either gives the same operands."""
-    from rjax.quant.words import as_words
+    from gguf_blocks.words import as_words
 
     raw, _ = _weight(64, 512, seed=4, qtype=qtype)
     as_bytes = jax.tree.map(jnp.asarray, raw)

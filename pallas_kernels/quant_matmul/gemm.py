@@ -13,8 +13,8 @@ from gguf import GGMLQuantizationType as QType
 
 from pallas_kernels.quant_matmul.kernel import TileConfig, fused_qmatmul
 from pallas_kernels.quant_matmul.reference import dequantize_then_dot
-from rjax.quant.formats import Q4_KChunks
-from rjax.quant.qtensor import QTensor
+from gguf_blocks.formats import Q4_KChunks
+from gguf_blocks.qtensor import QTensor
 
 PATHS = ("fused", "dequant_dot")
 # Measured on the H100 (notes): at M=2048, dequantize + XLA's bf16 dot ran at 445-462

@@ -1,6 +1,6 @@
 """The pure-JAX reference for the fused kernels: dequantize the whole weight, then dot.
 
-Dequantization is `rjax.quant.reference.dequantize` (bit-exact with `gguf.quants`); the
+Dequantization is `gguf_blocks.reference.dequantize` (bit-exact with `gguf.quants`); the
 product accumulates in float32, so this is the ground truth the Pallas kernels are tested
 against, and the path `qmatmul` takes on backends without the kernels.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from rjax.quant.qtensor import QTensor
-from rjax.quant.reference import dequantize
+from gguf_blocks.qtensor import QTensor
+from gguf_blocks.reference import dequantize
 
 
 def qmatmul_reference(x: jax.Array, w: QTensor) -> jax.Array:

@@ -2,7 +2,7 @@
 
 Quant bytes, packed scales and high bits are uniform random bytes (every byte is a valid
 encoding), and f16 scales are random with random sign, sized per type so that dequantized
-values are O(1). Planes come from `rjax.quant.formats.split_planes`, exactly as the loader
+values are O(1). Planes come from `gguf_blocks.formats.split_planes`, exactly as the loader
 makes them.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
-from rjax.quant import formats
-from rjax.quant.qtensor import QTensor
+from gguf_blocks import formats
+from gguf_blocks.qtensor import QTensor
 
 # Typical |scale * quant| products per type, so values come out O(1).
 _F16_SCALE = {QType.Q8_0: 1 / 64, QType.Q4_0: 1 / 8, QType.Q4_1: 1 / 8, QType.Q5_0: 1 / 16,

@@ -30,8 +30,8 @@ from gguf import GGMLQuantizationType as QType
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from rjax.quant.formats import Q4_KChunks
-from rjax.quant.qtensor import QTensor
+from gguf_blocks.formats import Q4_KChunks
+from gguf_blocks.qtensor import QTensor
 
 _F32 = jnp.float32
 # float32 bits of 2**23: OR-ing an integer 0 <= v < 2**23 into the mantissa gives exactly
@@ -96,7 +96,7 @@ def bytes_of_words(w: jax.Array) -> jax.Array:
 
 def load_bytes(ref, idx, mask):
     """The bytes of a quant plane at idx (the last index a whole-row slice), as int32 0..255:
-    a byte plane as stored, a word plane (rjax.quant.words) expanded in registers."""
+    a byte plane as stored, a word plane (gguf_blocks.words) expanded in registers."""
     v = load_masked(ref, idx, mask)
     return bytes_of_words(v) if ref.dtype == jnp.int32 else v.astype(jnp.int32) & 0xFF
 
@@ -313,7 +313,7 @@ def _q4_0_1_bf16_tile(refs, rows, blocks, mask, interpret):
 
 
 def _bytes_of(p):
-    """A quant plane as bytes: word planes (rjax.quant.words) viewed back, free in XLA."""
+    """A quant plane as bytes: word planes (gguf_blocks.words) viewed back, free in XLA."""
     return p if p.dtype != jnp.int32 else jax.lax.bitcast_convert_type(p, jnp.uint8).reshape(*p.shape[:-1], -1)
 
 

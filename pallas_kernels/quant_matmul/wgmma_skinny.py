@@ -66,8 +66,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from rjax.quant.formats import Q4_KChunks
-from rjax.quant.qtensor import QTensor
+from gguf_blocks.formats import Q4_KChunks
+from gguf_blocks.qtensor import QTensor
 
 _ROWS = 64                                   # weight rows per program: one wgmma tile's M
 _WG_ROWS = plgpu.Layout.WGMMA.reduce(1)      # a per-row vector of a [64, n] wgmma tile

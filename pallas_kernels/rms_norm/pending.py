@@ -37,8 +37,9 @@ class PendingNorm:
         parts = None if self.parts is None else self.parts.reshape(self.parts.shape[0], *lead, k)
         return PendingNorm(self.residual.reshape(*lead, k), parts, self.weight, self.eps, self.dtype)
 
-    def materialize(self) -> tuple[jax.Array, jax.Array]:
+    def materialize(self, implementation: str | None = None) -> tuple[jax.Array, jax.Array]:
         """(residual + sum(parts), the normed rows in `dtype`), by the add + norm kernel."""
-        from pallas_kernels.rms_norm import add_rms_norm
+        from pallas_kernels.rms_norm import add_rms_norm  # the package imports this module
 
-        return add_rms_norm(self.residual, self.parts, self.weight, self.eps, self.dtype)
+        return add_rms_norm(self.residual, self.parts, self.weight, self.eps, self.dtype,
+                            implementation=implementation)

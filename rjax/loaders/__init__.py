@@ -49,13 +49,13 @@ def load(model: str | os.PathLike, *, progress: bool = True, home: str | os.Path
 def for_backend(params, *, fuse: bool | None = None, gpu_layout: bool | None = None):
     """Loaded params arranged for the default backend, the same values either way.
 
-    `fuse`: stack q/k/v and gate/up weights (`rjax.model.fuse_projections`): fewer and larger
+    `fuse`: stack q/k/v and gate/up weights (`rjax.layout.fuse_projections`): fewer and larger
     decode matmuls. `gpu_layout`: Q4_K scales re-encoded per quant chunk and quant planes as
-    int32 words (`rjax.model.gpu_weight_layout`), which the GPU decode kernels read faster. Each defaults
+    int32 words (`rjax.layout.gpu_weight_layout`), which the GPU decode kernels read faster. Each defaults
     to on for a GPU backend and off elsewhere (the file's own layout)."""
     import jax
 
-    from rjax.model import gpu_weight_layout, fuse_projections
+    from rjax.layout import fuse_projections, gpu_weight_layout
 
     on_gpu = jax.default_backend() == "gpu"
     if fuse if fuse is not None else on_gpu:

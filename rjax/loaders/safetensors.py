@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from rjax.config import ModelConfig, RopeScaling
 from rjax.loaders.gguf import ModelFileError
 from rjax.model import LayerParams, Params
-from rjax.quant.qtensor import QTensor
+from gguf_blocks.qtensor import QTensor
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -444,7 +444,7 @@ def _convert(host: np.ndarray, field: str, gemma: bool, qtype: QType | None, nam
     if field in _BIASES:
         return host.astype(np.float32)
     if qtype is not None:
-        from rjax.quant.quantize import quantize
+        from gguf_blocks.quantize import quantize
 
         for t in (qtype, _QUANTIZE_FALLBACK.get(qtype)):
             if t is not None and host.shape[-1] % GGML_QUANT_SIZES[t][0] == 0:

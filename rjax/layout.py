@@ -1,0 +1,55 @@
+"""Loaded params arranged for the GPU decode kernels: the same values in fewer, larger products
+and in the layouts the kernels read fastest. Applied once at load (`rjax.loaders.for_backend`)."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from gguf_blocks.qtensor import QTensor, Weight
+from gguf_blocks.reference import q4_k_chunks
+from gguf_blocks.words import as_words
+from pallas_kernels.quant_matmul.gemv import reads_words
+from rjax.model import Params
+
+
+def _stack_rows(ws: list[Weight]) -> Weight | None:
+    """Weights (n_i, K) of one type -> one weight (sum n_i, K); None if their types differ."""
+    if all(isinstance(w, QTensor) for w in ws):
+        if len({(w.qtype, w.shape[1]) for w in ws}) != 1:
+            return None
+        planes = jax.tree.map(lambda *p: jnp.concatenate(p, axis=0), *[w.planes for w in ws])
+        return QTensor(planes, ws[0].qtype, (sum(w.shape[0] for w in ws), ws[0].shape[1]))
+    if any(isinstance(w, QTensor) for w in ws) or len({(w.dtype, w.shape[1]) for w in ws}) != 1:
+        return None
+    return jnp.concatenate(ws, axis=0)
+
+
+def fuse_projections(params: Params) -> Params:
+    """Stack each layer's q, k, v weights into `wqkv` and gate, up into `w_gate_up` where they
+    share a type (a Q4_K_M file's Q6_K v stays apart): the same products in fewer, larger
+    matmuls, which is what decoding small batches on a GPU is bound by (one kernel launch and
+    one pass over the activations per matmul). Layer by layer, so the extra memory while
+    fusing is one layer's projections."""
+    layers = []
+    for p in params.layers:
+        if p.wqkv is None and (qkv := _stack_rows([p.wq, p.wk, p.wv])) is not None:
+            p = dataclasses.replace(p, wqkv=qkv, wq=None, wk=None, wv=None)
+        if p.w_gate_up is None and (gu := _stack_rows([p.w_gate, p.w_up])) is not None:
+            p = dataclasses.replace(p, w_gate_up=gu, w_gate=None, w_up=None)
+        layers.append(p)
+    return dataclasses.replace(params, layers=tuple(layers))
+
+
+def gpu_weight_layout(params: Params) -> Params:
+    """The same values in the layout the GPU decode kernels read fastest: every Q4_K weight's
+    packed 6-bit scales re-encoded per quant chunk (`Q4_KChunks`: fewer loads and integer
+    ops; 3% more bytes), and the quant planes of the weights whose kernels read words faster
+    viewed as int32 words (gguf_blocks.words, `gemv.reads_words`)."""
+    return jax.tree.map(_gpu_weight, params, is_leaf=lambda x: isinstance(x, QTensor))
+
+
+def _gpu_weight(w):
+    w = q4_k_chunks(w)
+    return as_words(w) if isinstance(w, QTensor) and reads_words(w.qtype, *w.shape) else w

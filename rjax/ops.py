@@ -1,0 +1,145 @@
+"""The model's ops, with plain-math signatures, carrying out a fusion plan (rjax.plan).
+
+The model says what is computed: `project` (h @ w.T), `add_norm` (x += a @ w.T, then h =
+rms_norm(x) * w_norm), `glu` (act(gate) * up), `attention`. How is decided by the plan each op
+is given: where the kernel after a norm applies it (the residual stream then travels as a
+PendingNorm until that product hands the sum back), where activations are handed over rounded
+to int8 (QuantizedX), where the GLU is left to the down product (GatedX), where a product sums
+its split-K partials itself. Those types live here and in the kernels, never in the model.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.int8_activations import GatedX, QuantizedX, dequantize_x, quantize
+from pallas_kernels.kv_append import apply_rope, split_qkv
+from pallas_kernels.quant_matmul import qmatmul, qmatmul_add_norm, qmatmul_pending_norm
+from pallas_kernels.rms_norm import PendingNorm, add_rms_norm, rms_norm
+from gguf_blocks.qtensor import QTensor, Weight
+from rjax.plan import LayerPlan, Plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """The float32 residual stream x and h, its RMS norm for the next products: plain rows, rows
+    rounded to int8 (QuantizedX), or (with x None) the add and the norm still pending in the
+    next product's kernel (PendingNorm). `counts`: the zeroed group counts that products which
+    fuse an add + norm pass on (None where none does)."""
+
+    x: jax.Array | None
+    h: object
+    counts: jax.Array | None = None
+
+
+def _impl(plan: Plan) -> str | None:
+    # "pallas" leaves each kernel entry point its own choice on the GPU (a norm kernel at
+    # decode sizes, XLA's fusion for prefill); the others force one implementation.
+    return None if plan.implementation == "pallas" else plan.implementation
+
+
+def _plain(x):
+    if isinstance(x, GatedX):
+        return x.materialize()
+    return dequantize_x(x).astype(x.dtype) if isinstance(x, QuantizedX) else x
+
+
+def matmul(x, w: Weight, *, partials: bool = False, plan: Plan | None = None):
+    """x @ w.T for x (..., in) and w of logical shape (out, in), in x's dtype; with `partials`
+    as S float32 partial sums (S, ..., out) whose sum is the product (S = 1 unless a split-K
+    kernel leaves them to the consumer). Quantized weights go to the kernels on a GPU plan and
+    to dequantize-then-dot elsewhere; dense ones to XLA's dot."""
+    if isinstance(w, QTensor):
+        kw = {} if plan is None else dict(implementation=_impl(plan), tuning=plan.tuning)
+        return qmatmul(x, w, partials=partials, **kw)
+    x = _plain(x)
+    out = jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    return out[None] if partials else out.astype(x.dtype)
+
+
+def take_rows(w: Weight, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """Rows `ids` of w, dequantized: an embedding lookup."""
+    if isinstance(w, QTensor):
+        return w.take_rows(ids, dtype)
+    return jnp.take(w, ids, axis=0).astype(dtype)
+
+
+def norm(plan: Plan, x: jax.Array, w: jax.Array, eps: float) -> Stream:
+    """The stream x and rms_norm(x) * w for the first products."""
+    x, h = add_rms_norm(x, None, w, eps, plan.dtype, quantize=plan.first_norm == "norm_int8",
+                        implementation=_impl(plan))
+    counts = jnp.zeros((x.shape[-1] // 32,), jnp.int32) if plan.counts else None
+    return Stream(x, h, counts)
+
+
+def project(plan: Plan, s: Stream, ws: list, *, partials: bool = False):
+    """h @ [w_1; w_2; ...].T for the stream's normed rows h -> (product, the stream with its
+    residual summed). Several weights (products the loader could not stack) are concatenated
+    along the output."""
+    if isinstance(s.h, PendingNorm):
+        (w,) = ws
+        out, x = qmatmul_pending_norm(s.h, w, partials=partials, implementation=_impl(plan), tuning=plan.tuning)
+        return out, Stream(x, None, s.counts)
+    outs = [matmul(s.h, w, partials=partials, plan=plan) for w in ws]
+    return (outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-1)), s
+
+
+def add_norm(plan: Plan, how: str, s: Stream, a, w: Weight, post_norm, norm_w: jax.Array, eps: float) -> Stream:
+    """x + post_norm(a @ w.T) (post_norm: None, or the block output's own RMS norm weight), and
+    that sum RMS-normed by norm_w for the next products, the fusion `how` as planned."""
+    if how == "product":
+        x, h, counts = qmatmul_add_norm(a, w, s.x, norm_w, eps, s.counts, plan.dtype, implementation=_impl(plan))
+        return Stream(x, h, counts)
+    parts = matmul(a, w, partials=True, plan=plan)
+    if post_norm is not None:
+        parts = rms_norm(parts.sum(axis=0), post_norm, eps, jnp.float32)[None]
+    if how == "pending":
+        return Stream(None, PendingNorm(s.x, parts, norm_w, eps, jnp.dtype(plan.dtype)), s.counts)
+    x, h = add_rms_norm(s.x, parts, norm_w, eps, plan.dtype, quantize=how == "norm_int8", implementation=_impl(plan))
+    return Stream(x, h, s.counts)
+
+
+def activation(name: str, x: jax.Array) -> jax.Array:
+    return jax.nn.gelu(x, approximate=True) if name == "gelu_tanh" else jax.nn.silu(x)
+
+
+def glu(plan: Plan, how: str, gate_up: jax.Array, act: str):
+    """act(gate) * up for gate_up = [gate | up] (..., 2F): computed here, rounded to int8 for an
+    int8 down product in the same pass, or left to the down product's kernel."""
+    if how == "int8":
+        return quantize(gate_up, act, implementation=_impl(plan))
+    if how == "down":
+        return GatedX(gate_up, act)
+    f = gate_up.shape[-1] // 2
+    return activation(act, gate_up[..., :f]) * gate_up[..., f:]
+
+
+def attention(plan: Plan, lp: LayerPlan, layer: int, qkv, bias, q_norm, k_norm, cache, pos, slots, inv_freq, *,
+              n_heads: int, n_kv_heads: int, eps: float, pairing: str, scale: float, window: int | None):
+    """softmax(rope(q) rope(k)^T * scale) v over the cache, with the chunk's k and v written into it
+    first: qkv [B, T, (Hq + 2 Hkv) D] (or its split-K partial sums [S, B, T, ...] where the plan
+    has the rotation kernel sum them), plus `bias`; q_norm, k_norm: per-head RMS norms (Gemma)
+    or None. -> (output [B, T, Hq D], or rounded to int8 for the output product; cache)."""
+    B, T = pos.shape
+    kw = dict(n_heads=n_heads, pairing=pairing, dtype=jnp.dtype(plan.dtype))
+    if lp.attention == "rope_attention":
+        out, cache = cache.rope_write_attend(layer, qkv, bias, pos, inv_freq, **kw, scale=scale, window=window,
+                                             quantize_out=lp.attn_out_int8)
+        return (out if isinstance(out, QuantizedX) else out.reshape(B, T, -1)), cache
+    if lp.attention == "rope_append":
+        q, cache = cache.rope_write(layer, qkv, bias, pos, slots, inv_freq, **kw)
+    else:
+        if bias is not None:
+            qkv = qkv + bias.astype(qkv.dtype)
+        q, k, v = split_qkv(qkv, n_heads, n_kv_heads)
+        if q_norm is not None:
+            q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+        q, k = apply_rope(q, pos, inv_freq, pairing), apply_rope(k, pos, inv_freq, pairing)
+        cache = cache.write(layer, k, v, pos, slots)
+    out = cache.attend(layer, q, pos, slots, scale=scale, window=window)
+    return out.reshape(B, T, -1), cache
+
+
+__all__ = ["Stream", "matmul", "take_rows", "norm", "project", "add_norm", "activation", "glu", "attention"]

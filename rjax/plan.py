@@ -1,0 +1,163 @@
+"""The fusion plan: for one model, batch shape, dtype and backend, which kernel takes each product
+and which norms and GLUs are left to the kernel of the product that consumes them.
+
+`plan_for` is the one place these choices are made; `rjax.ops` follows the plan it is given, and
+`rjax.model` only passes each layer's plan to the ops. The questions it asks of each product
+(`kernel_for`, `takes_pending_norm`, ...) are answered by the kernel package from its `Tuning`,
+the thresholds measured on the H100; a benchmark or test that wants other choices passes its
+own `Tuning`. `rjax info MODEL --plan --rows N` prints a plan.
+
+Where a norm can run (`Norm`):
+- "norm": the residual add + RMS norm kernel (or XLA's fusion), its output plain;
+- "norm_int8": the same kernel, its output rounded to int8 for int8 products;
+- "product": the product before the norm adds its output to the residual and norms the sum in
+  its own kernel (int8 GEMV at one row), the normed rows rounded to int8 with the scale pending;
+- "pending": left to the one product after it, whose kernel sums, norms and multiplies.
+Where the GLU act(gate) * up runs (`glu`): "xla" (a fusion of its own), "int8" (the kernel that
+rounds x for an int8 down product), or "down" (the down product applies it as it loads x).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import quant_matmul as qm
+from pallas_kernels.quant_matmul import TUNING, Tuning
+from rjax.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    qkv: str            # kernel of the q/k/v product(s)
+    attention: str      # "rope_attention" (rotate, append, attend: one kernel), "rope_append" + attention, "xla"
+    attn_out_int8: bool  # the attention kernel rounds its output to int8 for the output product
+    o: str
+    ffn_norm: str       # where the add + norm after attention runs (see the module docstring)
+    gate_up: str
+    glu: str
+    down: str
+    out_norm: str       # where the add + norm after the FFN runs (into the next layer, or the final norm)
+
+    def row(self) -> tuple[str, ...]:
+        return (self.qkv, self.attention + ("+int8" if self.attn_out_int8 else ""), self.o, self.ffn_norm,
+                self.gate_up, self.glu, self.down, self.out_norm)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    batch: int
+    tokens: int
+    dtype: str
+    gpu: bool
+    paged: bool
+    slots: bool
+    implementation: str  # what runs the chosen kernels: "pallas", "interpret" or "reference"
+    first_norm: str
+    layers: tuple[LayerPlan, ...]
+    head: str
+    tuning: Tuning = TUNING
+
+    @property
+    def rows(self) -> int:
+        return self.batch * self.tokens
+
+    @property
+    def counts(self) -> bool:
+        """Whether some product fuses an add + norm (and needs its zeroed group counts)."""
+        return any("product" in (lp.ffn_norm, lp.out_norm) for lp in self.layers)
+
+    def __str__(self) -> str:
+        head = ("layers", "q/k/v", "attention", "o", "ffn norm", "gate/up", "glu", "down", "out norm")
+        groups: list[list] = []
+        for i, lp in enumerate(self.layers):
+            if groups and groups[-1][1] == lp.row():
+                groups[-1][0][1] = i
+            else:
+                groups.append([[i, i], lp.row()])
+        rows = [head] + [(f"{a}" if a == b else f"{a}-{b}", *r) for (a, b), r in groups]
+        widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
+        lines = [f"plan: {self.batch} x {self.tokens} tokens, {self.dtype}, {'gpu' if self.gpu else 'cpu'}"
+                 f"{', paged' if self.paged else ''}{', slots' if self.slots else ''}, {self.implementation}"
+                 f"; first norm {self.first_norm}; head {self.head}"]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        return "\n".join(lines)
+
+
+def _norm_into(w_before, post_norm, consumers, rows, dtype, kw) -> str:
+    """Where the residual add + norm between the product `w_before` and the products
+    `consumers` runs (None consumers: the final norm, before the LM head)."""
+    if consumers is None:
+        return "norm"
+    if post_norm is None and qm.fuses_add_norm(w_before, rows, dtype, consumers, **kw):
+        return "product"
+    if len(consumers) == 1 and qm.takes_pending_norm(consumers[0], rows, dtype, **kw):
+        return "pending"
+    return "norm_int8" if all(qm.takes_quantized_x(c, rows, dtype, **kw) for c in consumers) else "norm"
+
+
+def _qkv_weights(p) -> list:
+    return [p.wqkv] if p.wqkv is not None else [p.wq, p.wk, p.wv]
+
+
+def _ffn_weights(p) -> list:
+    return [p.w_gate_up] if p.w_gate_up is not None else [p.w_gate, p.w_up]
+
+
+def _kernels(ws, rows, dtype, kw) -> str:
+    return "/".join(dict.fromkeys(qm.kernel_for(w, rows, dtype, **kw) for w in ws))
+
+
+def plan_for(cfg: ModelConfig, params, batch: int, tokens: int, dtype, *, paged: bool = False, slots: bool = False,
+             gpu: bool | None = None, implementation: str | None = None, tuning: Tuning = TUNING) -> Plan:
+    """The plan of a forward pass of `batch` sequences x `tokens` tokens in `dtype` over `params`
+    (their types and shapes only), on a paged or contiguous cache, with cache rows given
+    (`slots`) or rows 0..batch-1. `gpu`: plan for a GPU backend (default: the current one);
+    `implementation`: what runs the planned kernels (default: "pallas" on a GPU plan, else
+    "reference"; "interpret" or "reference" run a GPU plan on a CPU, for tests)."""
+    gpu = jax.default_backend() == "gpu" if gpu is None else gpu
+    implementation = implementation or ("pallas" if gpu else "reference")
+    dtype = jnp.dtype(dtype)
+    rows = batch * tokens
+    kw = dict(gpu=gpu, tuning=tuning)
+    layers = params.layers
+    plans = []
+    for i, p in enumerate(layers):
+        contiguous_fused = p.wqkv is not None and p.q_norm is None and not paged
+        if not contiguous_fused:
+            attention = "xla"
+        elif not slots and gpu and tokens == 1 and batch <= tuning.fused_rope_max_rows:
+            attention = "rope_attention"
+        else:
+            attention = "rope_append"
+        attn_out_int8 = (attention == "rope_attention" and cfg.head_dim % 32 == 0
+                         and qm.runs_int8_gemv(p.wo, rows, dtype, **kw))
+        ffn_in = _ffn_weights(p)
+        ffn_norm = _norm_into(p.wo, p.post_attn_norm, ffn_in, rows, dtype, kw)
+        if p.w_gate_up is None:
+            glu = "xla"
+        elif qm.takes_quantized_x(p.w_down, rows, dtype, **kw):
+            glu = "int8"
+        elif qm.takes_gated_x(p.w_down, rows, dtype, **kw):
+            glu = "down"
+        else:
+            glu = "xla"
+        if i + 1 < len(layers):
+            nxt = layers[i + 1]
+            consumers = _qkv_weights(nxt)
+            out_norm = _norm_into(p.w_down, p.post_ffn_norm, consumers, rows, dtype, kw)
+            if out_norm == "pending" and (nxt.q_norm is not None or paged):
+                out_norm = "norm"  # the next attention needs q/k/v whole: its product cannot apply the norm
+        else:
+            out_norm = "norm"
+        plans.append(LayerPlan(
+            qkv=_kernels(_qkv_weights(p), rows, dtype, kw), attention=attention, attn_out_int8=attn_out_int8,
+            o=qm.kernel_for(p.wo, rows, dtype, **kw), ffn_norm=ffn_norm, gate_up=_kernels(ffn_in, rows, dtype, kw),
+            glu=glu, down=qm.kernel_for(p.w_down, rows, dtype, **kw), out_norm=out_norm))
+    first = layers[0]
+    first_norm = ("norm_int8" if all(qm.takes_quantized_x(c, rows, dtype, **kw) for c in _qkv_weights(first))
+                  else "norm")
+    head = params.embed if params.lm_head is None else params.lm_head
+    return Plan(batch, tokens, dtype.name, gpu, paged, slots, implementation, first_norm, tuple(plans),
+                qm.kernel_for(head, rows, dtype, **kw), tuning)
