@@ -4,6 +4,9 @@ Each turn renders the whole conversation with the template, but only the tokens 
 longest prefix the cache already holds are prefilled: the earlier turns' keys and values are
 reused, and a cached tail that no longer matches (a reply re-tokenized differently) is dropped
 by resetting the slot's length, which is all a rollback takes in a functional cache.
+
+A turn that is refused (text that is not UTF-8, a conversation past the context, settings out
+of range) raises before anything changes: the session keeps its messages and its cache.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from typing import Iterator
 import jax.numpy as jnp
 
 from rjax.cache import KVCache, init_cache
-from rjax.generation import _visible, activation_dtype, cache_length, check_prompt_lengths, stream_ids
+from rjax.generation import _visible, activation_dtype, cache_length, check_prompt_lengths, check_text, stream_ids
 from rjax.loaders import Model
 
 
@@ -58,18 +61,23 @@ class ChatSession:
         return dataclasses.replace(self.cache, lengths=jnp.asarray([keep], jnp.int32)), keep
 
     def send(self, text: str) -> Iterator[str]:
-        """Add a user turn and stream the assistant's reply; the reply joins the history."""
+        """Add a user turn and stream the assistant's reply; the reply joins the history. A
+        refused turn (ValueError) leaves the session as it was."""
         tok = self.model.tokenizer
-        self.messages.append({"role": "user", "content": text})
-        ids = tok.encode_chat(self.messages)
+        messages = [*self.messages, {"role": "user", "content": check_text(text, "message")}]
+        ids = tok.encode_chat(messages)
         check_prompt_lengths(self.model, [ids])
         cache, keep = self._cache_for(ids)
+        stats: dict = {}
+        # Checked here, before the session lets go of its cache.
+        steps = stream_ids(self.model, [ids[keep:]], cache=cache, stats=stats, max_new_tokens=self.max_new_tokens,
+                           temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                           seed=self.seed + len(messages))
+        self.messages = messages
         self.cache, self.cached_ids, self.reused_tokens = None, [], keep  # donated below
         dec = tok.stream_decoder()
-        reply, generated, stats = [], [], {}
-        for step in stream_ids(self.model, [ids[keep:]], cache=cache, stats=stats,
-                               max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                               top_k=self.top_k, top_p=self.top_p, seed=self.seed + len(self.messages)):
+        reply, generated = [], []
+        for step in steps:
             generated.extend(step[0])
             for t in _visible(tok, step[0]):
                 chunk = dec.add(t)

@@ -5,11 +5,18 @@ cache. Prompts are padded to a small set of length buckets so a new prompt lengt
 compiled program; `decode_loop` runs many decode steps (sampling and stop conditions
 included) inside one XLA program, which is what CUDA-graph replay is for in other engines.
 Only token ids leave the device.
+
+The public functions check their arguments on the host before they dispatch (`_HostChecked`):
+shapes always, values (token ids in the vocabulary, room in each slot, slot indices) when the
+arrays are concrete, i.e. called outside a jit of the caller's. A bad call raises ValueError
+before the cache is donated, so the cache it was given is still valid and unchanged, and the
+checks live outside the jitted functions, so they change no compiled program.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +25,17 @@ import numpy as np
 from rjax.cache import KVCache
 from rjax.config import ModelConfig
 from rjax.model import Params, hidden_states, logits_from_hidden
-from rjax.sampling import SamplingParams, sample
+from rjax.sampling import SamplingParams, _is_concrete, check_sampling, sample
 
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+class ContextLengthError(ValueError):
+    """A request needs more positions than the model's context or the cache holds."""
+
+
+class PromptTooLongError(ContextLengthError):
+    """A prompt leaves no room to generate in the context or the cache."""
 
 
 def prompt_bucket(n: int) -> int:
@@ -29,6 +44,94 @@ def prompt_bucket(n: int) -> int:
         if n <= b:
             return b
     raise ValueError(f"prompt of {n} tokens is longer than the largest bucket {PROMPT_BUCKETS[-1]}")
+
+
+class _HostChecked:
+    """A jitted function behind a host-side check of its arguments. Calls go to the jitted
+    function as they were made (JAX caches a call by how it was made), and everything else
+    (`trace`, `lower`, `_cache_size`, ...) is the jitted function's."""
+
+    def __init__(self, jitted, check):
+        functools.update_wrapper(self, jitted)
+        self._jitted, self._check = jitted, check
+        self._signature = inspect.signature(jitted)
+
+    def __call__(self, *args, **kwargs):
+        bound = self._signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        self._check(**bound.arguments)
+        return self._jitted(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._jitted, name)
+
+
+def _checked(check):
+    return lambda jitted: _HostChecked(jitted, check)
+
+
+def _host(x) -> np.ndarray:
+    return np.asarray(x)
+
+
+def _is_int_array(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.integer)
+
+
+def _check_shape(name: str, x, shape: tuple, what: str) -> None:
+    if tuple(np.shape(x)) != shape:
+        raise ValueError(f"{name} must be {what} {shape}, got shape {tuple(np.shape(x))}")
+
+
+def _check_ids(cfg: ModelConfig, name: str, ids: np.ndarray, valid: np.ndarray) -> None:
+    """Token ids where `valid` must lie in [0, vocab_size): the embedding lookup would clamp them."""
+    bad = valid & ((ids < 0) | (ids >= cfg.vocab_size))
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{name}{list(at)} = {int(ids[at])} is outside the vocabulary [0, {cfg.vocab_size})")
+
+
+def _check_prefill(cfg: ModelConfig, cache, tokens, lengths, slots, sp: SamplingParams | None = None) -> None:
+    if np.ndim(tokens) != 2 or not _is_int_array(tokens):
+        raise ValueError(f"tokens must be integer token ids [prompts, padded length], got "
+                         f"{jnp.result_type(tokens)} of shape {tuple(np.shape(tokens))}")
+    P, T = np.shape(tokens)
+    n = cache.n_slots
+    _check_shape("lengths", lengths, (P,), "one length per prompt:")
+    if not _is_int_array(lengths):
+        raise ValueError(f"lengths must be integers, got {jnp.result_type(lengths)}")
+    if slots is None and P > n:
+        raise ValueError(f"{P} prompts for a cache of {n} slots: at most one prompt per slot (n_slots={n})")
+    if slots is not None:
+        _check_shape("slots", slots, (P,), "one cache row per prompt:")
+        if not _is_int_array(slots):
+            raise ValueError(f"slots must be integers, got {jnp.result_type(slots)}")
+    if sp is not None:
+        for name in ("temperature", "top_k", "top_p"):
+            _check_shape(f"SamplingParams.{name}", getattr(sp, name), (P,), "one value per prompt:")
+    if not _is_concrete(cache.lengths, tokens, lengths, slots, sp):
+        return  # under the caller's jit: shapes only
+    lengths_h = _host(lengths)
+    for i, length in enumerate(lengths_h):
+        if not 1 <= length <= T:
+            what = "is empty: at least one token is needed" if length < 1 else \
+                f"is longer than the padded width {T} of tokens"
+            raise ValueError(f"prompt {i} (lengths[{i}] = {int(length)}) {what}")
+    _check_ids(cfg, "tokens", _host(tokens), np.arange(T)[None, :] < lengths_h[:, None])
+    rows = np.arange(P) if slots is None else _host(slots)
+    if slots is not None:
+        if ((rows < 0) | (rows >= n)).any():
+            raise ValueError(f"slots {rows.tolist()} must be cache rows in [0, {n})")
+        if len(set(rows.tolist())) != P:
+            raise ValueError(f"slots {rows.tolist()} name a cache row twice: one prompt per row")
+    held = _host(cache.lengths)[rows]
+    for i in range(P):
+        if held[i] + lengths_h[i] > cache.max_len:
+            raise PromptTooLongError(f"prompt {i} of {int(lengths_h[i])} tokens after the {int(held[i])} positions "
+                                     f"slot {int(rows[i])} holds needs {int(held[i] + lengths_h[i])} positions; "
+                                     f"the cache has max_len {cache.max_len}")
+    if sp is not None:
+        check_sampling(_host(sp.temperature), _host(sp.top_k), _host(sp.top_p))
 
 
 def _rows(cache: KVCache, slots):
@@ -45,12 +148,17 @@ def _prefill_logits(cfg: ModelConfig, params: Params, cache: KVCache, tokens, le
     return logits_from_hidden(params, last), cache.advance(slots, lengths)
 
 
+@_checked(lambda cfg, params, cache, tokens, lengths, slots: _check_prefill(cfg, cache, tokens, lengths, slots))
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
 def prefill(cfg: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
             slots: jax.Array | None = None):
     """Run P prompts (tokens [P, T] right-padded, true lengths [P]) into cache rows `slots` [P]
     (None: rows 0..P-1), appending after what those rows already hold.
-    -> (logits at each prompt's last token [P, vocab] float32, cache)."""
+    -> (logits at each prompt's last token [P, vocab] float32, cache).
+
+    Refused before dispatch (ValueError, the cache untouched): more prompts than slots, an
+    empty prompt, a token id outside the vocabulary, a slot out of range or named twice, and
+    (PromptTooLongError) a prompt that does not fit after what its slot holds."""
     return _prefill_logits(cfg, params, cache, tokens, lengths, slots)
 
 
@@ -60,18 +168,47 @@ def _decode_logits(cfg, params, cache: KVCache, tokens, active):
     return logits_from_hidden(params, h[:, 0]), cache.advance(None, active.astype(jnp.int32))
 
 
+def _check_decode_step(cfg, params, cache, tokens, active) -> None:
+    n = cache.n_slots
+    _check_shape("tokens", tokens, (n,), "one token id per cache slot:")
+    if not _is_int_array(tokens):
+        raise ValueError(f"tokens must be integer token ids, got {jnp.result_type(tokens)}")
+    if active is not None:
+        _check_shape("active", active, (n,), "one flag per cache slot:")
+    if not _is_concrete(cache.lengths, tokens, active):
+        return
+    on = np.ones(n, bool) if active is None else _host(active).astype(bool)
+    _check_ids(cfg, "tokens", _host(tokens), on)
+    held = _host(cache.lengths)
+    full = on & (held >= cache.max_len)
+    if full.any():
+        s = int(np.flatnonzero(full)[0])
+        raise ContextLengthError(f"slot {s} holds {int(held[s])} positions, all of the cache's max_len "
+                                 f"{cache.max_len}: no room for another token (leave it out with `active`, "
+                                 f"or start a longer cache)")
+
+
+@_checked(_check_decode_step)
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
 def decode_step(cfg: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array, active: jax.Array | None = None):
     """One token for every slot: tokens [n_slots] are appended at each slot's length
-    (inactive slots are left untouched). -> (logits [n_slots, vocab] float32, cache)."""
+    (inactive slots are left untouched). -> (logits [n_slots, vocab] float32, cache).
+
+    Refused before dispatch: a token id outside the vocabulary, and an active slot whose cache
+    row is full (ContextLengthError). Those checks read the slot lengths and token ids back,
+    which waits for the calls before; under the caller's own jit only shapes are checked, and
+    `decode_loop` runs many steps with no host round trip."""
     if active is None:
         active = jnp.ones(tokens.shape, bool)
     return _decode_logits(cfg, params, cache, tokens, active)
 
 
+@_checked(lambda cfg, params, cache, tokens, lengths, slots, key, sp:
+          _check_prefill(cfg, cache, tokens, lengths, slots, sp))
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
 def prefill_and_sample(cfg, params, cache, tokens, lengths, slots, key, sp: SamplingParams):
-    """prefill, then sample the first generated token on the device. -> (tokens [P] int32, cache)."""
+    """prefill, then sample the first generated token on the device. -> (tokens [P] int32, cache).
+    Refuses what `prefill` refuses, and sampling settings out of range."""
     logits, cache = _prefill_logits(cfg, params, cache, tokens, lengths, slots)
     return sample(logits, key, sp), cache
 
@@ -115,6 +252,24 @@ DECODE_LOOP_COMPILER_OPTIONS = {
 }
 
 
+def _check_decode_loop(cfg, params, cache, state: DecodeState, sp: SamplingParams, stop_ids, n_steps) -> None:
+    """Shapes only: the serving loop calls this every dispatch, and reading device values back
+    would wait for the dispatch before. The loop itself stops a slot at the end of its cache row,
+    and sampling values are checked where they are made (`SamplingParams.make`)."""
+    if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
+        raise ValueError(f"n_steps must be an integer >= 1, got {n_steps!r}")
+    n = cache.n_slots
+    for name in ("last_token", "done", "remaining"):
+        _check_shape(f"state.{name}", getattr(state, name), (n,), "one entry per cache slot:")
+    for name in ("temperature", "top_k", "top_p"):
+        _check_shape(f"SamplingParams.{name}", getattr(sp, name), (n,), "one value per cache slot:")
+    if not (np.ndim(stop_ids) == 1 or (np.ndim(stop_ids) == 2 and np.shape(stop_ids)[0] == n)) \
+            or not _is_int_array(stop_ids):
+        raise ValueError(f"stop_ids must be integer ids [K] shared by all slots or [{n}, K] one row per slot, "
+                         f"got {jnp.result_type(stop_ids)} of shape {tuple(np.shape(stop_ids))}")
+
+
+@_checked(_check_decode_loop)
 @functools.partial(jax.jit, static_argnames=("cfg", "n_steps"), donate_argnames=("cache",),
                    compiler_options=DECODE_LOOP_COMPILER_OPTIONS)
 def decode_loop(cfg: ModelConfig, params: Params, cache: KVCache, state: DecodeState, sp: SamplingParams,
@@ -149,10 +304,14 @@ def decode_loop(cfg: ModelConfig, params: Params, cache: KVCache, state: DecodeS
 
 def pad_prompts(prompts: list[list[int]], bucket: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Right-pad token lists to one bucketed length. -> (tokens [P, T] int32, lengths [P] int32)."""
+    if not len(prompts):
+        raise ValueError("no prompts: at least one is needed")
     lengths = np.array([len(p) for p in prompts], np.int32)
     if (lengths == 0).any():
-        raise ValueError("empty prompt: at least one token is needed")
+        raise ValueError(f"prompt {int(np.flatnonzero(lengths == 0)[0])} is empty: at least one token is needed")
     T = bucket or prompt_bucket(int(lengths.max()))
+    if T < lengths.max():
+        raise ValueError(f"bucket {T} is shorter than the longest prompt ({int(lengths.max())} tokens)")
     tokens = np.zeros((len(prompts), T), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p

@@ -2,10 +2,17 @@
 
 Everything that runs per token stays on the device (`engine.decode_loop` runs several decode
 steps per dispatch); the host only turns token ids into text and measures time.
+
+Every limit is checked on the host before anything is allocated or dispatched (`check_text`,
+`check_request`): text that is not valid UTF-8, an empty prompt, token ids outside the
+vocabulary, a prompt plus `max_new_tokens` beyond the model's context (PromptTooLongError,
+ContextLengthError), sampling settings out of range. A refused call raises ValueError (or a
+subclass) and changes nothing, a given cache included.
 """
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from typing import Iterator, Sequence
 
@@ -17,11 +24,12 @@ from rjax import engine
 from rjax.cache import KVCache, init_cache
 from rjax.precompile import compile_programs, decode_program, prefill_program
 from rjax.loaders import Model
-from rjax.sampling import SamplingParams
+from rjax.engine import ContextLengthError, PromptTooLongError  # noqa: F401 (part of this module's API)
+from rjax.sampling import SamplingParams, check_sampling
 
 
-class PromptTooLongError(ValueError):
-    pass
+class InvalidTextError(ValueError):
+    """Text that cannot be UTF-8: undecodable bytes, or a str with an unpaired surrogate."""
 
 
 @dataclasses.dataclass
@@ -50,8 +58,29 @@ def cache_length(needed: int, context_length: int) -> int:
     return context_length
 
 
+def check_text(text, what: str = "prompt") -> str:
+    """`text` as a str that UTF-8 can encode: bytes are decoded as UTF-8 (strictly), and a str
+    must not hold unpaired surrogates (what `errors="surrogateescape"` makes of bad bytes),
+    which the tokenizer cannot take. Raises InvalidTextError naming the offset, or TypeError."""
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        try:
+            return bytes(text).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InvalidTextError(f"{what} is not valid UTF-8: byte {bytes(text)[e.start]:#04x} at offset {e.start} "
+                                   f"({e.reason}); decode it yourself, e.g. with errors='replace'") from None
+    if not isinstance(text, str):
+        raise TypeError(f"{what} must be a str (or UTF-8 bytes), got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidTextError(f"{what} has an unpaired surrogate U+{ord(text[e.start]):04X} at index {e.start}, "
+                               f"which UTF-8 cannot encode") from None
+    return text
+
+
 def encode_prompt(model: Model, prompt: str, raw: bool = False) -> list[int]:
     """Chat-template the prompt as one user turn (unless raw), then tokenize."""
+    prompt = check_text(prompt)
     if raw:
         return model.tokenizer.encode(prompt)
     return model.tokenizer.encode_chat([{"role": "user", "content": prompt}])
@@ -67,6 +96,65 @@ def check_prompt_lengths(model: Model, prompts: Sequence[Sequence[int]]) -> None
                                      f"is {ctx} tokens and generation needs at least one free position")
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def check_token_ids(model: Model, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Each prompt as a list of ints in [0, vocab_size), else ValueError naming the first bad id."""
+    vocab = model.config.vocab_size
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, (str, bytes, bytearray)):
+            raise TypeError(f"prompt {i} must be a sequence of token ids, got {type(p).__name__} "
+                            f"(text goes through rjax.generate / rjax.stream)")
+        ids = list(p)
+        for j, t in enumerate(ids):
+            if not _is_int(t) or not 0 <= t < vocab:
+                raise ValueError(f"prompt {i} has token id {t!r} at position {j}, outside the vocabulary "
+                                 f"[0, {vocab})")
+        out.append([int(t) for t in ids])
+    return out
+
+
+def check_request(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens, temperature, top_k, top_p,
+                  seed, steps_per_dispatch, cache: KVCache | None = None) -> list[list[int]]:
+    """Every limit of a generation request, checked on the host before anything is allocated or
+    dispatched. -> the prompts as lists of ints.
+
+    Without a cache, each prompt and its `max_new_tokens` must fit the model's context (as the
+    OpenAI API asks); with one (a conversation's next turn), each prompt must leave a free
+    position after what its slot holds, and generation stops at the end of the cache
+    (finish reason "context")."""
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not _is_int(steps_per_dispatch) or steps_per_dispatch < 1:
+        raise ValueError(f"steps_per_dispatch must be an integer >= 1, got {steps_per_dispatch!r}")
+    if not _is_int(seed) or not -2**63 <= seed < 2**63:
+        raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {seed!r}")
+    check_sampling(temperature, top_k, top_p)
+    if not len(prompts):
+        raise ValueError("no prompts: at least one is needed")
+    prompts = check_token_ids(model, prompts)
+    check_prompt_lengths(model, prompts)
+    ctx = model.config.context_length
+    if cache is None:
+        for i, p in enumerate(prompts):
+            if len(p) + max_new_tokens > ctx:
+                raise ContextLengthError(
+                    f"prompt {i} has {len(p)} tokens and max_new_tokens is {max_new_tokens}: {len(p) + max_new_tokens} "
+                    f"positions, beyond the context of {ctx} tokens (max_new_tokens can be at most {ctx - len(p)})")
+    else:
+        if cache.n_slots != len(prompts):
+            raise ValueError(f"the cache has {cache.n_slots} slots for {len(prompts)} prompts: one prompt per slot")
+        held = np.asarray(cache.lengths)
+        for i, p in enumerate(prompts):
+            if held[i] + len(p) >= cache.max_len:
+                raise PromptTooLongError(f"prompt {i} of {len(p)} tokens after the {int(held[i])} positions its slot "
+                                         f"holds leaves no room to generate in a cache of {cache.max_len} positions")
+    return prompts
+
+
 def stream_ids(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                steps_per_dispatch: int = 8, stats: dict | None = None,
@@ -79,23 +167,24 @@ def stream_ids(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens
     `stats` (optional) receives timings (`compile_s`: lowering and compiling the prefill and
     decode programs, concurrently, before the first call; `ttft_s` then runs from the prefill
     call to the first token on the host), each prompt's finish reason and the final `cache`,
-    which holds every prompt and generated token but the last one generated."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    check_prompt_lengths(model, prompts)
+    which holds every prompt and generated token but the last one generated.
+
+    The request is checked (`check_request`) when this is called, before the first step."""
+    prompts = check_request(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                            top_p=top_p, seed=seed, steps_per_dispatch=steps_per_dispatch, cache=cache)
+    return _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, steps_per_dispatch, stats,
+                       cache)
+
+
+def _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, steps_per_dispatch, stats, cache):
     cfg, tok = model.config, model.tokenizer
     B = len(prompts)
-    tokens, lengths = engine.pad_prompts([list(p) for p in prompts])
+    tokens, lengths = engine.pad_prompts(prompts)
     if cache is None:
         cache = init_cache(cfg, B, cache_length(int(lengths.max()) + max_new_tokens, cfg.context_length),
                            activation_dtype())
-    elif cache.n_slots != B:
-        raise ValueError(f"the cache has {cache.n_slots} slots for {B} prompts")
     S = cache.max_len
     end = np.asarray(cache.lengths) + lengths  # each slot's length after the prompt
-    if (end >= S).any():
-        raise PromptTooLongError(f"a prompt of {int(end.max())} tokens in all leaves no room to generate "
-                                 f"in a cache of {S} positions")
     sp = SamplingParams.make(B, temperature, top_k, top_p)
     stop_ids = jnp.asarray(sorted(tok.eos_ids) or [-1], jnp.int32)
     key, sub = jax.random.split(jax.random.key(seed))
@@ -144,10 +233,15 @@ def _visible(tok, ids: list[int]) -> list[int]:
 
 
 def stream(model: Model, prompt: str, *, raw: bool = False, stats: dict | None = None, **kw) -> Iterator[str]:
-    """Yield the reply to one prompt as text chunks, as they are generated."""
+    """Yield the reply to one prompt as text chunks, as they are generated. The prompt and
+    settings are checked when this is called (ValueError), before the first chunk."""
     ids = encode_prompt(model, prompt, raw)
+    return _stream_text(model, stream_ids(model, [ids], stats=stats, **kw))
+
+
+def _stream_text(model: Model, steps) -> Iterator[str]:
     dec = model.tokenizer.stream_decoder()
-    for step in stream_ids(model, [ids], stats=stats, **kw):
+    for step in steps:
         chunk = "".join(dec.add(t) for t in _visible(model.tokenizer, step[0]))
         if chunk:
             yield chunk
@@ -166,9 +260,10 @@ def serve_ids(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens:
     `n_slots` running at once; more wait for a free slot. -> list of `serving.Completion`."""
     from rjax.serving import ServingConfig, ServingEngine
 
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    check_prompt_lengths(model, prompts)
+    if not _is_int(n_slots) or n_slots < 1:
+        raise ValueError(f"n_slots must be an integer >= 1, got {n_slots!r}")
+    prompts = check_request(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                            top_p=top_p, seed=seed, steps_per_dispatch=steps_per_dispatch)
     cfg, tok = model.config, model.tokenizer
     S = cache_length(max(len(p) for p in prompts) + max_new_tokens, cfg.context_length)
     stop_ids = sorted(tok.eos_ids)
@@ -191,8 +286,10 @@ def generate(model: Model, prompt: str | Sequence[str], *, raw: bool = False, **
     finish reason and timings (for a list: each request's own time to first token and decode rate).
     """
     tok = model.tokenizer
-    if not isinstance(prompt, str):
-        ids = [encode_prompt(model, p, raw) for p in prompt]
+    if not isinstance(prompt, (str, bytes, bytearray)):
+        if not isinstance(prompt, Sequence):
+            raise TypeError(f"prompt must be a str (or UTF-8 bytes) or a list of them, got {type(prompt).__name__}")
+        ids = [encode_prompt(model, check_text(p, f"prompt {i}"), raw) for i, p in enumerate(prompt)]
         return [GenerationResult(c.prompt, c.tokens, tok.decode(_visible(tok, c.tokens)), c.finish_reason, c.ttft_s,
                                  c.decode_tokens_per_s) for c in serve_ids(model, ids, **kw)] if ids else []
     ids = encode_prompt(model, prompt, raw)

@@ -100,6 +100,23 @@ def _check_fits(cfg: ModelConfig, n: int, what: str) -> None:
         raise ValueError(f"{what} has {n} tokens, more than the model's context length {cfg.context_length}")
 
 
+def _check_ids(cfg: ModelConfig, ids: Sequence[int], what: str) -> list[int]:
+    """ids as ints in [0, vocab_size): out of range, the embedding and log-softmax gathers would
+    clamp them and score another token."""
+    out = []
+    for j, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < cfg.vocab_size:
+            raise ValueError(f"{what} has token id {t!r} at position {j}, outside the vocabulary [0, {cfg.vocab_size})")
+        out.append(int(t))
+    return out
+
+
+def _text(value, what: str) -> str:
+    from rjax.generation import check_text
+
+    return check_text(value, what)
+
+
 def score_ids(cfg: ModelConfig, params: Params, prompt_ids: Sequence[Sequence[int]],
               continuation_ids: Sequence[Sequence[int]], dtype=None) -> list[np.ndarray]:
     """Per-token log-probabilities of each continuation after its prompt, all pairs in one call.
@@ -114,7 +131,7 @@ def score_ids(cfg: ModelConfig, params: Params, prompt_ids: Sequence[Sequence[in
     for i, (p, c) in enumerate(zip(prompt_ids, continuation_ids)):
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty: the first continuation token needs a context (e.g. BOS)")
-        seqs.append([int(x) for x in p] + [int(x) for x in c])
+        seqs.append(_check_ids(cfg, p, f"prompt {i}") + _check_ids(cfg, c, f"continuation {i}"))
         _check_fits(cfg, len(seqs[-1]), f"prompt + continuation {i}")
     T = min(prompt_bucket(max(len(s) for s in seqs)), cfg.context_length)
     tokens = np.zeros((len(seqs), T), np.int32)
@@ -179,8 +196,10 @@ def score(model, context: str, continuations: Sequence[str] | str) -> list[Conti
     Returns one `ContinuationScore` per continuation; `.logprob` (also `float(s)`) is the summed
     log-probability, `.token_logprobs` the per-token array, `.tokens` the ids scored.
     """
-    if isinstance(continuations, str):
+    context = _text(context, "context")
+    if isinstance(continuations, (str, bytes, bytearray)):
         continuations = [continuations]
+    continuations = [_text(c, f"continuation {i}") for i, c in enumerate(continuations)]
     if not continuations:
         raise ValueError("no continuations to score")
     pairs = [split_pair(model.tokenizer, context, c) for c in continuations]
@@ -319,6 +338,7 @@ def perplexity_of_ids(cfg: ModelConfig, params: Params, tokens: Sequence[int], *
     """Perplexity of a token list; see `perplexity` (bos_id: the BOS that replaces the first token
     of every llama.cpp chunk, None when the tokenizer adds no BOS)."""
     _check_fits(cfg, ctx, f"a perplexity window (ctx={ctx})")
+    tokens = _check_ids(cfg, tokens, "the text")
     windows = llama_cpp_windows(tokens, ctx, bos_id) if stride is None else strided_windows(tokens, ctx, stride)
     nll = window_nll(cfg, params, windows, batch=batch, dtype=dtype, progress=progress)
     ppl, std, mean = _ppl_stats(nll)
@@ -347,7 +367,7 @@ def perplexity(model, text: str, *, ctx: int = 512, stride: int | None = None, b
     ppl · sqrt(var(nll) / (n - 1)). The progress bar shows the running estimate.
     """
     tok = model.tokenizer
-    ids = tok.encode(text)
+    ids = tok.encode(_text(text, "text"))
     bos = tok.bos_id if (tok.add_bos and tok.bos_id is not None) else None
     return perplexity_of_ids(model.config, model.params, ids, ctx=ctx, stride=stride, bos_id=bos,
                              batch=batch, dtype=dtype, progress=progress)
