@@ -132,8 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _extensions():
     """Subcommands that live beside the modules they drive."""
     from rjax import bench, scoring, synth
+    from rjax.server import cli as server_cli  # imports the server's packages only when `serve` runs
 
-    return (bench.register_cli, synth.register_cli, scoring.register_cli)
+    return (bench.register_cli, synth.register_cli, scoring.register_cli, server_cli.register_cli)
 
 
 def enable_compilation_cache() -> None:

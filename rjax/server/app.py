@@ -1,0 +1,478 @@
+"""The OpenAI-compatible HTTP app: /v1/models, /v1/completions, /v1/chat/completions, /health
+and /metrics over an EngineLoop.
+
+A request's choices go to the engine loop as separate sequences; their events come back into
+the request's own asyncio queue, where the handler detokenizes them, cuts them at stop strings
+and sends them on (server-sent events with `stream: true`, one JSON body without). A client that
+goes away cancels its sequences at once, which frees their slots and pages. Errors have the
+OpenAI body {"error": {"message", "type", "param", "code"}}.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Sequence
+
+import jinja2
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from rjax.server.loop import EngineFailure, EngineLoop, QueueFullError
+from rjax.server.metrics import Metrics
+from rjax.server.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
+from rjax.server.text import ChoiceText, Piece
+from rjax.serving import StreamEvent, TokenLogprob
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    api_key: str | None = None   # required as "Authorization: Bearer KEY" on /v1 routes when set
+    retry_after_s: int = 1       # the Retry-After of a 429 (queue full) or 503 (still loading)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+# Engine finish reasons as the API names them: running out of context is a length limit too.
+_FINISH = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
+_ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+
+
+class _CountRequests:
+    """Counts responses by route and status (a plain ASGI middleware: it leaves streaming and
+    disconnects alone)."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = [500]
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = scope["path"]
+            route = path if path in _ROUTES else "/v1/models" if path.startswith("/v1/models/") else "other"
+            self.metrics.http_requests.labels(route, str(status[0])).inc()
+
+
+def create_app(loop: EngineLoop, metrics: Metrics | None = None, settings: ServerSettings = ServerSettings()) -> FastAPI:
+    """The app over `loop`, which it starts and stops with its lifespan (uvicorn's startup and
+    shutdown)."""
+    metrics = metrics or loop.metrics or Metrics()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        loop.start()
+        yield
+        await run_in_threadpool(loop.stop)
+
+    app = FastAPI(title="rjax", lifespan=lifespan)
+    app.add_middleware(_CountRequests, metrics=metrics)
+    created = int(time.time())
+
+    # -- errors ---------------------------------------------------------------------------------
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e: RequestValidationError):
+        return _validation_error(e.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        return APIError(e.status_code, str(e.detail), code=None if e.status_code != 404 else "not_found",
+                        headers=getattr(e, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request, e: Exception):
+        return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").response()
+
+    # -- dependencies ---------------------------------------------------------------------------
+
+    def authorized(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise APIError(401, "Missing API key: send it as 'Authorization: Bearer KEY'.", code="invalid_api_key")
+        if not hmac.compare_digest(key.strip().encode(), settings.api_key.encode()):
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+    def ready():
+        if loop.error is not None:
+            raise APIError(503, f"the model could not be served: {loop.error}", type="server_error",
+                           code="model_not_ready")
+        if not loop.ready.is_set():
+            raise APIError(503, "the model is still loading and compiling; retry shortly", type="server_error",
+                           code="model_not_ready", headers={"Retry-After": str(settings.retry_after_s)})
+        return loop.setup
+
+    # -- routes ---------------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health():
+        if loop.error is not None:
+            return JSONResponse({"status": "failed", "error": loop.error}, status_code=503)
+        if not loop.ready.is_set():
+            return JSONResponse({"status": "loading"}, status_code=503,
+                                headers={"Retry-After": str(settings.retry_after_s)})
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    def model_card(setup) -> dict:
+        return {"id": setup.model_id, "object": "model", "created": created, "owned_by": "rjax",
+                "max_model_len": loop.engine.config.max_len}
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models():
+        setup = ready()
+        return {"object": "list", "data": [model_card(setup)]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorized)])
+    async def model(model_id: str):
+        setup = ready()
+        if model_id != setup.model_id:
+            raise APIError(404, f"The model '{model_id}' does not exist; this server serves '{setup.model_id}'.",
+                           param="model", code="model_not_found")
+        return model_card(setup)
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(body: CompletionRequest, request: Request):
+        setup = ready()
+        _check_model(body, setup)
+        tok = setup.tokenizer
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs (log-probabilities of the prompt) is not supported",
+                           param="echo", code="unsupported_parameter")
+        prompts = _completion_prompts(body.prompt, tok)
+        n_top = body.logprobs
+        gen = _start(loop, tok, body, prompts, default_max=lambda p: 16, logprobs=n_top is not None,
+                     prompt_param="prompt")
+        rid, model_id = f"cmpl-{uuid.uuid4().hex}", setup.model_id
+        echoes = [tok.decode(p) if body.echo else "" for p in prompts]
+
+        def choice_logprobs(entries: list[TokenLogprob], offset: int):
+            if n_top is None:
+                return None
+            texts = [_token_text(tok, e.token) for e in entries]
+            offsets, at = [], offset
+            for t in texts:
+                offsets.append(at)
+                at += len(t)
+            return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
+                    "top_logprobs": [_top_dict(tok, e.top[:n_top]) for e in entries],
+                    "text_offset": offsets}
+
+        if body.stream:
+            async def chunks():
+                sent = [0] * gen.n
+                async for i, piece, finish in gen.events():
+                    text = piece.text
+                    if body.echo and sent[i] == 0 and echoes[i // body.n]:
+                        text = echoes[i // body.n] + text
+                    if not text and finish is None and not piece.logprobs:
+                        continue
+                    lp = choice_logprobs(piece.logprobs, sent[i] + len(text) - len(piece.text))
+                    sent[i] += len(text)
+                    yield {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_id,
+                           "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}]}
+                if body.stream_options and body.stream_options.include_usage:
+                    yield {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_id,
+                           "choices": [], "usage": gen.usage()}
+
+            return _sse(request, gen, chunks())
+
+        texts, entries, finishes = await gen.collect(request)
+        choices = []
+        for i in range(gen.n):
+            echo = echoes[i // body.n]
+            choices.append({"index": i, "text": echo + texts[i], "logprobs": choice_logprobs(entries[i], len(echo)),
+                            "finish_reason": finishes[i]})
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_id,
+                "choices": choices, "usage": gen.usage(), "system_fingerprint": None}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        setup = ready()
+        _check_model(body, setup)
+        tok = setup.tokenizer
+        prompt = _chat_prompt(tok, body, setup.model_id)
+        n_top = (body.top_logprobs or 0) if body.logprobs else None
+        if body.max_completion_tokens is not None:
+            body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
+        gen = _start(loop, tok, body, [prompt], default_max=lambda p: loop.engine.config.max_len - len(p),
+                     logprobs=n_top is not None, prompt_param="messages")
+        rid, model_id = f"chatcmpl-{uuid.uuid4().hex}", setup.model_id
+
+        def choice_logprobs(entries: list[TokenLogprob]):
+            if n_top is None:
+                return None
+            return {"content": [dict(_chat_logprob(tok, e.token, e.logprob),
+                                     top_logprobs=[_chat_logprob(tok, i, v) for i, v in e.top[:n_top]])
+                                for e in entries]}
+
+        if body.stream:
+            async def chunks():
+                def chunk(i, delta, lp=None, finish=None):
+                    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+                            "model": model_id, "system_fingerprint": None,
+                            "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+
+                for i in range(gen.n):
+                    yield chunk(i, {"role": "assistant", "content": ""})
+                async for i, piece, finish in gen.events():
+                    if piece.text or piece.logprobs:
+                        yield chunk(i, {"content": piece.text}, choice_logprobs(piece.logprobs))
+                    if finish is not None:
+                        yield chunk(i, {}, None, finish)
+                if body.stream_options and body.stream_options.include_usage:
+                    yield {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
+                           "model": model_id, "choices": [], "usage": gen.usage()}
+
+            return _sse(request, gen, chunks())
+
+        texts, entries, finishes = await gen.collect(request)
+        choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
+                    "logprobs": choice_logprobs(entries[i]), "finish_reason": finishes[i]} for i in range(gen.n)]
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_id,
+                "choices": choices, "usage": gen.usage(), "system_fingerprint": None}
+
+    return app
+
+
+# ---------------------------------------------------------------------------------------------
+# one request in flight
+
+class _Generation:
+    """The choices of one HTTP request: engine sequences submitted together, their events
+    gathered from this request's own queue."""
+
+    def __init__(self, loop: EngineLoop, tokenizer, requests: list[dict], stops: Sequence[str],
+                 hidden_ids: Sequence[int], n_prompt_tokens: int):
+        self.loop = loop
+        self.n = len(requests)
+        self.n_prompt_tokens = n_prompt_tokens
+        self._queue: asyncio.Queue = asyncio.Queue()
+        aloop = asyncio.get_running_loop()
+        self.ids = loop.submit(requests, lambda item: aloop.call_soon_threadsafe(self._queue.put_nowait, item))
+        self._index = {rid: i for i, rid in enumerate(self.ids)}
+        self._open = set(self.ids)
+        self.texts = [ChoiceText(tokenizer, stops, hidden_ids) for _ in self.ids]
+
+    def usage(self) -> dict:
+        done = sum(t.n_tokens for t in self.texts)
+        return {"prompt_tokens": self.n_prompt_tokens, "completion_tokens": done,
+                "total_tokens": self.n_prompt_tokens + done}
+
+    def abort(self) -> None:
+        """Cancel what still runs (the client went away); wakes `events` to end."""
+        if self._open:
+            self.loop.cancel(list(self._open))
+            self._open.clear()
+        self._queue.put_nowait(None)
+
+    async def events(self) -> AsyncIterator[tuple[int, Piece, str | None]]:
+        """(choice index, text to send, finish reason or None) until every choice has finished."""
+        try:
+            while self._open:
+                item = await self._queue.get()
+                if item is None:
+                    return
+                if item.request_id not in self._open:
+                    continue  # a choice already ended by a stop string
+                if isinstance(item, EngineFailure):
+                    raise APIError(500, item.message, type="server_error")
+                i, text = self._index[item.request_id], self.texts[self._index[item.request_id]]
+                piece = text.add(item.tokens, item.logprobs)
+                if text.stopped:
+                    self._open.discard(item.request_id)
+                    if not item.finished:
+                        self.loop.cancel([item.request_id])  # frees its slot now
+                    yield i, piece, "stop"
+                elif item.finished:
+                    self._open.discard(item.request_id)
+                    tail = text.finish()
+                    yield i, Piece(piece.text + tail.text, piece.logprobs + tail.logprobs), \
+                        "stop" if text.stopped else _FINISH[item.completion.finish_reason]
+                else:
+                    yield i, piece, None
+        finally:
+            if self._open:  # an error, or the consumer stopped early
+                self.loop.cancel(list(self._open))
+                self._open.clear()
+
+    async def collect(self, request: Request) -> tuple[list[str], list[list[TokenLogprob]], list[str]]:
+        """Run to the end (cancelled if the client disconnects meanwhile)."""
+        texts, entries, finishes = [""] * self.n, [[] for _ in range(self.n)], ["stop"] * self.n
+        with _watch_disconnect(request, self):
+            async for i, piece, finish in self.events():
+                texts[i] += piece.text
+                entries[i] += piece.logprobs
+                if finish is not None:
+                    finishes[i] = finish
+        return texts, entries, finishes
+
+
+@contextlib.contextmanager
+def _watch_disconnect(request: Request, gen: _Generation):
+    """Abort `gen` as soon as the client disconnects, whatever the handler is waiting on."""
+    async def wait():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gen.abort()
+
+    task = asyncio.ensure_future(wait())
+    try:
+        yield
+    finally:
+        task.cancel()
+
+
+def _sse(request: Request, gen: _Generation, chunks: AsyncIterator[dict]) -> StreamingResponse:
+    async def body():
+        with _watch_disconnect(request, gen):
+            try:
+                async for chunk in chunks:
+                    yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            except APIError as e:  # the status line has gone: the error is the last event
+                yield f"data: {json.dumps(e.body(), ensure_ascii=False)}\n\n"
+            finally:
+                gen.abort()
+            yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# ---------------------------------------------------------------------------------------------
+# request -> engine sequences
+
+def _check_model(body: _Sampling, setup) -> None:
+    if body.model != setup.model_id:
+        raise APIError(400, f"The model '{body.model}' does not exist; this server serves '{setup.model_id}'.",
+                       param="model", code="model_not_found")
+
+
+def _start(loop: EngineLoop, tok, body: _Sampling, prompts: list[list[int]], *, default_max, logprobs: bool,
+           prompt_param: str) -> _Generation:
+    engine = loop.engine
+    max_len = engine.config.max_len
+    sampling = dict(temperature=1.0 if body.temperature is None else body.temperature,
+                    top_k=max(body.top_k or 0, 0), top_p=1.0 if body.top_p is None else body.top_p)
+    requests = []
+    for p in prompts:
+        if len(p) >= max_len:
+            raise APIError(400, f"This model's maximum context length is {max_len} tokens; the prompt has {len(p)} "
+                           f"tokens and leaves no room to generate.", param=prompt_param,
+                           code="context_length_exceeded")
+        max_tokens = default_max(p) if body.max_tokens is None else body.max_tokens
+        if len(p) + max_tokens > max_len:
+            raise APIError(400, f"This model's maximum context length is {max_len} tokens; the prompt has {len(p)} "
+                           f"tokens and max_tokens asks for {max_tokens} more.", param="max_tokens",
+                           code="context_length_exceeded")
+        try:
+            engine.check_request(p, max_new_tokens=max_tokens, **sampling)
+        except ValueError as e:
+            raise APIError(400, str(e), param=prompt_param) from None
+        for _ in range(body.n):
+            requests.append(dict(prompt=p, max_new_tokens=max_tokens, seed=body.seed, sample_index=len(requests),
+                                 logprobs=logprobs, **sampling))
+    try:
+        return _Generation(loop, tok, requests, body.stop_strings, engine.default_stop_ids,
+                           sum(len(p) for p in prompts))
+    except QueueFullError as e:
+        raise APIError(429, str(e), type="rate_limit_error", code="queue_full",
+                       headers={"Retry-After": "1"}) from None
+
+
+def _completion_prompts(prompt, tok) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [tok.encode(prompt)]
+    if isinstance(prompt[0], str):
+        return [tok.encode(p) for p in prompt]
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    return [list(p) for p in prompt]
+
+
+def _chat_prompt(tok, body: ChatCompletionRequest, model_id: str) -> list[int]:
+    if tok.chat_template is None:
+        raise APIError(400, f"The model '{model_id}' has no chat template, so it cannot take chat messages: use "
+                       f"/v1/completions, or start the server with --chat-template FILE.", param="messages",
+                       code="chat_template_missing")
+    messages = []
+    for m in body.messages:
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text}
+        if m.name is not None:
+            msg["name"] = m.name
+        messages.append(msg)
+    try:
+        return tok.encode_chat(messages)
+    except jinja2.TemplateError as e:  # the template refused the conversation (raise_exception)
+        raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
+
+
+def _validation_error(errors: Sequence[dict]) -> APIError:
+    e = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    if e.get("type") == "json_invalid":
+        return APIError(400, f"We could not parse the JSON body of your request: {e.get('msg')}.",
+                        code="invalid_json")
+    msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+    if e.get("type") == "extra_forbidden":
+        return APIError(400, f"Unrecognized request argument supplied: {loc[-1]}", param=loc[-1],
+                        code="unknown_parameter")
+    return APIError(400, f"{'.'.join(loc) or 'body'}: {msg}", param=loc[0] if loc else None,
+                    code="invalid_value")
+
+
+def _top_dict(tok, top) -> dict[str, float]:
+    """The completions API keys top log-probabilities by token text: of ids that read alike,
+    the most likely one stands."""
+    out: dict[str, float] = {}
+    for token, logprob in top:
+        out.setdefault(_token_text(tok, token), logprob)
+    return out
+
+
+def _token_text(tok, token: int) -> str:
+    return tok.decode([token], skip_special=False)
+
+
+def _chat_logprob(tok, token: int, logprob: float) -> dict:
+    text = _token_text(tok, token)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}

@@ -1,0 +1,93 @@
+"""The `rjax serve` subcommand: load a model, compile its programs, serve it under uvicorn."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from pathlib import Path
+
+DEFAULT_MAX_LEN = 2048
+PAGE_SIZE = 16
+
+
+def make_setup(model: str, *, model_id: str, slots: int, max_len: int | None, steps_per_dispatch: int,
+               chat_template: str | None, precompile: bool):
+    """-> the EngineLoop's setup: loads the model and makes engines, on the loop's thread."""
+    from rjax.server.loop import Setup
+
+    def setup() -> Setup:
+        import jax.numpy as jnp
+
+        import rjax
+        from rjax.generation import activation_dtype
+        from rjax.serving import ServingConfig, ServingEngine
+
+        m = rjax.load(model)
+        tok = m.tokenizer
+        if chat_template is not None:
+            tok = dataclasses.replace(tok, chat_template=chat_template, chat_template_is_fallback=False)
+        ctx = m.config.context_length
+        length = max_len if max_len is not None else min(DEFAULT_MAX_LEN, ctx)
+        if length > ctx:
+            raise ValueError(f"--max-len {length} exceeds the context length of {m.name} ({ctx} tokens)")
+        stop_ids = sorted(tok.eos_ids)
+        config = ServingConfig(n_slots=slots, max_len=length, page_size=PAGE_SIZE if length % PAGE_SIZE == 0 else None,
+                               steps_per_dispatch=steps_per_dispatch, max_stop_ids=max(8, len(stop_ids)),
+                               kv_dtype=jnp.dtype(activation_dtype()).name)
+        return Setup(tok, lambda: ServingEngine(m.config, m.params, config, stop_ids=stop_ids), model_id, precompile)
+
+    return setup
+
+
+def cmd_serve(a) -> int:
+    try:
+        import uvicorn
+
+        from rjax.server.app import ServerSettings, create_app
+        from rjax.server.loop import EngineLoop
+        from rjax.server.metrics import Metrics
+    except ImportError as e:
+        raise ValueError(f"rjax serve needs the server's packages ({e.name} is missing): "
+                         f"pip install 'rjax[serve]'") from None
+    for name in ("slots", "max_queued", "steps_per_dispatch", "port"):
+        if getattr(a, name) < (0 if name == "port" else 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    template = Path(a.chat_template).read_text(encoding="utf-8") if a.chat_template else None
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    metrics = Metrics()
+    loop = EngineLoop(make_setup(a.model, model_id=a.served_model_name or Path(a.model).name, slots=a.slots,
+                                 max_len=a.max_len, steps_per_dispatch=a.steps_per_dispatch, chat_template=template,
+                                 precompile=not a.no_precompile),
+                      max_queued=a.max_queued, metrics=metrics)
+    app = create_app(loop, metrics, ServerSettings(api_key=a.api_key))
+    uvicorn.run(app, host=a.host, port=a.port, log_level="info")
+    return 0
+
+
+def register_cli(subparsers) -> None:
+    from rjax.catalog import DEFAULT_MODEL
+
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (pip install 'rjax[serve]')",
+        description="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models), "
+                    "with /health and Prometheus /metrics. /health answers 503 until the model is loaded "
+                    "and its programs are compiled.")
+    p.add_argument("-m", "--model", default=DEFAULT_MODEL,
+                   help=f"catalog name, .gguf file or Hugging Face directory (default: {DEFAULT_MODEL})")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--slots", type=int, default=16, help="sequences decoded at once (default: 16)")
+    p.add_argument("--max-len", type=int, default=None,
+                   help=f"positions per sequence, prompt and reply (default: {DEFAULT_MAX_LEN} or the model's "
+                        f"context if shorter)")
+    p.add_argument("--max-queued", type=int, default=256,
+                   help="sequences waiting for a slot before new requests get 429 (default: 256)")
+    p.add_argument("--steps-per-dispatch", type=int, default=8, help="decode steps per device dispatch (default: 8)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template to use instead of the model's (or for a model without one)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients name (default: the -m argument's last path component)")
+    p.add_argument("--no-precompile", action="store_true",
+                   help="start serving before compiling (the first requests then wait for compilation)")
+    p.set_defaults(func=cmd_serve)

@@ -1,0 +1,247 @@
+"""The engine loop: one thread owns the ServingEngine and steps it; request handlers talk to it
+only through a thread-safe inbox (submit, cancel) and per-request sinks (events out).
+
+The loop never waits on a client: a sink only hands the event to the handler's own event loop
+(an unbounded queue there), and a sink that fails (its event loop is gone) cancels its request.
+A failure inside a step fails the requests in flight with an error event, and the loop goes on
+with a fresh engine (the failed step may have consumed the donated cache).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+import traceback
+from typing import Callable, Hashable
+
+from rjax.serving import ServingEngine, StreamEvent
+
+log = logging.getLogger("rjax.server")
+
+
+class QueueFullError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineFailure:
+    """Sent to a request's sink instead of a StreamEvent when the engine failed it."""
+
+    request_id: Hashable
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What the loop thread builds before it serves: the tokenizer and a way to make an engine."""
+
+    tokenizer: object
+    make_engine: Callable[[], ServingEngine]
+    model_id: str
+    precompile: bool = True
+
+
+@dataclasses.dataclass
+class _Live:
+    sink: Callable[[object], None]
+    submitted_s: float
+    last_s: float = 0.0
+    started: bool = False
+
+
+class EngineLoop:
+    """`setup()` (loading the model, say) runs on the loop's thread, so a server answers /health
+    with 503 while it runs. `max_queued` bounds the sequences accepted but not yet in a slot."""
+
+    def __init__(self, setup: Callable[[], Setup], *, max_queued: int = 256, metrics=None, idle_wait_s: float = 0.5):
+        if max_queued < 1:
+            raise ValueError(f"max_queued must be >= 1, got {max_queued}")
+        self._setup_fn, self.max_queued, self.metrics, self._idle_wait_s = setup, max_queued, metrics, idle_wait_s
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self.ready = threading.Event()
+        self.setup: Setup | None = None
+        self.engine: ServingEngine | None = None
+        self.error: str | None = None        # why setup failed
+        self._ids = itertools.count()
+        self._lock = threading.Lock()         # guards _waiting
+        self._waiting = 0                     # accepted, not yet in a slot (or finished)
+        self._live: dict[Hashable, _Live] = {}  # the loop thread's own
+        self._thread: threading.Thread | None = None
+
+    # -- any thread -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._main, name="rjax-engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def n_waiting(self) -> int:
+        return self._waiting
+
+    def submit(self, requests: list[dict], sink: Callable[[object], None]) -> list[int]:
+        """Queue requests (keyword arguments of `ServingEngine.submit`, checked already) whose
+        events go to `sink`. -> their ids. Raises QueueFullError when they would take the queue
+        past `max_queued` (all or none are taken)."""
+        with self._lock:
+            if self._waiting + len(requests) > self.max_queued:
+                raise QueueFullError(f"{self._waiting} sequences are waiting for a slot; the server takes at most "
+                                     f"{self.max_queued} (--max-queued)")
+            self._waiting += len(requests)
+        ids = [next(self._ids) for _ in requests]
+        now = time.perf_counter()
+        for rid, kw in zip(ids, requests):
+            self._inbox.put(("submit", rid, kw, sink, now))
+        self._wake.set()
+        return ids
+
+    def cancel(self, ids) -> None:
+        for rid in ids:
+            self._inbox.put(("cancel", rid))
+        self._wake.set()
+
+    # -- the loop's thread ----------------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            self.setup = self._setup_fn()
+            self.engine = self.setup.make_engine()
+            if self.setup.precompile:
+                report = self.engine.precompile()
+                log.info("compiled %d programs in %.1f s", len(report.compile_s), report.total_s)
+        except Exception as e:  # the server stays up to say why on /health
+            self.error = f"{type(e).__name__}: {e}"
+            log.error("engine setup failed: %s", traceback.format_exc())
+            return
+        self._update_gauges()
+        self.ready.set()
+        try:
+            self._serve()
+        finally:
+            self.ready.clear()
+            self._refuse_inbox()
+
+    def _serve(self) -> None:
+        while not self._stopping.is_set():
+            self._wake.clear()
+            self._drain_inbox()
+            if not self.engine.has_work:
+                self._wake.wait(self._idle_wait_s)
+                continue
+            try:
+                events = self.engine.step()
+            except Exception as e:
+                log.error("engine step failed: %s", traceback.format_exc())
+                self._fail_all(f"the engine failed while running this request: {type(e).__name__}: {e}")
+                continue
+            now = time.perf_counter()
+            for event in events:
+                self._deliver(event, now)
+            self._update_gauges()
+
+    def _refuse_inbox(self) -> None:
+        """Fail what arrived after the loop stopped, so that no handler waits forever."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item[0] == "submit":
+                self._finish_waiting(1)
+                self._send(item[3], EngineFailure(item[1], "the server is shutting down"))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item[0] == "cancel":
+                if item[1] in self._live:
+                    self.engine.cancel(item[1])
+                continue
+            _, rid, kw, sink, submitted = item
+            try:
+                self.engine.submit(request_id=rid, **kw)
+            except Exception as e:  # checked by the handler already; this request fails alone
+                self._finish_waiting(1)
+                self._send(sink, EngineFailure(rid, f"{type(e).__name__}: {e}"))
+                continue
+            self._live[rid] = _Live(sink, submitted)
+            if self.metrics is not None:
+                self.metrics.prompt_tokens.inc(len(kw["prompt"]))
+
+    def _deliver(self, event: StreamEvent, now: float) -> None:
+        live = self._live.get(event.request_id)
+        if live is None:
+            return
+        m = self.metrics
+        if event.tokens:
+            if not live.started:
+                live.started = True
+                self._finish_waiting(1)
+                if m is not None:
+                    m.ttft.observe(now - live.submitted_s)
+                    if len(event.tokens) > 1:
+                        m.itl.observe(0.0)
+            elif m is not None:
+                gap = (now - live.last_s) / len(event.tokens)
+                for _ in event.tokens:
+                    m.itl.observe(gap)
+            live.last_s = now
+            if m is not None:
+                m.generation_tokens.inc(len(event.tokens))
+        if event.finished:
+            del self._live[event.request_id]
+            if not live.started:
+                self._finish_waiting(1)
+            if m is not None:
+                m.requests_finished.labels(event.completion.finish_reason).inc()
+        if not self._send(live.sink, event) and not event.finished:
+            self.engine.cancel(event.request_id)  # nobody listens any more
+
+    def _send(self, sink, item) -> bool:
+        try:
+            sink(item)
+            return True
+        except Exception:  # the handler's event loop is closed: its client is gone
+            return False
+
+    def _finish_waiting(self, n: int) -> None:
+        with self._lock:
+            self._waiting -= n
+
+    def _fail_all(self, message: str) -> None:
+        live, self._live = self._live, {}
+        self._finish_waiting(sum(not x.started for x in live.values()))
+        for rid, x in live.items():
+            self._send(x.sink, EngineFailure(rid, message))
+        try:
+            self.engine = self.setup.make_engine()
+        except Exception:
+            log.error("could not make a fresh engine: %s", traceback.format_exc())
+            self.error = f"the engine failed and could not be rebuilt: {message}"
+            self.ready.clear()
+            self._stopping.set()
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        m, e = self.metrics, self.engine
+        if m is None or e is None:
+            return
+        m.running.set(e.n_running)
+        m.queued.set(self._waiting)
+        m.free_slots.set(e.n_free_slots)
+        if e.pages is not None:
+            m.kv_pages_in_use.set(e.pages_in_use)
+            m.kv_pages_total.set(e.pages.n_pages)

@@ -1,0 +1,561 @@
+"""`rjax serve`: the OpenAI-compatible server, driven by the openai client (httpx for raw bodies
+and error cases) against a real uvicorn on 127.0.0.1 in a background thread, serving a tiny
+synthetic model on the CPU.
+
+References are independent routes: `rjax.generate` for greedy text, and prefill over a fresh
+cache (the functional API) with log_softmax on the host for log-probabilities.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import re
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import jax.numpy as jnp
+import numpy as np
+import openai
+import pytest
+import uvicorn
+
+import rjax
+from rjax import engine
+from rjax.server.app import ServerSettings, create_app
+from rjax.server.loop import EngineLoop, Setup
+from rjax.server.metrics import Metrics
+from rjax.serving import ServingConfig, ServingEngine
+
+MODEL = "tiny"
+# Positions per sequence 64: a prompt of 64 tokens is too long, 10 + 60 new tokens too many.
+CONFIG = ServingConfig(n_slots=4, max_len=64, page_size=8, steps_per_dispatch=4, prefill_buckets=(4,))
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+API_KEY = "sekret"
+
+
+class GatedEngine(ServingEngine):
+    """Steps only while `gate` is set, and raises once from `step` after `fail_next` is set:
+    lets a test hold the engine still (a full queue, a client leaving mid-generation) or
+    break it."""
+
+    def __init__(self, *args, gate: threading.Event, fail_next: threading.Event, **kw):
+        super().__init__(*args, **kw)
+        self.gate, self.fail_next = gate, fail_next
+
+    def step(self):
+        self.gate.wait()
+        if self.fail_next.is_set():
+            self.fail_next.clear()
+            raise RuntimeError("injected failure")
+        return super().step()
+
+
+@contextlib.contextmanager
+def _uvicorn(app):
+    """A real uvicorn on a free 127.0.0.1 port, in a thread. -> base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def _wait(predicate, what: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def _server(model, *, tokenizer, api_key=None, max_queued=16, precompile=True, setup_gate=None):
+    gate, fail_next = threading.Event(), threading.Event()
+    gate.set()
+    engines: list[GatedEngine] = []
+    stop_ids = sorted(tokenizer.eos_ids)
+
+    def make_engine():
+        engines.append(GatedEngine(model.config, model.params, CONFIG, stop_ids=stop_ids, gate=gate,
+                                   fail_next=fail_next))
+        return engines[-1]
+
+    def setup():
+        if setup_gate is not None:
+            setup_gate.wait()
+        return Setup(tokenizer, make_engine, MODEL, precompile)
+
+    metrics = Metrics()
+    loop = EngineLoop(setup, max_queued=max_queued, metrics=metrics)
+    app = create_app(loop, metrics, ServerSettings(api_key=api_key))
+    with _uvicorn(app) as url:
+        yield SimpleNamespace(url=url, loop=loop, gate=gate, fail_next=fail_next, engines=engines, metrics=metrics,
+                              tok=tokenizer, model=model, api_key=api_key)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_path):
+    m = rjax.load(tiny_path, progress=False)
+    # The synthetic model's file has no chat template: the main server is given one (as
+    # --chat-template does); the second server keeps none.
+    return dataclasses.replace(m, tokenizer=dataclasses.replace(m.tokenizer, chat_template=TEMPLATE))
+
+
+@pytest.fixture(scope="module")
+def srv(model):
+    with _server(model, tokenizer=model.tokenizer) as s:
+        _wait(lambda: httpx.get(f"{s.url}/health").status_code == 200, "the model to compile", timeout=600)
+        yield s
+
+
+@pytest.fixture(scope="module")
+def strict(model):
+    """A second server: API key, a queue of 2, no chat template; its setup waits for a gate
+    (so /health can be seen answering 503)."""
+    setup_gate = threading.Event()
+    tok = dataclasses.replace(model.tokenizer, chat_template=None)
+    with _server(model, tokenizer=tok, api_key=API_KEY, max_queued=2, precompile=False, setup_gate=setup_gate) as s:
+        s.setup_gate = setup_gate
+        yield s
+
+
+def _client(s, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{s.url}/v1", api_key=s.api_key or "unused", max_retries=0, timeout=120, **kw)
+
+
+def _idle(s):
+    """Wait until the engine holds nothing: every slot free, every page back, nothing queued."""
+    eng = s.engines[-1]
+    _wait(lambda: eng.n_running == 0 and eng.n_queued == 0 and s.loop.n_waiting == 0, "the engine to go idle")
+    assert eng.n_free_slots == CONFIG.n_slots and eng.pages_in_use == 0
+    assert eng.pages.unreserved == eng.pages.n_pages
+    np.testing.assert_array_equal(np.asarray(eng.cache.lengths), 0)
+
+
+def _cancelled(s) -> float:
+    return s.metrics.requests_finished.labels("cancelled")._value.get()
+
+
+def _error(r: httpx.Response, status: int, param=None, code=None) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["message"]
+    if param is not None:
+        assert body["error"]["param"] == param, body
+    if code is not None:
+        assert body["error"]["code"] == code, body
+    return body["error"]
+
+
+def _sse_events(text: str) -> list:
+    lines = [line for line in text.split("\n") if line]
+    assert all(line.startswith("data: ") for line in lines), text
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+# --- health, models, metrics -------------------------------------------------------------------
+
+def test_health_is_503_until_loaded_then_200(strict):
+    r = httpx.get(f"{strict.url}/health")
+    assert r.status_code == 503 and r.json()["status"] == "loading" and r.headers["retry-after"] == "1"
+    r = httpx.get(f"{strict.url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
+    _error(r, 503, code="model_not_ready")
+    strict.setup_gate.set()
+    _wait(lambda: httpx.get(f"{strict.url}/health").status_code == 200, "the second server's setup")
+    assert httpx.get(f"{strict.url}/health").json() == {"status": "ok"}
+
+
+def test_models(srv):
+    (card,) = _client(srv).models.list().data
+    assert card.id == MODEL and card.owned_by == "rjax"
+    assert _client(srv).models.retrieve(MODEL).id == MODEL
+    _error(httpx.get(f"{srv.url}/v1/models/other"), 404, code="model_not_found")
+
+
+# --- completions ---------------------------------------------------------------------------------
+
+PROMPTS = ["hello there", "The quick brown fox", "a b c d e f"]
+
+
+def test_completion_greedy_equals_generate(srv, model):
+    c = _client(srv)
+    for p in PROMPTS:
+        ref = rjax.generate(model, p, raw=True, max_new_tokens=20)
+        r = c.completions.create(model=MODEL, prompt=p, max_tokens=20, temperature=0)
+        (choice,) = r.choices
+        assert choice.text == ref.text and choice.finish_reason == ref.finish_reason == "length", p
+        assert r.usage.prompt_tokens == len(ref.prompt_tokens) and r.usage.completion_tokens == 20
+        assert r.usage.total_tokens == r.usage.prompt_tokens + 20 and r.object == "text_completion"
+    # Token ids as the prompt, echo, and several prompts in one request.
+    ids = model.tokenizer.encode(PROMPTS[0])
+    ref = rjax.generate(model, PROMPTS[0], raw=True, max_new_tokens=8).text
+    r = c.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0, echo=True)
+    assert r.choices[0].text == PROMPTS[0] + ref
+    r = c.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=8, temperature=0)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert [ch.text for ch in r.choices] == [rjax.generate(model, p, raw=True, max_new_tokens=8).text
+                                            for p in PROMPTS]
+    _idle(srv)
+
+
+def test_completion_stream_equals_the_whole(srv, model):
+    c = _client(srv)
+    whole = c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=24, temperature=0)
+    chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=24, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == whole.choices[0].text
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert finishes[-1] == "length" and set(finishes[:-1]) == {None} and len(finishes) > 2  # streamed in pieces
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    # The wire format: server-sent events ending in [DONE].
+    r = httpx.post(f"{srv.url}/v1/completions", json=dict(model=MODEL, prompt=PROMPTS[1], max_tokens=5, temperature=0,
+                                                          stream=True))
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = _sse_events(r.text)
+    assert "".join(e["choices"][0]["text"] for e in events) == \
+        rjax.generate(model, PROMPTS[1], raw=True, max_new_tokens=5).text
+
+
+# --- chat ----------------------------------------------------------------------------------------
+
+def test_chat_greedy_equals_generate_streaming_and_not(srv, model):
+    c = _client(srv)
+    question = "Name three primes."
+    ref = rjax.generate(model, question, max_new_tokens=16)  # through the chat template
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=16,
+                                  temperature=0)
+    (choice,) = r.choices
+    assert choice.message.role == "assistant" and choice.message.content == ref.text
+    assert choice.finish_reason == "length" and r.usage.prompt_tokens == len(ref.prompt_tokens)
+    assert r.object == "chat.completion"
+    chunks = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                            max_completion_tokens=16, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    # A conversation renders through the template as rjax's tokenizer renders it.
+    messages = [{"role": "system", "content": "B"}, {"role": "user", "content": "H"},
+                {"role": "assistant", "content": "Y"}, {"role": "user", "content": [{"type": "text", "text": "G"}]}]
+    r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    rendered = model.tokenizer.encode_chat([dict(m, content=m["content"] if isinstance(m["content"], str) else "G")
+                                            for m in messages])
+    assert r.usage.prompt_tokens == len(rendered)
+    # Without max_tokens a chat reply may run to the end of the context.
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop")
+    assert r.usage.prompt_tokens + r.usage.completion_tokens <= CONFIG.max_len
+    _idle(srv)
+
+
+def test_chat_without_a_template_is_a_clear_400(strict):
+    strict.setup_gate.set()
+    _wait(lambda: httpx.get(f"{strict.url}/health").status_code == 200, "the second server's setup")
+    with pytest.raises(openai.BadRequestError) as e:
+        _client(strict).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert e.value.status_code == 400 and "--chat-template" in e.value.message
+    assert e.value.body["code"] == "chat_template_missing" and e.value.body["param"] == "messages"
+
+
+# --- n, seeds, stop strings ----------------------------------------------------------------------
+
+def test_n_choices_and_seed_reproducibility(srv):
+    c = _client(srv)
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=1.0)
+    r = c.completions.create(n=3, seed=7, **kw)
+    texts = [ch.text for ch in sorted(r.choices, key=lambda ch: ch.index)]
+    assert [ch.index for ch in sorted(r.choices, key=lambda ch: ch.index)] == [0, 1, 2]
+    assert len(set(texts)) > 1  # the choices of one seed draw apart
+    assert r.usage.completion_tokens == 36
+    again = c.completions.create(n=3, seed=7, **kw)
+    assert [ch.text for ch in sorted(again.choices, key=lambda ch: ch.index)] == texts
+    assert c.completions.create(n=1, seed=8, **kw).choices[0].text != texts[0]
+    # A seeded request draws the same tokens whatever runs beside it.
+    alone = c.completions.create(n=1, seed=11, **kw).choices[0].text
+    results = {}
+
+    def noise(i):
+        results[i] = c.completions.create(model=MODEL, prompt=PROMPTS[i % 3], max_tokens=20, temperature=0.8,
+                                          extra_body={"top_k": 40})
+
+    threads = [threading.Thread(target=noise, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    beside = c.completions.create(n=1, seed=11, **kw).choices[0].text
+    for t in threads:
+        t.join()
+    assert beside == alone and len(results) == 3
+    # Greedy choices are all the same; streamed choices carry their indices.
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=8,
+                                  temperature=0)
+    assert r.choices[0].message.content == r.choices[1].message.content
+    streamed = {0: "", 1: ""}
+    for ch in c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=8,
+                                        temperature=0, stream=True):
+        for choice in ch.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == {0: r.choices[0].message.content, 1: r.choices[1].message.content}
+    _idle(srv)
+
+
+def _token_texts(tok, ids):
+    dec = tok.stream_decoder()
+    return [dec.add(t) for t in ids]
+
+
+def test_stop_strings_across_token_boundaries(srv, model):
+    c = _client(srv)
+    tok = model.tokenizer
+    for prompt in PROMPTS:
+        ref = rjax.generate(model, prompt, raw=True, max_new_tokens=40)
+        pieces = _token_texts(tok, ref.tokens)
+        # A stop string that starts inside one token and ends inside the next, at its first occurrence.
+        ends = np.cumsum([len(p) for p in pieces])
+        boundary = next(int(e) for i, e in enumerate(ends[:-1])
+                        if len(pieces[i]) >= 3 and len(pieces[i + 1]) >= 3 and ref.text.find(ref.text[e - 2:e + 2]) == e - 2
+                        and e >= 4)
+        stop = ref.text[boundary - 2:boundary + 2]
+        expect = ref.text[: boundary - 2]
+        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stop=[stop, "\x00never"])
+        assert r.choices[0].text == expect and r.choices[0].finish_reason == "stop", (prompt, stop)
+        # Tokens up to the one that completed the stop string.
+        assert r.usage.completion_tokens == int(np.searchsorted(ends, boundary + 2)) + 1
+        chunks = [ch.choices[0].text for ch in c.completions.create(model=MODEL, prompt=prompt, max_tokens=40,
+                                                                   temperature=0, stop=stop, stream=True)]
+        assert "".join(chunks) == expect and not any(stop in ch for ch in chunks)
+        # The earliest of several stop strings wins.
+        later = ref.text[boundary + 4: boundary + 8]
+        if later and ref.text.find(later) > boundary:
+            r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stop=[later, stop])
+            assert r.choices[0].text == expect
+    _idle(srv)  # the stopped sequences were cancelled: their slots and pages are free
+
+
+# --- log-probabilities ---------------------------------------------------------------------------
+
+def _log_softmax_after(model, seq) -> np.ndarray:
+    """log_softmax of the model's logits for the token after `seq` ([vocab]), by the functional
+    API: one prefill into a fresh cache."""
+    cfg, params = model.config, model.params
+    tokens, lengths = rjax.pad_prompts([list(seq)])
+    logits, _ = rjax.prefill(cfg, params, rjax.init_cache(cfg, 1, CONFIG.max_len), jnp.asarray(tokens),
+                             jnp.asarray(lengths))
+    x = np.asarray(logits[0], np.float64)
+    return x - x.max() - np.log(np.exp(x - x.max()).sum())
+
+
+def test_completion_logprobs_are_log_softmax_of_the_logits(srv, model):
+    c = _client(srv)
+    tok = model.tokenizer
+    text = lambda t: tok.decode([int(t)], skip_special=False)  # noqa: E731
+    prompt = PROMPTS[2]
+    for temperature in (0.0, 1.0):  # raw log-probabilities, whatever the sampling settings
+        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=9, temperature=temperature, seed=3,
+                                 logprobs=5)
+        lp = r.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 9
+        assert "".join(lp.tokens) == r.choices[0].text
+        assert lp.text_offset == [int(x) for x in np.cumsum([0] + [len(t) for t in lp.tokens[:-1]])]
+        seq = tok.encode(prompt)
+        for i in range(9):
+            ref = _log_softmax_after(model, seq)
+            top = np.argsort(-ref, kind="stable")[:5]
+            expect = {}
+            for t in top:  # keyed by text: of ids that read alike, the most likely stands
+                expect.setdefault(text(t), ref[t])
+            assert list(lp.top_logprobs[i]) == list(expect)
+            np.testing.assert_allclose(list(lp.top_logprobs[i].values()), list(expect.values()), atol=2e-4)
+            # The chosen id: the one with this text and this log-probability.
+            chosen = [t for t in np.flatnonzero(np.abs(ref - lp.token_logprobs[i]) < 2e-4) if text(t) == lp.tokens[i]]
+            assert chosen, (temperature, i, lp.tokens[i])
+            if temperature == 0:
+                assert chosen[0] == top[0]
+            seq.append(int(chosen[0]))
+    _idle(srv)
+
+
+def test_chat_logprobs_and_top_logprobs(srv, model):
+    c = _client(srv)
+    tok = model.tokenizer
+    messages = [{"role": "user", "content": "2+2="}]
+    r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                  top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 6 and "".join(e.token for e in content) == r.choices[0].message.content
+    prompt = tok.encode_chat(messages)
+    ref = rjax.generate(model, "2+2=", max_new_tokens=6)
+    for i, e in enumerate(content):
+        ref_lp = _log_softmax_after(model, prompt + ref.tokens[:i])
+        assert e.token == tok.decode([ref.tokens[i]], skip_special=False)
+        assert e.logprob == pytest.approx(ref_lp[ref.tokens[i]], abs=2e-4)
+        assert bytes(e.bytes).decode("utf-8") == e.token
+        top = np.argsort(-ref_lp, kind="stable")[:3]
+        assert [t.token for t in e.top_logprobs] == [tok.decode([int(t)], skip_special=False) for t in top]
+        np.testing.assert_allclose([t.logprob for t in e.top_logprobs], ref_lp[top], atol=2e-4)
+    # Streaming gives the same entries, and no logprobs when not asked for.
+    streamed = [e for ch in c.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                                       logprobs=True, top_logprobs=3, stream=True)
+                if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in content]
+    assert c.chat.completions.create(model=MODEL, messages=messages, max_tokens=3).choices[0].logprobs is None
+    _idle(srv)
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+def test_bad_requests_get_400_with_the_openai_error_body(srv):
+    url = f"{srv.url}/v1/completions"
+    good = dict(model=MODEL, prompt="hi", max_tokens=4)
+    e = _error(httpx.post(url, content=b"{not json", headers={"Content-Type": "application/json"}), 400,
+               code="invalid_json")
+    assert e["type"] == "invalid_request_error"
+    _error(httpx.post(url, json=dict(good, model="gpt-4")), 400, param="model", code="model_not_found")
+    _error(httpx.post(url, json=dict(good, temperature=3)), 400, param="temperature")
+    _error(httpx.post(url, json=dict(good, top_p=0)), 400, param="top_p")
+    _error(httpx.post(url, json=dict(good, n=0)), 400, param="n")
+    _error(httpx.post(url, json=dict(good, max_tokens=0)), 400, param="max_tokens")
+    _error(httpx.post(url, json=dict(good, stop=["a", "b", "c", "d", "e"])), 400, param="stop")
+    _error(httpx.post(url, json=dict(good, stop="")), 400, param="stop")
+    _error(httpx.post(url, json=dict(good, logprobs=21)), 400, param="logprobs")
+    _error(httpx.post(url, json=dict(good, presence_penalty=0.5)), 400, param="presence_penalty")
+    _error(httpx.post(url, json=dict(good, frobnicate=1)), 400, param="frobnicate", code="unknown_parameter")
+    _error(httpx.post(url, json=dict(good, prompt="x" * 64)), 400, param="prompt", code="context_length_exceeded")
+    _error(httpx.post(url, json=dict(good, prompt="x" * 10, max_tokens=60)), 400, param="max_tokens",
+           code="context_length_exceeded")
+    _error(httpx.post(url, json=dict(good, prompt=[1, 2, 100000])), 400, param="prompt")
+    _error(httpx.post(url, json=dict(good, prompt=[])), 400, param="prompt")
+    _error(httpx.post(url, json=[1, 2]), 400)
+    chat = f"{srv.url}/v1/chat/completions"
+    _error(httpx.post(chat, json=dict(model=MODEL, messages=[])), 400, param="messages")
+    _error(httpx.post(chat, json=dict(model=MODEL, messages=[{"role": "wizard", "content": "hi"}])), 400,
+           param="messages")
+    _error(httpx.post(chat, json=dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], top_logprobs=2)),
+           400)
+    _error(httpx.post(chat, json=dict(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                      tools=[{"type": "function"}])), 400, param="tools")
+    _error(httpx.get(f"{srv.url}/v1/nowhere"), 404)
+    with pytest.raises(openai.BadRequestError) as e:
+        _client(srv).completions.create(model=MODEL, prompt="hi", temperature=-1)
+    assert e.value.status_code == 400 and e.value.body["param"] == "temperature"
+    _idle(srv)  # nothing was queued
+
+
+def test_api_key(strict):
+    strict.setup_gate.set()
+    _wait(lambda: httpx.get(f"{strict.url}/health").status_code == 200, "the second server's setup")
+    url = f"{strict.url}/v1/models"
+    _error(httpx.get(url), 401, code="invalid_api_key")
+    _error(httpx.get(url, headers={"Authorization": "Bearer wrong"}), 401, code="invalid_api_key")
+    _error(httpx.post(f"{strict.url}/v1/completions", json=dict(model=MODEL, prompt="hi"),
+                      headers={"Authorization": "Basic " + API_KEY}), 401)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{strict.url}/v1", api_key="wrong", max_retries=0).models.list()
+    assert _client(strict).completions.create(model=MODEL, prompt="hi", max_tokens=3).usage.completion_tokens == 3
+    # Health and metrics stay open to probes.
+    assert httpx.get(f"{strict.url}/health").status_code == 200
+    assert httpx.get(f"{strict.url}/metrics").status_code == 200
+
+
+def test_a_full_queue_gets_429_with_retry_after(strict):
+    strict.setup_gate.set()
+    _wait(lambda: httpx.get(f"{strict.url}/health").status_code == 200, "the second server's setup")
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    strict.gate.clear()  # the engine holds still: accepted sequences wait
+    try:
+        first = {}
+        t = threading.Thread(target=lambda: first.setdefault("r", httpx.post(
+            f"{strict.url}/v1/completions", json=dict(model=MODEL, prompt="hi", max_tokens=4, n=2), headers=headers,
+            timeout=120)))
+        t.start()
+        _wait(lambda: strict.loop.n_waiting == 2, "two sequences in the queue")
+        r = httpx.post(f"{strict.url}/v1/completions", json=dict(model=MODEL, prompt="hi", max_tokens=4),
+                       headers=headers)
+        e = _error(r, 429, code="queue_full")
+        assert r.headers["retry-after"] == "1" and "--max-queued" in e["message"]
+        with pytest.raises(openai.RateLimitError):
+            _client(strict).completions.create(model=MODEL, prompt="x", max_tokens=2)
+    finally:
+        strict.gate.set()
+    t.join(120)
+    assert first["r"].status_code == 200 and len(first["r"].json()["choices"]) == 2
+    _idle(strict)
+
+
+# --- clients that leave, failures ----------------------------------------------------------------
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot_and_pages(srv):
+    before = _cancelled(srv)
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{srv.url}/v1/completions",
+                           json=dict(model=MODEL, prompt="hello", max_tokens=50, temperature=0, stream=True)) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
+            srv.gate.clear()  # hold the engine so the sequence cannot finish by itself meanwhile
+            eng = srv.engines[-1]
+            assert eng.n_running == 1 and eng.pages_in_use > 0
+    # The connection is closed; the server notices, cancels, and the engine frees the slot.
+    time.sleep(0.5)
+    srv.gate.set()
+    _idle(srv)
+    assert _cancelled(srv) == before + 1
+    # A non-streaming request whose client gives up is cancelled too.
+    srv.gate.clear()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{srv.url}/v1/chat/completions", timeout=0.5,
+                   json=dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=40, temperature=0))
+    time.sleep(0.5)
+    srv.gate.set()
+    _idle(srv)
+    assert _cancelled(srv) == before + 2
+
+
+def test_a_failing_step_fails_its_requests_and_the_server_goes_on(srv, model):
+    c = _client(srv)
+    srv.fail_next.set()
+    with pytest.raises(openai.InternalServerError) as e:
+        c.completions.create(model=MODEL, prompt="hi", max_tokens=4)
+    assert "injected failure" in e.value.message and e.value.body["type"] == "server_error"
+    # The stream's status line has gone out: the error arrives as its last event.
+    srv.fail_next.set()
+    r = httpx.post(f"{srv.url}/v1/completions", json=dict(model=MODEL, prompt="hi", max_tokens=4, stream=True))
+    assert "injected failure" in _sse_events(r.text)[-1]["error"]["message"]
+    ref = rjax.generate(model, PROMPTS[0], raw=True, max_new_tokens=6).text
+    assert c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0).choices[0].text == ref
+    _idle(srv)
+
+
+def test_metrics(srv):
+    _client(srv).completions.create(model=MODEL, prompt="hi", max_tokens=5, temperature=0)
+    text = httpx.get(f"{srv.url}/metrics").text
+
+    def value(name):
+        m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+        assert m, name
+        return float(m.group(1))
+
+    assert value("rjax_requests_running") == 0 and value("rjax_requests_queued") == 0
+    assert value("rjax_kv_pages_in_use") == 0 and value("rjax_kv_pages_total") == CONFIG.pool_pages
+    assert value("rjax_prompt_tokens_total") >= 2 and value("rjax_generation_tokens_total") >= 5
+    assert value("rjax_time_to_first_token_seconds_count") >= 1
+    assert value("rjax_inter_token_latency_seconds_count") >= 4
+    assert value('rjax_requests_finished_total{finish_reason="length"}') >= 1
+    assert value('rjax_http_requests_total{route="/v1/completions",status="200"}') >= 1
+    assert "rjax_free_slots" in text
