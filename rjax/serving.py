@@ -385,9 +385,9 @@ class ServingEngine:
         return [(p, t) for p in counts for t in lengths if p == 1 or p * t <= c.max_prefill_tokens]
 
     def precompile(self, prompt_lengths: Sequence[int] | None = None, workers: int | None = None,
-                   progress: bool = False, logprobs: bool = True):
+                   progress: bool = False, logprobs: bool = False):
         """Compile the programs `step` calls (the decode dispatch, also its log-probability
-        variant unless `logprobs` is False, and every prefill shape of
+        variant with `logprobs`, and every prefill shape of
         `prefill_shapes(prompt_lengths)`) concurrently, before any request: a server pays its
         compile time at start-up rather than on its first requests. -> rjax.precompile.CompileReport."""
         from rjax.precompile import Program, compile_programs

@@ -117,7 +117,7 @@ class EngineLoop:
             self.setup = self._setup_fn()
             self.engine = self.setup.make_engine()
             if self.setup.precompile:
-                report = self.engine.precompile()
+                report = self.engine.precompile(logprobs=True)
                 log.info("compiled %d programs in %.1f s", len(report.compile_s), report.total_s)
         except Exception as e:  # the server stays up to say why on /health
             self.error = f"{type(e).__name__}: {e}"
