@@ -131,7 +131,7 @@ def plan_for(cfg: ModelConfig, params, batch: int, tokens: int, dtype, *, paged:
             attention = "rope_attention"
         else:
             attention = "rope_append"
-        attn_out_int8 = (attention == "rope_attention" and cfg.head_dim % 32 == 0
+        attn_out_int8 = (attention == "rope_attention" and tuning.quantized_attention_out and cfg.head_dim % 32 == 0
                          and qm.runs_int8_gemv(p.wo, rows, dtype, **kw))
         ffn_in = _ffn_weights(p)
         ffn_norm = _norm_into(p.wo, p.post_attn_norm, ffn_in, rows, dtype, kw)

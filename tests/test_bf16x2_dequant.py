@@ -81,8 +81,7 @@ def test_dispatch_takes_bf16x2_for_q4_k_in_the_gpu_layout():
     assert gemv.bf16x2_config(random_qtensor(QType.Q8_0, 64, 512), 16, jnp.bfloat16) is None
     assert gemv.bf16x2_config(random_qtensor(QType.Q4_1, 64, 512), 8, jnp.bfloat16).dequant == "bf16x2"
     assert gemv.bf16x2_config(random_qtensor(QType.Q4_1, 64, 512), 1, jnp.bfloat16) is None  # CUDA-core tiles
-    with mock.patch.object(gemv, "BF16X2_MAX_M", 0):
-        assert gemv.bf16x2_config(gpu_w, 16, jnp.bfloat16) is None
+    assert gemv.bf16x2_config(gpu_w, 16, jnp.bfloat16, gemv.TUNING.replace(bf16x2_max_m=0)) is None
     x = _x(16, 512, seed=2)
     assert _rel(qmatmul(x, gpu_w, implementation="interpret"), _oracle(x, w)) < BF16_TOL
 

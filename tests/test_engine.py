@@ -6,7 +6,6 @@ test_llama_oracle.py.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 
 import jax
@@ -21,8 +20,8 @@ from rjax import engine
 from rjax.cache import init_cache
 from rjax.generation import PromptTooLongError, check_prompt_lengths
 from rjax.loaders.gguf import ModelFileError, load_gguf
-from rjax.quant.formats import TensorFormatError
-from rjax.quant.qtensor import QTensor
+from gguf_blocks.formats import TensorFormatError
+from gguf_blocks.qtensor import QTensor
 from rjax.sampling import SamplingParams
 
 
@@ -246,8 +245,8 @@ def test_gpu_weight_layout_gives_the_same_logits(model, request):
     `gpu_weight_layout` re-encodes Q4_K scales and views quant planes as words. No logit
     changes beyond float32 summation order."""
     from rjax.loaders.gguf import load_gguf
-    from rjax.model import fuse_projections, gpu_weight_layout
-    from rjax.quant.formats import Q4_KChunks
+    from rjax.layout import fuse_projections, gpu_weight_layout
+    from gguf_blocks.formats import Q4_KChunks
 
     cfg, params, _ = load_gguf(request.getfixturevalue(model), progress=False)
     fused = gpu_weight_layout(fuse_projections(params))
@@ -272,16 +271,33 @@ def test_gpu_weight_layout_gives_the_same_logits(model, request):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(np.abs(a).max()))
 
 
+def _decode_logits_with(cfg, params, ids, nxt, tuning, max_len=512):
+    """Logits of one decode step (tokens nxt) after prefilling ids, every kernel choice planned
+    from `tuning`, bfloat16 on this backend."""
+    from rjax.model import forward
+    from rjax.plan import plan_for
+
+    run = jax.jit(forward, static_argnames=("cfg", "dtype", "plan"))
+    t, l = engine.pad_prompts(ids)
+    B, T = t.shape
+    pos = jnp.where(jnp.arange(T)[None] < jnp.asarray(l)[:, None], jnp.arange(T)[None], -1)
+    cache = init_cache(cfg, B, max_len, dtype=jnp.bfloat16)
+    plan = plan_for(cfg, params, B, T, jnp.bfloat16, tuning=tuning)
+    _, cache = run(cfg, params, cache, jnp.asarray(t), pos, dtype=jnp.bfloat16, plan=plan)
+    cache = cache.advance(None, jnp.asarray(l))
+    plan = plan_for(cfg, params, B, 1, jnp.bfloat16, tuning=tuning)
+    logits, _ = run(cfg, params, cache, jnp.asarray(nxt, jnp.int32)[:, None], cache.lengths[:, None],
+                    dtype=jnp.bfloat16, plan=plan)
+    return np.asarray(logits[:, 0], np.float32)
+
+
 @pytest.mark.gpu
 def test_gpu_int8_decode_paths_agree(tmp_path):
     """Batch-1 decode on the GPU, llama-1b layers in Q4_K: activations rounded to int8 by the
     attention kernel and by the output and down products' kernels with the norm pending (the
-    default; also with the GLU applied by the gate/up product's kernel), by the RMS-norm and
-    GLU kernels (QuantizedX), by the int8 kernel itself, or not at all (float kernel) give the
-    same logits up to the int8 rounding of the activations."""
-    import unittest.mock as mock
-
-    from pallas_kernels.quant_matmul import gemv
+    default), by the RMS-norm and GLU kernels (QuantizedX), by the int8 kernel itself, or not
+    at all (float kernel) give the same logits up to the int8 rounding of the activations."""
+    from pallas_kernels.quant_matmul import TUNING
     from rjax.synth import write_synthetic
 
     path = write_synthetic(tmp_path / "l1b.gguf", "llama-1b", "q4_k", seed=1, n_layers=2, vocab_size=512,
@@ -289,27 +305,18 @@ def test_gpu_int8_decode_paths_agree(tmp_path):
     model = rjax.load(path, progress=False)
     cfg, params = model.config, model.params
     ids = _prompts(2, [7], cfg.vocab_size)
-    t, l = engine.pad_prompts(ids)
-    variants = {"add_norm": dict(INT8_PRODUCER_MIN_VALUES={}),
-                "glu_in_product": dict(INT8_PRODUCER_MIN_VALUES={}, GLU_MAX_M=1),
-                "bf16_attention_out": dict(INT8_PRODUCER_MIN_VALUES={}, QUANTIZED_ATTENTION_OUT=0),
-                "producer": dict(INT8_PRODUCER_MIN_VALUES={}, ADD_NORM_MAX_M=0, QUANTIZED_ATTENTION_OUT=0),
-                "in_kernel": dict(INT8_PRODUCER_MIN_VALUES=collections.defaultdict(lambda: 2**62)),
-                "float": dict(INT8_MAX_M={})}
-    out = {}
-    for name, patch in variants.items():
-        jax.clear_caches()
-        with mock.patch.multiple(gemv, **patch):
-            cache = init_cache(cfg, 1, 512, dtype=jnp.bfloat16)  # long enough for merged attention splits
-            _, cache = engine.prefill(cfg, params, cache, jnp.asarray(t), jnp.asarray(l))
-            logits, _ = engine.decode_step(cfg, params, cache, jnp.asarray([3], jnp.int32))
-            out[name] = np.asarray(logits, np.float32)
-    jax.clear_caches()
+    never = {t: 2**62 for t, _ in TUNING.int8_producer_min_values}
+    variants = {"add_norm": TUNING.replace(int8_producer_min_values=()),
+                "bf16_attention_out": TUNING.replace(int8_producer_min_values=(), quantized_attention_out=False),
+                "producer": TUNING.replace(int8_producer_min_values=(), add_norm_max_m=0,
+                                           quantized_attention_out=False),
+                "in_kernel": TUNING.replace(int8_producer_min_values=never),
+                "float": TUNING.replace(int8_max_m=())}
+    out = {name: _decode_logits_with(cfg, params, ids, [3], tuning) for name, tuning in variants.items()}
     scale = float(np.abs(out["float"]).max())
     np.testing.assert_allclose(out["producer"], out["in_kernel"], rtol=0, atol=2e-2 * scale)
     np.testing.assert_allclose(out["add_norm"], out["producer"], rtol=0, atol=2e-2 * scale)
     np.testing.assert_allclose(out["add_norm"], out["bf16_attention_out"], rtol=0, atol=2e-2 * scale)
-    np.testing.assert_allclose(out["add_norm"], out["glu_in_product"], rtol=0, atol=2e-2 * scale)
     np.testing.assert_allclose(out["producer"], out["float"], rtol=0, atol=5e-2 * scale)
 
 
@@ -319,27 +326,18 @@ def test_gpu_float_decode_paths_agree(tmp_path):
     the norms between layers left to the next product (PendingNorm) and the GLU to the down
     product (GatedX), the defaults, against either or both off: the same logits up to bf16
     rounding."""
-    import unittest.mock as mock
-
-    from pallas_kernels.quant_matmul import gemv
+    from pallas_kernels.quant_matmul import TUNING
     from rjax.synth import write_synthetic
 
     path = write_synthetic(tmp_path / "sm.gguf", "smollm2-135m", "q4_1", seed=3, n_layers=3, vocab_size=512,
                            tokenizer_from="builtin")
     model = rjax.load(path, progress=False)
     cfg, params = model.config, model.params
-    t, l = engine.pad_prompts(_prompts(3, [9], cfg.vocab_size))
-    variants = {"default": dict(PENDING_NORM_MAX_M=1, GATED_X_MAX_M=1), "no_pending": dict(PENDING_NORM_MAX_M=0),
-                "no_gated": dict(GATED_X_MAX_M=0), "neither": dict(PENDING_NORM_MAX_M=0, GATED_X_MAX_M=0)}
-    out = {}
-    for name, patch in variants.items():
-        jax.clear_caches()
-        with mock.patch.multiple(gemv, **patch):
-            cache = init_cache(cfg, 1, 512, dtype=jnp.bfloat16)
-            _, cache = engine.prefill(cfg, params, cache, jnp.asarray(t), jnp.asarray(l))
-            logits, _ = engine.decode_step(cfg, params, cache, jnp.asarray([3], jnp.int32))
-            out[name] = np.asarray(logits, np.float32)
-    jax.clear_caches()
+    ids = _prompts(3, [9], cfg.vocab_size)
+    variants = {"default": TUNING, "no_pending": TUNING.replace(pending_norm_max_m=0),
+                "no_gated": TUNING.replace(gated_x_max_m=0),
+                "neither": TUNING.replace(pending_norm_max_m=0, gated_x_max_m=0)}
+    out = {name: _decode_logits_with(cfg, params, ids, [3], tuning) for name, tuning in variants.items()}
     scale = float(np.abs(out["neither"]).max())
     for name in ("default", "no_pending", "no_gated"):
         np.testing.assert_allclose(out[name], out["neither"], rtol=0, atol=2e-2 * scale, err_msg=name)

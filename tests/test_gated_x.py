@@ -78,35 +78,6 @@ def test_qmatmul_takes_it_on_every_path():
     assert not takes_gated_x(w, 1, jnp.bfloat16)  # the CPU backend: never
 
 
-def test_model_ffn_takes_it_when_dispatched(tmp_path, monkeypatch):
-    from rjax import engine
-    from rjax.bench import load_for_bench
-    from rjax.cache import init_cache
-    from rjax.layout import fuse_projections
-    from rjax.synth import write_synthetic
-
-    path = write_synthetic(tmp_path / "m.gguf", "smollm2-135m", "q4_1", n_layers=2, vocab_size=512,
-                           tokenizer_from="builtin")
-    cfg, params, _ = load_for_bench(path, progress=False)
-    params = fuse_projections(params)  # the path needs the stacked gate/up weight
-    seen = []
-
-    def run(gated: bool):
-        monkeypatch.setattr("pallas_kernels.quant_matmul.takes_gated_x",
-                            lambda w, rows, dtype: gated and (seen.append(rows) or True))
-        jax.clear_caches()  # the dispatch is read at trace time
-        cache = init_cache(cfg, 2, 64)
-        _, cache = engine.prefill(cfg, params, cache, jnp.asarray([[5, 6, 7, 8], [9, 10, 0, 0]]),
-                                  jnp.asarray([4, 2]))
-        return engine.decode_step(cfg, params, cache, jnp.asarray([3, 4], jnp.int32))
-
-    want = run(False)
-    got = run(True)
-    assert seen, "the FFN did not take the GatedX path"
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
-
-
 @pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_1], ids=lambda t: t.name)
 def test_both_kernels_lower_to_triton_for_h100(qtype):
     import unittest.mock as mock
@@ -162,8 +133,9 @@ def test_dispatch_takes_it_on_the_float_kernels_cuda_core_tiles():
 
     from pallas_kernels.quant_matmul import gemv
 
-    with mock.patch.object(jax, "default_backend", lambda: "gpu"), mock.patch.object(gemv, "GATED_X_MAX_M", 1):
-        assert takes_gated_x(_w(QType.Q4_1, 576, 1536, 0), 1, jnp.bfloat16)
-        assert not takes_gated_x(_w(QType.Q4_1, 576, 1536, 0), 2, jnp.bfloat16)
-        assert not takes_gated_x(_w(QType.Q4_K, 2048, 8192, 0), 1, jnp.bfloat16)
-        assert not takes_gated_x(_w(QType.Q6_K, 2048, 8192, 0), 1, jnp.bfloat16)
+    assert takes_gated_x(_w(QType.Q4_1, 576, 1536, 0), 1, jnp.bfloat16, gpu=True)
+    assert not takes_gated_x(_w(QType.Q4_1, 576, 1536, 0), 2, jnp.bfloat16, gpu=True)
+    assert not takes_gated_x(_w(QType.Q4_K, 2048, 8192, 0), 1, jnp.bfloat16, gpu=True)
+    assert not takes_gated_x(_w(QType.Q6_K, 2048, 8192, 0), 1, jnp.bfloat16, gpu=True)
+    assert not takes_gated_x(_w(QType.Q4_1, 576, 1536, 0), 1, jnp.bfloat16, gpu=True,
+                             tuning=gemv.TUNING.replace(gated_x_max_m=0))

@@ -66,9 +66,9 @@ def test_products_take_quantized_x():
     w = jax.tree.map(jnp.asarray, random_qtensor(QType.Q8_0, 24, 128, seed=5))
     x = _x((1, 128), seed=6)
     xq = quantize(x, implementation="reference")
-    with mock.patch.dict(gemv.INT8_MIN_VALUES, {QType.Q8_0: 0}):
-        from_q = qmatmul(xq, w, implementation="interpret")
-        from_x = qmatmul(x, w, implementation="interpret")
+    tuning = gemv.TUNING.replace(int8_min_values={QType.Q8_0: 0})
+    from_q = qmatmul(xq, w, implementation="interpret", tuning=tuning)
+    from_x = qmatmul(x, w, implementation="interpret", tuning=tuning)
     np.testing.assert_array_equal(np.asarray(from_q), np.asarray(from_x))
     assert from_q.dtype == jnp.bfloat16
     wd = gguf.quants.dequantize(raw_bytes(w), w.qtype).reshape(w.shape).astype(np.float64)

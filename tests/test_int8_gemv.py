@@ -21,7 +21,7 @@ from pallas_kernels.quant_matmul import gemv, int8_gemv, qmatmul
 from pallas_kernels.quant_matmul.int8_gemv import (Int8GemvConfig, as_words, dequantize_x, dp4a,
                                                    quantize_x)
 from pallas_kernels.quant_matmul.testing import dequantized_product, random_qtensor, rel_error
-from rjax.quant.reference import q4_k_chunks
+from gguf_blocks.reference import q4_k_chunks
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 TYPES = list(int8_gemv.FORMATS)
@@ -145,8 +145,8 @@ def test_qmatmul_routes_to_int8_kernel():
     """With the size threshold lowered, the public entry takes the int8 kernel for bf16 decode."""
     w = jax.tree.map(jnp.asarray, random_qtensor(QType.Q8_0, 24, 128, seed=5))
     x = _x(1, 128, seed=6)
-    with mock.patch.dict(gemv.INT8_MIN_VALUES, {QType.Q8_0: 0}):
-        out = qmatmul(x, w, implementation="interpret")
+    tuning = gemv.TUNING.replace(int8_min_values={QType.Q8_0: 0})
+    out = qmatmul(x, w, implementation="interpret", tuning=tuning)
     want = int8_gemv.int8_gemv(x, w, gemv.default_int8_config(QType.Q8_0, 1, 24, 128), interpret=True)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
 

@@ -107,50 +107,15 @@ def test_refusals(cfg, kw, match):
 def test_dispatch():
     """On a GPU backend: smollm2's Q4_1 products at one row (the float kernel's CUDA-core
     tiles) yes; two rows, a product on the int8 GEMV, or the switch off, no."""
-    with mock.patch.object(jax, "default_backend", lambda: "gpu"):
-        for n, k in ((960, 576), (3072, 576)):
-            assert takes_pending_norm(_w(QType.Q4_1, n, k), 1, jnp.bfloat16)
-            assert not takes_pending_norm(_w(QType.Q4_1, n, k), 2, jnp.bfloat16)
-        assert not takes_pending_norm(_w(QType.Q4_K, 2048, 2048), 1, jnp.bfloat16)    # int8 GEMV
-        assert not takes_pending_norm(_w(QType.Q6_K, 1024, 1024), 1, jnp.bfloat16)    # wgmma from one row
-        assert not takes_pending_norm(jnp.zeros((64, 64)), 1, jnp.bfloat16)           # dense
-        with mock.patch.object(gemv, "PENDING_NORM_MAX_M", 0):
-            assert not takes_pending_norm(_w(QType.Q4_1, 960, 576), 1, jnp.bfloat16)
-    assert not takes_pending_norm(_w(QType.Q4_1, 960, 576), 1, jnp.bfloat16)         # the CPU backend
-
-
-def test_model_decodes_the_same_logits(tmp_path, monkeypatch):
-    """A smollm2-shaped Q4_1 model, prefill then one decode step, with the norms between its
-    layers left to the q/k/v and gate/up products' kernel (interpreted) against without."""
-    from rjax import engine
-    from rjax.bench import load_for_bench
-    from rjax.cache import init_cache
-    from rjax.model import fuse_projections
-    from rjax.synth import write_synthetic
-
-    path = write_synthetic(tmp_path / "m.gguf", "smollm2-135m", "q4_1", n_layers=2, vocab_size=512,
-                           tokenizer_from="builtin")
-    cfg, params, _ = load_for_bench(path, progress=False)
-    params = fuse_projections(params)
-    seen = []
-    interpreted = functools.partial(quant_matmul.qmatmul_pending_norm, implementation="interpret")
-
-    def run(pending: bool):
-        monkeypatch.setattr("pallas_kernels.quant_matmul.takes_pending_norm",
-                            lambda w, rows, dtype: pending and rows == 1 and (seen.append(w.shape) or True))
-        monkeypatch.setattr("pallas_kernels.quant_matmul.qmatmul_pending_norm", interpreted)
-        jax.clear_caches()  # the dispatch is read at trace time
-        cache = init_cache(cfg, 1, 64)
-        _, cache = engine.prefill(cfg, params, cache, jnp.asarray([[5, 6, 7, 8]]), jnp.asarray([4]))
-        return engine.decode_step(cfg, params, cache, jnp.asarray([3], jnp.int32))
-
-    want = run(False)
-    got = run(True)
-    # Both layers' gate/up, and the second layer's q/k/v (the first layer's norm is a kernel).
-    assert sorted(set(seen)) == sorted({params.layers[0].wqkv.shape, params.layers[0].w_gate_up.shape})
-    assert len(seen) >= 3
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)
+    for n, k in ((960, 576), (3072, 576)):
+        assert takes_pending_norm(_w(QType.Q4_1, n, k), 1, jnp.bfloat16, gpu=True)
+        assert not takes_pending_norm(_w(QType.Q4_1, n, k), 2, jnp.bfloat16, gpu=True)
+    assert not takes_pending_norm(_w(QType.Q4_K, 2048, 2048), 1, jnp.bfloat16, gpu=True)    # int8 GEMV
+    assert not takes_pending_norm(_w(QType.Q6_K, 1024, 1024), 1, jnp.bfloat16, gpu=True)    # wgmma from one row
+    assert not takes_pending_norm(jnp.zeros((64, 64)), 1, jnp.bfloat16, gpu=True)           # dense
+    off = gemv.TUNING.replace(pending_norm_max_m=0)
+    assert not takes_pending_norm(_w(QType.Q4_1, 960, 576), 1, jnp.bfloat16, gpu=True, tuning=off)
+    assert not takes_pending_norm(_w(QType.Q4_1, 960, 576), 1, jnp.bfloat16, gpu=False)    # the CPU backend
 
 
 def test_lowers_to_triton_for_h100():
@@ -193,9 +158,8 @@ def test_on_gpu(qtype, n, k, n_parts):
 def test_pending_tiles():
     """The product's own CUDA-core tiles, with more weight rows per program where they would
     make more than PENDING_NORM_MAX_TILES programs (each of which loads x's whole row)."""
-    with mock.patch.object(jax, "default_backend", lambda: "gpu"):
-        assert gemv.pending_norm_config(_w(QType.Q4_1, 3072, 576), 1, jnp.bfloat16) == \
-            gemv.default_gemv_config(QType.Q4_1, 1, 3072, 576)
-        wide = gemv.pending_norm_config(_w(QType.Q4_0, 9728, 896), 1, jnp.bfloat16)   # qwen2.5-0.5b's gate/up
-        assert (wide.method, wide.block_n, wide.split_k) == ("fma", 16, 1)
-        assert gemv.pending_norm_config(_w(QType.Q4_K, 2048, 2048), 1, jnp.bfloat16) is None
+    assert gemv.pending_norm_config(_w(QType.Q4_1, 3072, 576), 1, jnp.bfloat16) == \
+        gemv.default_gemv_config(QType.Q4_1, 1, 3072, 576)
+    wide = gemv.pending_norm_config(_w(QType.Q4_0, 9728, 896), 1, jnp.bfloat16)   # qwen2.5-0.5b's gate/up
+    assert (wide.method, wide.block_n, wide.split_k) == ("fma", 16, 1)
+    assert gemv.pending_norm_config(_w(QType.Q4_K, 2048, 2048), 1, jnp.bfloat16) is None

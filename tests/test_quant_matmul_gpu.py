@@ -97,7 +97,7 @@ def test_int8_gemv_gpu(qtype, m):
         for prefetch in (False, True):
             out = int8_gemv(x, w, Int8GemvConfig(16, 2, split_k=2, prefetch=prefetch))
             assert _rel(out, _ref(dequantize_x(quantize_x(x)), w)) < 1e-6
-    if qtype in gemv.INT8_TILES and m <= gemv.INT8_MAX_M[qtype]:
+    if qtype in gemv.INT8_TILES and m <= gemv.Tuning.get(gemv.TUNING.int8_max_m, qtype, 0):
         n, k = (32768, 4096) if qtype == QType.Q6_K else (4096, 4096)  # Q6_K: the output layers' sizes only
         xb = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
         assert gemv.uses_int8(qtype, m, n, k, xb.dtype)
@@ -158,8 +158,8 @@ def test_wgmma_gpu(m, n, nb, bps, qtype):
         as_bytes = _dev(raw)
         assert w.planes.qs.dtype == jnp.int32 and as_bytes.planes.qs.dtype == jnp.int8
         np.testing.assert_array_equal(np.asarray(wg.wgmma_matmul(x, as_bytes, cfg, partials=True), np.float64), sums)
-    with mock.patch.dict(gemv.WGMMA_MIN_VALUES, dict.fromkeys(gemv.WGMMA_MIN_VALUES, 0)):   # through the dispatch, at these small sizes
-        if m < gemv.WGMMA_MIN_M[qtype]:
-            return
-        assert gemv.uses_wgmma(w, m, x, interpret=False)
-        assert _rel(qmatmul(x, w), dequantized_product(x, raw)) < 1e-2
+    tuning = gemv.TUNING.replace(wgmma_min_values={t: 0 for t, _ in gemv.TUNING.wgmma_min_values})  # these small sizes
+    if m < gemv.Tuning.get(tuning.wgmma_min_m, qtype):
+        return
+    assert gemv.uses_wgmma(w, m, x, interpret=False, tuning=tuning)
+    assert _rel(qmatmul(x, w, tuning=tuning), dequantized_product(x, raw)) < 1e-2

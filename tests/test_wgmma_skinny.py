@@ -131,31 +131,30 @@ def test_dispatch():
     raw, w = _weight(128, 512)
     x = _x(16, 512)
     assert not gemv.uses_wgmma(w, 16, x, interpret=False)      # under WGMMA_MIN_VALUES: the Triton kernel
-    with mock.patch.dict(gemv.WGMMA_MIN_VALUES, dict.fromkeys(gemv.WGMMA_MIN_VALUES, 0)):
-        assert gemv.uses_wgmma(w, 16, x, interpret=False)
-        assert gemv.decode_path(x, w) == "wgmma" and gemv.decode_path(x, w, interpret=True) == "float"
-        assert gemv.decode_path(x[:1], w) == "int8_gemv"
-        assert gemv.uses_wgmma(w, 64, _x(64, 512), interpret=False)
-        assert not gemv.uses_wgmma(w, 16, x, interpret=True)                              # no interpreter
-        assert not gemv.uses_wgmma(w, 1, x[:1], interpret=False)
-        assert not gemv.uses_wgmma(w, 16, x.astype(jnp.float32), interpret=False)          # exact f32 path
-        assert not gemv.uses_wgmma(jax.tree.map(jnp.asarray, raw), 16, x, interpret=False)  # the file's layout
-        assert not gemv.uses_wgmma(_weight(96, 512)[1], 16, x, interpret=False)             # N % 64
-        assert gemv.uses_wgmma(_weight(128, 512, qtype=QType.Q8_0)[1], 16, x, interpret=False)
-        q6_k = _weight(128, 512, qtype=QType.Q6_K)[1]
-        assert gemv.uses_wgmma(q6_k, 16, x, interpret=False) and gemv.uses_wgmma(q6_k, 1, x[:1], interpret=False)
-        assert not gemv.uses_wgmma(_weight(128, 512, qtype=QType.Q5_K)[1], 16, x, interpret=False)
-        for qtype in (QType.Q4_0, QType.Q4_1, QType.Q5_0):
-            assert gemv.uses_wgmma(_weight(128, 512, qtype=qtype)[1], 16, x, interpret=False)
-        q5_0 = _weight(128, 512, qtype=QType.Q5_0)[1]
-        assert gemv.decode_path(x[:1], q5_0) == "wgmma"                  # one row too, as Q6_K
-        assert gemv.decode_path(x[:1], _weight(128, 512, qtype=QType.Q4_0)[1]) == "float"
-        assert not gemv.uses_wgmma(_weight(128, 288, qtype=QType.Q8_0)[1], 16, _x(16, 288), interpret=False)  # K % 256
-        assert not gemv.uses_wgmma(w, 16, GatedX(jnp.concatenate([x, x], 1), "silu"), interpret=False)
-        with mock.patch.object(gemv, "WGMMA_MAX_M", 0):
-            assert not gemv.uses_wgmma(w, 16, x, interpret=False)
-        # in the interpreter the dispatch keeps the Triton kernel
-        assert rel_error(gemv.qmatmul_gemv(x, w, interpret=True), dequantized_product(x, raw)) < BF16_TOL
+    t = gemv.TUNING.replace(wgmma_min_values={q: 0 for q, _ in gemv.TUNING.wgmma_min_values})
+    assert gemv.uses_wgmma(w, 16, x, interpret=False, tuning=t)
+    assert gemv.decode_path(x, w, tuning=t) == "wgmma" and gemv.decode_path(x, w, interpret=True, tuning=t) == "float"
+    assert gemv.decode_path(x[:1], w, tuning=t) == "int8_gemv"
+    assert gemv.uses_wgmma(w, 64, _x(64, 512), interpret=False, tuning=t)
+    assert not gemv.uses_wgmma(w, 16, x, interpret=True, tuning=t)                              # no interpreter
+    assert not gemv.uses_wgmma(w, 1, x[:1], interpret=False, tuning=t)
+    assert not gemv.uses_wgmma(w, 16, x.astype(jnp.float32), interpret=False, tuning=t)          # exact f32 path
+    assert not gemv.uses_wgmma(jax.tree.map(jnp.asarray, raw), 16, x, interpret=False, tuning=t)  # the file's layout
+    assert not gemv.uses_wgmma(_weight(96, 512)[1], 16, x, interpret=False, tuning=t)             # N % 64
+    assert gemv.uses_wgmma(_weight(128, 512, qtype=QType.Q8_0)[1], 16, x, interpret=False, tuning=t)
+    q6_k = _weight(128, 512, qtype=QType.Q6_K)[1]
+    assert gemv.uses_wgmma(q6_k, 16, x, interpret=False, tuning=t) and gemv.uses_wgmma(q6_k, 1, x[:1], interpret=False, tuning=t)
+    assert not gemv.uses_wgmma(_weight(128, 512, qtype=QType.Q5_K)[1], 16, x, interpret=False, tuning=t)
+    for qtype in (QType.Q4_0, QType.Q4_1, QType.Q5_0):
+        assert gemv.uses_wgmma(_weight(128, 512, qtype=qtype)[1], 16, x, interpret=False, tuning=t)
+    q5_0 = _weight(128, 512, qtype=QType.Q5_0)[1]
+    assert gemv.decode_path(x[:1], q5_0, tuning=t) == "wgmma"                  # one row too, as Q6_K
+    assert gemv.decode_path(x[:1], _weight(128, 512, qtype=QType.Q4_0)[1], tuning=t) == "float"
+    assert not gemv.uses_wgmma(_weight(128, 288, qtype=QType.Q8_0)[1], 16, _x(16, 288), interpret=False, tuning=t)  # K % 256
+    assert not gemv.uses_wgmma(w, 16, GatedX(jnp.concatenate([x, x], 1), "silu"), interpret=False, tuning=t)
+    assert not gemv.uses_wgmma(w, 16, x, interpret=False, tuning=t.replace(wgmma_max_m=0))
+    # in the interpreter the dispatch keeps the Triton kernel
+    assert rel_error(gemv.qmatmul_gemv(x, w, interpret=True, tuning=t), dequantized_product(x, raw)) < BF16_TOL
     # the rule reads only the type, layout and shape: llama-8b's smallest product qualifies, llama-1b's QKV not
     assert gemv.uses_wgmma(dataclasses.replace(w, shape=(4096, 4096)), 16, _x(16, 4096), interpret=False)
     assert not gemv.uses_wgmma(dataclasses.replace(w, shape=(3072, 2048)), 16, _x(16, 2048), interpret=False)

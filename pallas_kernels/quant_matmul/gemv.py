@@ -113,6 +113,9 @@ class Tuning:
     # One-token decode steps of up to this many sequences run rotation, K/V append and
     # attention as one kernel (decode_rope_attention).
     fused_rope_max_rows: int = 256
+    # That kernel hands its output to an int8 output product rounded to int8, so that the
+    # product does not round it per program.
+    quantized_attention_out: bool = True
 
     @staticmethod
     def get(pairs: tuple, qtype: QType, default=None):

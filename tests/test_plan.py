@@ -1,0 +1,143 @@
+"""The fusion plan (rjax.plan) and the model following it, on the CPU.
+
+A GPU plan is built here from shapes alone (`gpu=True`), so every choice the GPU would make is
+checked without one: the exact GPU program is traced (`jax.eval_shape`, Pallas kernels
+included, nothing lowered) for every catalog architecture, every quant mix `rjax synth`
+writes, batch rows 1..64, contiguous and paged caches, cache rows given or not; and the GPU
+plan is run with the references, and with the kernels in Pallas' interpreter, against the
+CPU plan's float32 logits.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rjax
+from pallas_kernels.quant_matmul import TUNING
+from rjax.cache import init_cache
+from rjax.model import forward
+from rjax.paged_cache import init_paged_cache
+from rjax.plan import plan_for
+from rjax.synth import write_synthetic
+
+SHAPES = ("smollm2-135m", "llama-1b", "qwen2.5-1.5b", "gemma3-1b")
+MIXES = ("q4_k", "q4_k_m", "q8_0", "q4_0", "q4_1", "f16")
+# (sequences, tokens each): decode at 1..64 rows, prefill chunks
+CALLS = ((1, 1), (2, 1), (5, 1), (16, 1), (64, 1), (1, 16), (4, 16))
+MAX_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def gpu_models(tmp_path_factory):
+    """Two-layer synthetic models in the layout a GPU load gives (stacked products, GPU planes)."""
+    d = tmp_path_factory.mktemp("plan")
+    cache = {}
+
+    def get(shape, mix):
+        if (shape, mix) not in cache:
+            path = write_synthetic(d / f"{shape}-{mix}.gguf", shape, mix, seed=1, n_layers=2, vocab_size=512,
+                                   tokenizer_from="builtin")
+            cache[shape, mix] = rjax.load(path, progress=False, fuse=True, gpu_layout=True)
+        return cache[shape, mix]
+    return get
+
+
+def _cache(cfg, batch, paged: bool, dtype):
+    if paged:
+        c = init_paged_cache(cfg, batch, batch * MAX_LEN // 16, 16, MAX_LEN, dtype)
+        tables = jnp.arange(batch * MAX_LEN // 16, dtype=jnp.int32).reshape(batch, MAX_LEN // 16)
+        return type(c)(c.k, c.v, tables, c.lengths)
+    return init_cache(cfg, batch, MAX_LEN, dtype)
+
+
+def _inputs(batch, tokens, offset=0):
+    ids = (jnp.arange(batch * tokens, dtype=jnp.int32).reshape(batch, tokens) * 7 + 3) % 500
+    pos = jnp.broadcast_to(jnp.arange(tokens, dtype=jnp.int32) + offset, (batch, tokens))
+    return ids, pos
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gpu_program_traces_for_every_path(gpu_models, shape):
+    """The GPU program of every call shape, cache kind and quant mix traces, with the logits'
+    shape: no shape or type error between the fused ops (the class of a list-of-one prompt
+    through a paged cache at one row, which once lost its residual)."""
+    for mix in MIXES:
+        model = gpu_models(shape, mix)
+        cfg, params = model.config, model.params
+        for batch, tokens in CALLS:
+            for paged, slots in ((False, None), (False, jnp.arange(batch)), (True, jnp.arange(batch))):
+                plan = plan_for(cfg, params, batch, tokens, jnp.bfloat16, paged=paged, slots=slots is not None,
+                                gpu=True, implementation="pallas")
+                ids, pos = _inputs(batch, tokens)
+                out = jax.eval_shape(lambda p, c, t, q, s: forward(cfg, p, c, t, q, s, jnp.bfloat16, plan), params,
+                                     _cache(cfg, batch, paged, jnp.bfloat16), ids, pos, slots)
+                assert out[0].shape == (batch, tokens, cfg.vocab_size), (mix, batch, tokens, paged)
+
+
+def test_plan_choices(gpu_models):
+    """The measured choices, as the plan states them: smollm2's Q4_1 layers at one row leave the
+    norms to the next product and the GLU to the down product; llama's Q4_K layers do the add +
+    norm in the int8 products and hand attention's output over in int8; batched, Q4_K goes to
+    the wgmma kernel; a paged cache or a CPU plan defers nothing."""
+    sm = gpu_models("smollm2-135m", "q4_1")
+    p = plan_for(sm.config, sm.params, 1, 1, jnp.bfloat16, gpu=True)
+    assert p.layers[0].ffn_norm == "pending" and p.layers[0].glu == "down" and p.layers[0].out_norm == "pending"
+    assert p.layers[-1].out_norm == "norm" and p.layers[0].attention == "rope_attention"
+    paged = plan_for(sm.config, sm.params, 1, 1, jnp.bfloat16, gpu=True, paged=True, slots=True)
+    assert paged.layers[0].out_norm == "norm" and paged.layers[0].attention == "xla"
+    assert paged.layers[0].ffn_norm == "pending"
+    l1 = gpu_models("llama-1b", "q4_k")
+    p = plan_for(l1.config, l1.params, 1, 1, jnp.bfloat16, gpu=True)
+    assert (p.first_norm, p.layers[0].ffn_norm, p.layers[0].glu) == ("norm_int8", "product", "int8")
+    assert p.layers[0].attn_out_int8 and p.layers[0].o == "int8_gemv"
+    p16 = plan_for(l1.config, l1.params, 16, 1, jnp.bfloat16, gpu=True)
+    assert p16.layers[0].gate_up == "wgmma" and p16.layers[0].ffn_norm == "norm"
+    cpu = plan_for(l1.config, l1.params, 1, 1, jnp.float32, gpu=False)
+    assert {lp.ffn_norm for lp in cpu.layers} == {"norm"} and cpu.layers[0].o == "reference"
+    off = plan_for(sm.config, sm.params, 1, 1, jnp.bfloat16, gpu=True,
+                   tuning=TUNING.replace(pending_norm_max_m=0, gated_x_max_m=0))
+    assert off.layers[0].ffn_norm == "norm" and off.layers[0].glu == "xla"
+    text = str(p)
+    assert "int8_gemv" in text and "rope_attention+int8" in text and text.count("\n") == 3   # header + 2 layers
+
+
+def _prefill_then_decode(cfg, params, plan_kw, paged: bool, dtype):
+    """Logits of a 5-token prefill and two decode steps through one slot, each call planned with
+    plan_kw; paged: through a paged cache with cache rows given, as the serving engine runs."""
+    run = jax.jit(forward, static_argnames=("cfg", "dtype", "plan"))
+    cache = _cache(cfg, 1, paged, dtype)
+    slots = jnp.arange(1) if paged else None
+    outs = []
+    ids, pos = _inputs(1, 5)
+    for t in range(3):
+        if t:
+            ids, pos = jnp.asarray([[11 * t + 1]], jnp.int32), jnp.asarray([[4 + t]], jnp.int32)
+        plan = plan_for(cfg, params, 1, ids.shape[1], dtype, paged=paged, slots=paged, **plan_kw)
+        logits, cache = run(cfg, params, cache, ids, pos, slots, dtype=dtype, plan=plan)
+        outs.append(np.asarray(logits[:, -1], np.float32))
+    return np.stack(outs)
+
+
+@pytest.mark.parametrize("shape,mix,implementation", [
+    ("smollm2-135m", "q4_1", "interpret"), ("smollm2-135m", "q4_1", "reference"),
+    ("llama-1b", "q4_k", "reference"), ("gemma3-1b", "q4_0", "reference"), ("qwen2.5-1.5b", "q8_0", "reference"),
+])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_gpu_plan_runs_like_the_cpu_plan(gpu_models, shape, mix, implementation, paged):
+    """The GPU plan's deferred norms, int8 hand-overs and GLUs, run with the kernels' references
+    (or the kernels in the interpreter), give the CPU plan's logits up to bfloat16 activations
+    and the int8 rounding of activations (about 1% of the logits' scale)."""
+    model = gpu_models(shape, mix)
+    cfg, params = model.config, model.params
+    if implementation == "interpret" and shape != "smollm2-135m":
+        pytest.skip("interpreting the wide kernels takes minutes on a CPU")
+    want = _prefill_then_decode(cfg, params, dict(gpu=False), paged, jnp.float32)
+    got = _prefill_then_decode(cfg, params, dict(gpu=True, implementation=implementation), paged, jnp.bfloat16)
+    scale = float(np.abs(want).max())
+    np.testing.assert_allclose(got, want, rtol=0, atol=4e-2 * scale)
+    # greedy tokens agree wherever the float32 top-2 margin is not a near-tie
+    top2 = np.sort(want, axis=-1)[..., -2:]
+    clear = (top2[..., 1] - top2[..., 0]) > 4e-2 * scale
+    assert (np.argmax(got, -1) == np.argmax(want, -1))[clear].all()
