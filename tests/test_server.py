@@ -435,6 +435,9 @@ def test_bad_requests_get_400_with_the_openai_error_body(srv):
     _error(httpx.post(url, json=dict(good, stop="")), 400, param="stop")
     _error(httpx.post(url, json=dict(good, logprobs=21)), 400, param="logprobs")
     _error(httpx.post(url, json=dict(good, presence_penalty=0.5)), 400, param="presence_penalty")
+    _error(httpx.post(url, json=dict(good, top_k=2 ** 40)), 400, param="top_k")
+    _error(httpx.post(url, json=dict(good, prompt=["a", "b"], n=9)), 400, param="n")  # 18 sequences > --max-queued 16
+    _error(httpx.post(url, json=dict(good, echo=True, logprobs=2)), 400, param="echo")
     _error(httpx.post(url, json=dict(good, frobnicate=1)), 400, param="frobnicate", code="unknown_parameter")
     _error(httpx.post(url, json=dict(good, prompt="x" * 64)), 400, param="prompt", code="context_length_exceeded")
     _error(httpx.post(url, json=dict(good, prompt="x" * 10, max_tokens=60)), 400, param="max_tokens",

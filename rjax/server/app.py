@@ -178,7 +178,7 @@ def create_app(loop: EngineLoop, metrics: Metrics | None = None, settings: Serve
         if body.echo and body.logprobs is not None:
             raise APIError(400, "echo with logprobs (log-probabilities of the prompt) is not supported",
                            param="echo", code="unsupported_parameter")
-        prompts = _completion_prompts(body.prompt, tok)
+        prompts = await run_in_threadpool(_completion_prompts, body.prompt, tok)  # long texts: off the event loop
         n_top = body.logprobs
         gen = _start(loop, tok, body, prompts, default_max=lambda p: 16, logprobs=n_top is not None,
                      prompt_param="prompt")
@@ -230,7 +230,7 @@ def create_app(loop: EngineLoop, metrics: Metrics | None = None, settings: Serve
         setup = ready()
         _check_model(body, setup)
         tok = setup.tokenizer
-        prompt = _chat_prompt(tok, body, setup.model_id)
+        prompt = await run_in_threadpool(_chat_prompt, tok, body, setup.model_id)
         n_top = (body.top_logprobs or 0) if body.logprobs else None
         if body.max_completion_tokens is not None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
@@ -393,6 +393,9 @@ def _start(loop: EngineLoop, tok, body: _Sampling, prompts: list[list[int]], *, 
     max_len = engine.config.max_len
     sampling = dict(temperature=1.0 if body.temperature is None else body.temperature,
                     top_k=max(body.top_k or 0, 0), top_p=1.0 if body.top_p is None else body.top_p)
+    if len(prompts) * body.n > loop.max_queued:
+        raise APIError(400, f"{len(prompts)} prompt(s) x n={body.n} sequences exceed the {loop.max_queued} the "
+                       f"server queues at most (--max-queued)", param="n", code="invalid_value")
     requests = []
     for p in prompts:
         if len(p) >= max_len:

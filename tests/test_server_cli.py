@@ -1,0 +1,94 @@
+"""The `rjax serve` subcommand: its arguments, the setup it builds, and (slow) the real command
+serving the tiny synthetic model in a subprocess."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from rjax.cli import build_parser
+from rjax.server.cli import make_setup
+
+TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+
+
+def test_serve_arguments():
+    a = build_parser().parse_args(["serve", "-m", "model.gguf", "--port", "9000", "--slots", "4", "--max-len", "512",
+                                   "--api-key", "k", "--chat-template", "t.jinja", "--max-queued", "8"])
+    assert (a.model, a.host, a.port, a.slots, a.max_len, a.api_key, a.chat_template, a.max_queued) == \
+        ("model.gguf", "127.0.0.1", 9000, 4, 512, "k", "t.jinja", 8)
+    d = build_parser().parse_args(["serve"])
+    assert d.port == 8000 and d.api_key is None and d.max_len is None and not d.no_precompile
+
+
+def test_setup_loads_the_model_with_the_given_template_and_limits(tiny_path):
+    setup = make_setup(str(tiny_path), model_id="tiny", slots=2, max_len=64, steps_per_dispatch=4,
+                       chat_template=TEMPLATE, precompile=False)()
+    assert setup.model_id == "tiny" and setup.tokenizer.chat_template == TEMPLATE
+    eng = setup.make_engine()
+    assert eng.config.n_slots == 2 and eng.config.max_len == 64 and eng.config.page_size == 16
+    assert eng.default_stop_ids == tuple(sorted(setup.tokenizer.eos_ids))
+    with pytest.raises(ValueError, match=r"--max-len 100000 exceeds the context length"):
+        make_setup(str(tiny_path), model_id="tiny", slots=2, max_len=100000, steps_per_dispatch=4,
+                   chat_template=None, precompile=False)()
+
+
+def test_serve_refuses_bad_limits_before_loading():
+    from rjax.server.cli import cmd_serve
+
+    with pytest.raises(ValueError, match="--slots must be >= 1, got 0"):
+        cmd_serve(build_parser().parse_args(["serve", "--slots", "0"]))
+    with pytest.raises(FileNotFoundError):
+        cmd_serve(build_parser().parse_args(["serve", "--chat-template", "/nonexistent/t.jinja"]))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_rjax_serve_end_to_end(tiny_path, tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    port = _free_port()
+    env = dict(os.environ, RJAX_HOME=str(tmp_path / "home"))
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "rjax.cli", "serve", "-m", str(tiny_path), "--port", str(port),
+                             "--slots", "2", "--max-len", "64", "--chat-template", str(template), "--api-key", "k",
+                             "--no-precompile"], cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not become healthy"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0, timeout=300)
+        assert [m.id for m in client.models.list().data] == [tiny_path.name]
+        r = client.chat.completions.create(model=tiny_path.name, messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=5, temperature=0)
+        assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+        assert "rjax_generation_tokens_total 5.0" in httpx.get(f"{url}/metrics").text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
