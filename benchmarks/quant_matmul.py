@@ -46,10 +46,10 @@ from pallas_kernels.quant_matmul.gemv import MAX_M, decode_path, default_gemv_co
 from pallas_kernels.quant_matmul.int8_gemv import Int8GemvConfig, int8_gemv
 from pallas_kernels.quant_matmul.kernel import TileConfig, fused_qmatmul
 from pallas_kernels.quant_matmul.reference import dequantize_then_dot
-from rjax.quant import formats
-from rjax.quant.qtensor import QTensor
-from rjax.model import gpu_weight_layout
-from rjax.quant.reference import dequantize
+from gguf_blocks import formats
+from gguf_blocks.qtensor import QTensor
+from rjax.layout import gpu_weight_layout
+from gguf_blocks.reference import dequantize
 
 warnings.simplefilter("ignore", DeprecationWarning)
 
@@ -71,7 +71,7 @@ def log(*a):
 @functools.partial(jax.jit, static_argnames=("qtype", "n", "k", "model_layout"))
 def device_qtensor(qtype: QType, n: int, k: int, key, model_layout: bool = True) -> QTensor:
     """Random valid blocks generated on the device (random bytes, random-sign f16 scales), in
-    the layout `rjax.load` gives a GPU model (rjax.model.gpu_weight_layout: Q4_K scales per
+    the layout `rjax.load` gives a GPU model (rjax.layout.gpu_weight_layout: Q4_K scales per
     chunk, quant planes as int32 words) unless `model_layout` is off."""
     cls, fields = formats.LAYOUTS[qtype]
     nb = k // GGML_QUANT_SIZES[qtype][0]

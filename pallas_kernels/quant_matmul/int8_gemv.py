@@ -17,7 +17,7 @@ nothing else would have produced the rounded x, a launch; it costs per-step redu
 `rounds_x_itself` says which (measured, benchmarks/NOTES-quant_matmul.md).
 
 Weights are read as 32-bit words, four packed bytes at a time: the quant planes come either
-as int32 words (`rjax.quant.words.as_words`, the GPU layout, done once at load) or as bytes,
+as int32 words (`gguf_blocks.words.as_words`, the GPU layout, done once at load) or as bytes,
 which the kernel assembles into words itself (measured slower: for Q4_K XLA's Triton then
 spreads a chunk's words over 8 lanes and sums every dp4a with shuffles).
 
@@ -60,9 +60,9 @@ from pallas_kernels.int8_activations import GatedX, QuantizedX, dequantize_x, qu
 from pallas_kernels.int8_activations import kernel as q8
 from pallas_kernels.int8_activations.reference import activate
 from pallas_kernels.quant_matmul.tiles import index, load_masked, split_k_launch
-from rjax.quant.formats import Q4_KChunks
-from rjax.quant.qtensor import QTensor
-from rjax.quant.words import as_words  # noqa: F401 (re-exported)
+from gguf_blocks.formats import Q4_KChunks
+from gguf_blocks.qtensor import QTensor
+from gguf_blocks.words import as_words  # noqa: F401 (re-exported)
 
 _I32, _F32 = jnp.int32, jnp.float32
 

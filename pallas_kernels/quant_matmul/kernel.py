@@ -38,7 +38,7 @@ from pallas_kernels.int8_activations import GatedX
 from pallas_kernels.int8_activations.reference import activate
 from pallas_kernels.quant_matmul.tiles import FORMATS, format_of, index, split_k_launch
 from pallas_kernels.rms_norm.pending import PendingNorm
-from rjax.quant.qtensor import QTensor
+from gguf_blocks.qtensor import QTensor
 
 
 @dataclasses.dataclass(frozen=True)
