@@ -1,6 +1,6 @@
 """GGUF file -> (ModelConfig, Params, GGUFReader), memory-mapped through the `gguf` package.
 
-Quantized tensors stay in their packed blocks (split into planes, see rjax.quant.formats) all
+Quantized tensors stay in their packed blocks (split into planes, see gguf_blocks.formats) all
 the way to the device; no full-precision copy of the weights is made.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ from tqdm.auto import tqdm
 
 from rjax.config import ModelConfig, RopeScaling, SUPPORTED_ARCHITECTURES
 from rjax.model import LayerParams, Params
-from rjax.quant import formats
-from rjax.quant.qtensor import QTensor
+from gguf_blocks import formats
+from gguf_blocks.qtensor import QTensor
 
 GGUF_MAGIC = b"GGUF"
 
