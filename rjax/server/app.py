@@ -131,7 +131,7 @@ def create_app(loop: EngineLoop, metrics: Metrics | None = None, settings: Serve
         if loop.error is not None:
             raise APIError(503, f"the model could not be served: {loop.error}", type="server_error",
                            code="model_not_ready")
-        if not loop.ready.is_set():
+        if not loop.ready.is_set() or loop.engine is None:
             raise APIError(503, "the model is still loading and compiling; retry shortly", type="server_error",
                            code="model_not_ready", headers={"Retry-After": str(settings.retry_after_s)})
         return loop.setup
@@ -154,8 +154,9 @@ def create_app(loop: EngineLoop, metrics: Metrics | None = None, settings: Serve
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     def model_card(setup) -> dict:
+        engine = loop.engine
         return {"id": setup.model_id, "object": "model", "created": created, "owned_by": "rjax",
-                "max_model_len": loop.engine.config.max_len}
+                "max_model_len": engine.config.max_len if engine is not None else None}
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models():
@@ -180,7 +181,7 @@ def create_app(loop: EngineLoop, metrics: Metrics | None = None, settings: Serve
                            param="echo", code="unsupported_parameter")
         prompts = await run_in_threadpool(_completion_prompts, body.prompt, tok)  # long texts: off the event loop
         n_top = body.logprobs
-        gen = _start(loop, tok, body, prompts, default_max=lambda p: 16, logprobs=n_top is not None,
+        gen = _start(loop, tok, body, prompts, default_max=lambda p, max_len: 16, logprobs=n_top is not None,
                      prompt_param="prompt")
         rid, model_id = f"cmpl-{uuid.uuid4().hex}", setup.model_id
         echoes = [tok.decode(p) if body.echo else "" for p in prompts]
@@ -234,7 +235,7 @@ def create_app(loop: EngineLoop, metrics: Metrics | None = None, settings: Serve
         n_top = (body.top_logprobs or 0) if body.logprobs else None
         if body.max_completion_tokens is not None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
-        gen = _start(loop, tok, body, [prompt], default_max=lambda p: loop.engine.config.max_len - len(p),
+        gen = _start(loop, tok, body, [prompt], default_max=lambda p, max_len: max_len - len(p),
                      logprobs=n_top is not None, prompt_param="messages")
         rid, model_id = f"chatcmpl-{uuid.uuid4().hex}", setup.model_id
 
@@ -390,6 +391,9 @@ def _check_model(body: _Sampling, setup) -> None:
 def _start(loop: EngineLoop, tok, body: _Sampling, prompts: list[list[int]], *, default_max, logprobs: bool,
            prompt_param: str) -> _Generation:
     engine = loop.engine
+    if engine is None:  # being rebuilt after a failure
+        raise APIError(503, "the engine is restarting; retry shortly", type="server_error", code="model_not_ready",
+                       headers={"Retry-After": "1"})
     max_len = engine.config.max_len
     sampling = dict(temperature=1.0 if body.temperature is None else body.temperature,
                     top_k=max(body.top_k or 0, 0), top_p=1.0 if body.top_p is None else body.top_p)
@@ -402,7 +406,7 @@ def _start(loop: EngineLoop, tok, body: _Sampling, prompts: list[list[int]], *, 
             raise APIError(400, f"This model's maximum context length is {max_len} tokens; the prompt has {len(p)} "
                            f"tokens and leaves no room to generate.", param=prompt_param,
                            code="context_length_exceeded")
-        max_tokens = default_max(p) if body.max_tokens is None else body.max_tokens
+        max_tokens = default_max(p, max_len) if body.max_tokens is None else body.max_tokens
         if len(p) + max_tokens > max_len:
             raise APIError(400, f"This model's maximum context length is {max_len} tokens; the prompt has {len(p)} "
                            f"tokens and max_tokens asks for {max_tokens} more.", param="max_tokens",

@@ -226,6 +226,7 @@ class EngineLoop:
         self._finish_waiting(sum(not x.started for x in live.values()))
         for rid, x in live.items():
             self._send(x.sink, EngineFailure(rid, message))
+        self.engine = None  # the old cache goes before the new one is allocated
         try:
             self.engine = self.setup.make_engine()
         except Exception:
