@@ -72,6 +72,7 @@ class EngineLoop:
         self._waiting = 0                     # accepted, not yet in a slot (or finished)
         self._live: dict[Hashable, _Live] = {}  # the loop thread's own
         self._thread: threading.Thread | None = None
+        self.n_cancel_requests = 0            # sequences handlers asked to cancel (a count for probes)
 
     # -- any thread -----------------------------------------------------------------------------
 
@@ -88,6 +89,7 @@ class EngineLoop:
     @property
     def n_waiting(self) -> int:
         return self._waiting
+
 
     def submit(self, requests: list[dict], sink: Callable[[object], None]) -> list[int]:
         """Queue requests (keyword arguments of `ServingEngine.submit`, checked already) whose
@@ -108,6 +110,7 @@ class EngineLoop:
     def cancel(self, ids) -> None:
         for rid in ids:
             self._inbox.put(("cancel", rid))
+            self.n_cancel_requests += 1
         self._wake.set()
 
     # -- the loop's thread ----------------------------------------------------------------------
