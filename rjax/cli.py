@@ -37,8 +37,11 @@ def cmd_pull(a) -> int:
 
 
 def cmd_info(a) -> int:
-    from rjax.info import model_info
+    from rjax.info import model_info, model_plan
 
+    if a.plan:
+        print(model_plan(a.model, rows=a.rows, tokens=a.tokens, gpu=a.backend == "gpu", paged=a.paged))
+        return 0
     info = model_info(a.model)
     if a.json:
         print(json.dumps(info, indent=2))
@@ -107,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="architecture, shapes, tensor types, parameter count and bytes")
     p.add_argument("model")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--plan", action="store_true",
+                   help="print the fusion plan: which kernel takes each product, where norms and GLUs run")
+    p.add_argument("--rows", type=int, default=1, help="with --plan: sequences in the step (default 1)")
+    p.add_argument("--tokens", type=int, default=1, help="with --plan: tokens per sequence (default 1: decode)")
+    p.add_argument("--backend", choices=("gpu", "cpu"), default="gpu", help="with --plan: plan for (default gpu)")
+    p.add_argument("--paged", action="store_true", help="with --plan: a paged cache, rows given (the serving engine)")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("generate", help="generate a reply (streams to stdout)")

@@ -52,3 +52,16 @@ def format_info(info: dict) -> str:
     ]
     lines += [f"    {t['name']:40} {t['type']:6} {'x'.join(map(str, t['shape']))}" for t in info["tensors"]]
     return "\n".join(lines)
+
+
+def model_plan(model: str, *, rows: int = 1, tokens: int = 1, gpu: bool = True, paged: bool = False) -> str:
+    """The fusion plan (rjax.plan) of one forward pass of `rows` sequences x `tokens` tokens
+    over the model as a GPU (or CPU) load lays it out, in bfloat16 on a GPU, float32 on a CPU."""
+    import jax.numpy as jnp
+
+    from rjax.loaders import load
+    from rjax.plan import plan_for
+
+    m = load(model, progress=False, fuse=gpu, gpu_layout=gpu)
+    dtype = jnp.bfloat16 if gpu else jnp.float32
+    return str(plan_for(m.config, m.params, rows, tokens, dtype, paged=paged, slots=paged, gpu=gpu))
