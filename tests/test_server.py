@@ -24,7 +24,6 @@ import pytest
 import uvicorn
 
 import rjax
-from rjax import engine
 from rjax.server.app import ServerSettings, create_app
 from rjax.server.loop import EngineLoop, Setup
 from rjax.server.metrics import Metrics

@@ -27,9 +27,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rjax.server.loop import EngineFailure, EngineLoop, QueueFullError
 from rjax.server.metrics import Metrics
-from rjax.server.schemas import ChatCompletionRequest, CompletionRequest, _Sampling
+from rjax.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from rjax.server.text import ChoiceText, Piece
-from rjax.serving import StreamEvent, TokenLogprob
+from rjax.serving import TokenLogprob
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,13 +382,13 @@ def _sse(request: Request, gen: _Generation, chunks: AsyncIterator[dict]) -> Str
 # ---------------------------------------------------------------------------------------------
 # request -> engine sequences
 
-def _check_model(body: _Sampling, setup) -> None:
+def _check_model(body: SamplingRequest, setup) -> None:
     if body.model != setup.model_id:
         raise APIError(400, f"The model '{body.model}' does not exist; this server serves '{setup.model_id}'.",
                        param="model", code="model_not_found")
 
 
-def _start(loop: EngineLoop, tok, body: _Sampling, prompts: list[list[int]], *, default_max, logprobs: bool,
+def _start(loop: EngineLoop, tok, body: SamplingRequest, prompts: list[list[int]], *, default_max, logprobs: bool,
            prompt_param: str) -> _Generation:
     engine = loop.engine
     if engine is None:  # being rebuilt after a failure

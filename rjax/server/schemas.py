@@ -26,7 +26,7 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False
 
 
-class _Sampling(_Body):
+class SamplingRequest(_Body):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -73,7 +73,7 @@ class _Sampling(_Body):
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     prompt: str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] \
         | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
     echo: bool = False
@@ -116,7 +116,7 @@ class ResponseFormat(_Body):
     type: Literal["text"]
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
