@@ -82,7 +82,8 @@ class _CountRequests:
             self.metrics.http_requests.labels(route, str(status[0])).inc()
 
 
-def create_app(loop: EngineLoop, metrics: Metrics | None = None, settings: ServerSettings = ServerSettings()) -> FastAPI:
+def create_app(loop: EngineLoop, metrics: Metrics | None = None,
+               settings: ServerSettings = ServerSettings()) -> FastAPI:
     """The app over `loop`, which it starts and stops with its lifespan (uvicorn's startup and
     shutdown)."""
     metrics = metrics or loop.metrics or Metrics()
