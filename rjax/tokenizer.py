@@ -13,6 +13,7 @@ wins (see `_BYTE_LEVEL_SPLITS` for the one difference that shows on real text).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,8 +26,13 @@ import jinja2
 import jinja2.ext
 import numpy as np
 import tokenizers
+from gguf import GGUFValueType
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+
+from rjax.loaders.errors import ModelFileError
+
+log = logging.getLogger(__name__)
 
 # GGUF token types (llama.cpp's llama_token_type).
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -206,69 +212,75 @@ class Tokenizer:
     def from_gguf(cls, reader) -> Tokenizer:
         """From a GGUF file's `tokenizer.ggml.*` metadata: a `gguf.GGUFReader`, or a path to open one."""
         if isinstance(reader, (str, os.PathLike)):
-            import gguf
+            from rjax.loaders.gguf import open_gguf
 
-            reader = gguf.GGUFReader(reader)
-        meta = _GGUFMetadata(reader)
+            reader = open_gguf(reader)
         source = getattr(getattr(reader, "data", None), "filename", None) or "<gguf>"  # the memory-mapped file
-        kind = meta.get("tokenizer.ggml.model")
-        architecture = meta.get("general.architecture", "")
+        meta = _GGUFMetadata(reader, source)
+        kind = meta.typed("tokenizer.ggml.model", str)
+        architecture = meta.typed("general.architecture", str, "")
         tokens = meta.strings("tokenizer.ggml.tokens")
-        if tokens is None:
-            raise ValueError(f"{source}: no tokenizer.ggml.tokens in the file")
-        token_types = meta.array("tokenizer.ggml.token_type")
+        if not tokens:
+            meta.fail("tokenizer.ggml.tokens", "is missing" if tokens is None else "is empty")
+        token_types = meta.array("tokenizer.ggml.token_type", len(tokens))
         if token_types is None:
             token_types = np.full(len(tokens), TOKEN_NORMAL, dtype=np.int32)
         if kind == "gpt2":
-            pre = meta.get("tokenizer.ggml.pre", "default")
+            pre = meta.typed("tokenizer.ggml.pre", str, "default")
             if pre not in _BYTE_LEVEL_SPLITS:
-                raise ValueError(
-                    f"{source}: tokenizer.ggml.pre {pre!r} is not supported; supported: {sorted(_BYTE_LEVEL_SPLITS)}"
-                )
+                meta.fail("tokenizer.ggml.pre", f"{pre!r} is not supported; supported: {sorted(_BYTE_LEVEL_SPLITS)}")
             merges = meta.strings("tokenizer.ggml.merges")
             if merges is None:
-                raise ValueError(f"{source}: a gpt2 tokenizer needs tokenizer.ggml.merges, which the file lacks")
-            backend = _byte_level_backend(tokens, token_types, merges, _BYTE_LEVEL_SPLITS[pre])
+                meta.fail("tokenizer.ggml.merges", "is missing; a gpt2 tokenizer needs it")
+
+            def build():
+                return _byte_level_backend(tokens, token_types, merges, _BYTE_LEVEL_SPLITS[pre])
+
             default_add_bos = False
         elif kind == "llama":
-            scores = meta.array("tokenizer.ggml.scores")
-            unk_id = meta.get("tokenizer.ggml.unknown_token_id")
-            backend = _sentencepiece_backend(
-                tokens,
-                token_types,
-                scores,
-                unk_id=unk_id,
-                add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
-                gemma=architecture in _GEMMA_ARCHITECTURES,
-            )
+            scores = meta.array("tokenizer.ggml.scores", len(tokens))
+            unk_id = meta.token_id("tokenizer.ggml.unknown_token_id", len(tokens))
+            add_space_prefix = meta.typed("tokenizer.ggml.add_space_prefix", bool, True)
+            if scores is None and architecture not in _GEMMA_ARCHITECTURES:
+                meta.fail("tokenizer.ggml.scores", "is missing; a sentencepiece (llama) tokenizer needs it")
+
+            def build():
+                return _sentencepiece_backend(tokens, token_types, scores, unk_id=unk_id,
+                                              add_space_prefix=add_space_prefix,
+                                              gemma=architecture in _GEMMA_ARCHITECTURES)
+
             # llama.cpp adds BOS to a sentencepiece vocabulary that does not say otherwise.
             default_add_bos = True
         else:
-            raise ValueError(
-                f"{source}: tokenizer.ggml.model {kind!r} is not supported; supported: {list(SUPPORTED_GGUF_MODELS)}"
-            )
+            meta.fail("tokenizer.ggml.model",
+                      f"{kind!r} is not supported; supported: {list(SUPPORTED_GGUF_MODELS)}")
+        try:  # the tokenizers library refuses a damaged vocabulary with a bare Exception
+            backend = build()
+        except Exception as e:  # noqa: BLE001
+            raise ModelFileError(f"{source}: the {kind} vocabulary (tokenizer.ggml.tokens"
+                                 f"{', merges' if kind == 'gpt2' else ''}) does not make a tokenizer: {e}") from e
 
-        def token_text(key: str) -> str | None:
-            index = meta.get(key)
-            return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+        def token_text(index: int | None) -> str | None:
+            return None if index is None else tokens[index]
 
-        bos_id = meta.get("tokenizer.ggml.bos_token_id")
-        eos_id = meta.get("tokenizer.ggml.eos_token_id")
-        marked = {meta.get("tokenizer.ggml.eot_token_id"), meta.get("tokenizer.ggml.eom_token_id"), eos_id}
+        bos_id = meta.token_id("tokenizer.ggml.bos_token_id", len(tokens))
+        eos_id = meta.token_id("tokenizer.ggml.eos_token_id", len(tokens))
+        marked = {meta.token_id("tokenizer.ggml.eot_token_id", len(tokens)),
+                  meta.token_id("tokenizer.ggml.eom_token_id", len(tokens)), eos_id}
         specials = {
-            "bos_token": token_text("tokenizer.ggml.bos_token_id"),
-            "eos_token": token_text("tokenizer.ggml.eos_token_id"),
-            "unk_token": token_text("tokenizer.ggml.unknown_token_id"),
-            "pad_token": token_text("tokenizer.ggml.padding_token_id"),
+            "bos_token": token_text(bos_id),
+            "eos_token": token_text(eos_id),
+            "unk_token": token_text(meta.token_id("tokenizer.ggml.unknown_token_id", len(tokens))),
+            "pad_token": token_text(meta.token_id("tokenizer.ggml.padding_token_id", len(tokens))),
         }
-        template = meta.get("tokenizer.chat_template")
+        template = meta.typed("tokenizer.chat_template", str)
         return cls._assemble(
             backend,
             bos_id=bos_id,
             eos_id=eos_id,
             marked_eos={i for i in marked if i is not None},
-            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", default_add_bos)),
-            add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+            add_bos=meta.typed("tokenizer.ggml.add_bos_token", bool, default_add_bos),
+            add_eos=meta.typed("tokenizer.ggml.add_eos_token", bool, False),
             chat_template=template,
             architecture=architecture,
             special_tokens=specials,
@@ -281,14 +293,19 @@ class Tokenizer:
         root = Path(path)
         tokenizer_file = root / "tokenizer.json"
         if not tokenizer_file.is_file():
-            raise FileNotFoundError(f"{root}: no tokenizer.json (only fast-tokenizer checkpoints are supported)")
-        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+            raise ModelFileError(f"{root}: no tokenizer.json (only fast-tokenizer checkpoints are supported)")
+        try:  # the tokenizers library refuses a damaged file with a bare Exception
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # noqa: BLE001
+            raise ModelFileError(f"{tokenizer_file}: not a tokenizer the tokenizers library can read: {e}") from e
         tok_config = _read_json(root / "tokenizer_config.json")
         gen_config = _read_json(root / "generation_config.json")
         model_config = _read_json(root / "config.json")
+        n_ids = backend.get_vocab_size(with_added_tokens=True)
 
         def token_name(value) -> str | None:
-            return value.get("content") if isinstance(value, Mapping) else value
+            value = value.get("content") if isinstance(value, Mapping) else value
+            return value if isinstance(value, str) else None
 
         specials = {name: token_name(tok_config.get(name)) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
 
@@ -298,7 +315,7 @@ class Tokenizer:
                     value = value[0] if value else None
                 if isinstance(value, str):
                     value = backend.token_to_id(value)
-                if isinstance(value, int):
+                if _is_id(value, n_ids):
                     return value
             return None
 
@@ -306,7 +323,7 @@ class Tokenizer:
         eos_id = first_id(specials["eos_token"], gen_config.get("eos_token_id"), model_config.get("eos_token_id"))
         marked = {eos_id}
         for source in (gen_config.get("eos_token_id"), model_config.get("eos_token_id")):
-            marked.update(source if isinstance(source, list) else [source])
+            marked.update(i for i in (source if isinstance(source, list) else [source]) if _is_id(i, n_ids))
         if specials["bos_token"] is None and bos_id is not None:
             specials["bos_token"] = backend.id_to_token(bos_id)
         if specials["eos_token"] is None and eos_id is not None:
@@ -321,10 +338,17 @@ class Tokenizer:
         add_eos = tok_config.get("add_eos_token", eos_id is not None and added_after == [eos_id])
 
         template_file = root / "chat_template.jinja"
-        template = template_file.read_text(encoding="utf-8") if template_file.is_file() else tok_config.get("chat_template")
+        try:
+            template = (template_file.read_text(encoding="utf-8") if template_file.is_file()
+                        else tok_config.get("chat_template"))
+        except UnicodeDecodeError as e:
+            raise ModelFileError(f"{template_file}: not UTF-8 text ({e})") from e
         if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+            named = {t.get("name"): t.get("template") for t in template
+                     if isinstance(t, Mapping) and isinstance(t.get("name"), str)}
             template = named.get("default")
+        if template is not None and not isinstance(template, str):
+            raise ModelFileError(f"{root / 'tokenizer_config.json'}: chat_template = {template!r:.80} is not a string")
         return cls._assemble(
             backend,
             bos_id=bos_id,
@@ -490,30 +514,80 @@ class StreamDecoder:
 # --- GGUF assembly -----------------------------------------------------------------------------
 
 
-class _GGUFMetadata:
-    """Typed access to a GGUFReader's key/value fields."""
+_TYPE_NAMES = {str: "a string", int: "an integer", bool: "a bool"}
 
-    def __init__(self, reader):
+
+class _GGUFMetadata:
+    """Typed access to a GGUFReader's key/value fields; a value that cannot be read or has the
+    wrong type is a ModelFileError naming the file and the key."""
+
+    def __init__(self, reader, source):
         self._fields = reader.fields
+        self._source = source
+
+    def fail(self, key: str, problem: str):
+        raise ModelFileError(f"{self._source}: {key} {problem}")
 
     def get(self, key: str, default=None):
         f = self._fields.get(key)
         if f is None:
             return default
-        value = f.contents()
+        try:
+            value = f.contents()
+        except Exception as e:  # noqa: BLE001 - e.g. a string that is not UTF-8
+            self.fail(key, f"cannot be read ({type(e).__name__}: {e})")
         return default if value is None else value
+
+    def typed(self, key: str, kind: type, default=None):
+        """A str, an int (not a bool) or a bool (an integer 0/1 too) value, or `default` if absent."""
+        value = self.get(key)
+        if value is None:
+            return default
+        if kind is bool and isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            self.fail(key, f"= {value!r:.80} is not {_TYPE_NAMES[kind]}")
+        return value
+
+    def token_id(self, key: str, n_tokens: int) -> int | None:
+        """A token id; one outside the vocabulary is ignored with a warning, as llama.cpp does."""
+        value = self.typed(key, int)
+        if value is not None and not 0 <= value < n_tokens:
+            log.warning("%s: %s = %d is outside the vocabulary of %d tokens; ignored", self._source, key, value,
+                        n_tokens)
+            return None
+        return value
 
     def strings(self, key: str) -> list[str] | None:
         f = self._fields.get(key)
         if f is None:
             return None
-        return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+        if not f.types or f.types[0] != GGUFValueType.ARRAY or (f.data and f.types[-1] != GGUFValueType.STRING):
+            self.fail(key, "is not an array of strings")
+        out = []
+        for n, i in enumerate(f.data):
+            try:
+                out.append(bytes(f.parts[i]).decode("utf-8"))
+            except UnicodeDecodeError as e:
+                self.fail(key, f"entry {n} is not UTF-8 ({e.reason} at byte {e.start})")
+        return out
 
-    def array(self, key: str) -> np.ndarray | None:
+    def array(self, key: str, length: int) -> np.ndarray | None:
+        """A numeric array of `length` items, or None if absent."""
         f = self._fields.get(key)
         if f is None:
             return None
-        return np.asarray(f.contents())
+        if not f.types or f.types[0] != GGUFValueType.ARRAY or (
+                f.data and f.types[-1] in (GGUFValueType.STRING, GGUFValueType.ARRAY)):
+            self.fail(key, "is not an array of numbers")
+        values = np.asarray(self.get(key))
+        if values.shape != (length,):
+            self.fail(key, f"has {values.size} entries for {length} tokens")
+        return values
+
+
+def _is_id(value, n_ids: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < n_ids
 
 
 def _byte_level_backend(
@@ -646,8 +720,14 @@ def _fallback_template(architecture: str, backend: tokenizers.Tokenizer, special
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelFileError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(value, dict):
+        raise ModelFileError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _find_sublist(haystack: list[int], needle: list[int]) -> int:

@@ -4,10 +4,15 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from rjax.loaders.errors import ModelFileError
 
-from rjax.config import ModelConfig
-from rjax.model import Params
+if TYPE_CHECKING:  # the tokenizer imports this package's errors; it need not pull in the model
+    from rjax.config import ModelConfig
+    from rjax.model import Params
+
+__all__ = ["Model", "ModelFileError", "for_backend", "load"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,11 +33,19 @@ def load(model: str | os.PathLike, *, progress: bool = True, home: str | os.Path
          fuse: bool | None = None, gpu_layout: bool | None = None) -> Model:
     """Load a catalog name (pulled if missing), a `.gguf` file, or a Hugging Face directory.
 
+    A file or directory that cannot be used raises `ModelFileError`, whose message names the file
+    and the problem; a damaged file never loads as something else.
+
     `fuse` and `gpu_layout`: see `for_backend`; both default to on for a GPU backend."""
-    from rjax.catalog import resolve_model
+    from rjax.catalog import CatalogError, resolve_model
     from rjax.tokenizer import Tokenizer
 
-    path = Path(resolve_model(model, home=home))
+    try:
+        path = Path(resolve_model(model, home=home))
+    except CatalogError as e:
+        if Path(os.fspath(model)).expanduser().is_file():  # a local file that is not a GGUF: a model-file error
+            raise ModelFileError(str(e)) from e
+        raise
     if path.is_dir():
         from rjax.loaders.safetensors import load_hf_dir
 
@@ -43,6 +56,9 @@ def load(model: str | os.PathLike, *, progress: bool = True, home: str | os.Path
 
         cfg, params, reader = load_gguf(path, progress=progress)
         tokenizer = Tokenizer.from_gguf(reader)
+    if tokenizer.vocab_size > cfg.vocab_size:  # ids past the embedding would index nothing
+        raise ModelFileError(f"{path}: the tokenizer has {tokenizer.vocab_size:,} tokens, but the embedding has "
+                             f"{cfg.vocab_size:,} rows")
     return Model(cfg, for_backend(params, fuse=fuse, gpu_layout=gpu_layout), tokenizer, path)
 
 

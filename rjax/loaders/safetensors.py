@@ -28,7 +28,8 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from rjax.config import ModelConfig, RopeScaling
-from rjax.loaders.gguf import ModelFileError
+from rjax.loaders.errors import (MAX_CONTEXT, MAX_DIM, MAX_LAYERS, MAX_VOCAB, ModelFileError, check_finite,
+                                 expected_shape)
 from rjax.model import LayerParams, Params
 from gguf_blocks.qtensor import QTensor
 
@@ -147,24 +148,44 @@ class _Keys:
         """sliding_window: an explicit null means none, an absent key transformers' default."""
         if "sliding_window" in self.hf and self.hf["sliding_window"] is None:
             return None
-        return self.int("sliding_window")
+        return self.int("sliding_window", maximum=MAX_CONTEXT)
 
-    def int(self, key, default=None, minimum: int = 1) -> int:
+    def int(self, key, default=None, minimum: int = 1, maximum: int = MAX_DIM) -> int:
         value = self.get(key, default)
         if value is None:
             raise ModelFileError(f"{self.where}: missing config key {key!r}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < minimum:
-            raise ModelFileError(f"{self.where}: config key {key!r} = {value!r} is not an integer >= {minimum}")
+        number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+        if not number or value != int(value) or value < minimum:
+            raise ModelFileError(f"{self.where}: config key {key!r} = {value!r:.80} is not an integer >= {minimum}")
+        if value > maximum:
+            raise ModelFileError(f"{self.where}: config key {key!r} = {value!r} is more than {maximum:,}, "
+                                 "the most this loader accepts")
         return int(value)
 
     def float(self, key, default=None) -> float:
         value = self.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise ModelFileError(f"{self.where}: config key {key!r} = {value!r} is not a positive number")
-        return float(value)
+        return _positive(self, key, value)
+
+    def bool(self, key) -> bool:
+        value = self.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise ModelFileError(f"{self.where}: config key {key!r} = {value!r:.80} is not true or false")
+        return bool(value)
+
+    def str(self, key) -> str | None:
+        value = self.get(key)
+        if value is not None and not isinstance(value, str):
+            raise ModelFileError(f"{self.where}: config key {key!r} = {value!r:.80} is not a string")
+        return value
 
     def fail(self, message: str):
         raise ModelFileError(f"{self.where}: {message}")
+
+
+def _positive(keys: _Keys, key: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        keys.fail(f"config key {key!r} = {value!r:.80} is not a positive number")
+    return float(value)
 
 
 def _rope(keys: _Keys, params: dict, theta_default: float, context: int, allowed: tuple[str, ...]):
@@ -172,28 +193,35 @@ def _rope(keys: _Keys, params: dict, theta_default: float, context: int, allowed
     if not isinstance(params, dict):
         keys.fail(f"rope parameters must be an object, got {params!r}")
     kind = params.get("rope_type", params.get("type", "default"))
-    theta = float(params.get("rope_theta") or theta_default)
-    if kind not in allowed:
-        keys.fail(f"rope type {kind!r} is not supported here; supported: {', '.join(allowed)}")
+    theta = _positive(keys, "rope_theta", params.get("rope_theta") or theta_default)
+    if not isinstance(kind, str) or kind not in allowed:
+        keys.fail(f"rope type {kind!r:.80} is not supported here; supported: {', '.join(allowed)}")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
-        keys.fail(f"partial_rotary_factor {params['partial_rotary_factor']!r} is not supported (only 1)")
-    try:
-        if kind == "linear":
-            return theta, None, float(params["factor"])
-        if kind == "llama3":
-            return theta, RopeScaling(float(params["factor"]), float(params["low_freq_factor"]),
-                                      float(params["high_freq_factor"]),
-                                      int(params.get("original_max_position_embeddings") or context)), 1.0
-    except KeyError as e:
-        keys.fail(f"{kind} rope scaling lacks {e.args[0]!r}")
+        keys.fail(f"partial_rotary_factor {params['partial_rotary_factor']!r:.80} is not supported (only 1)")
+
+    def number(name):
+        if name not in params:
+            keys.fail(f"{kind} rope scaling lacks {name!r}")
+        return _positive(keys, f"rope {name}", params[name])
+
+    if kind == "linear":
+        return theta, None, number("factor")
+    if kind == "llama3":
+        original = params.get("original_max_position_embeddings") or context
+        if isinstance(original, bool) or not isinstance(original, int) or not 1 <= original <= MAX_CONTEXT:
+            keys.fail(f"rope original_max_position_embeddings = {original!r:.80} is not an integer in "
+                      f"[1, {MAX_CONTEXT:,}]")
+        return theta, RopeScaling(number("factor"), number("low_freq_factor"), number("high_freq_factor"),
+                                  original), 1.0
     return theta, None, 1.0
 
 
 def _layer_types(keys: _Keys, n_layers: int, default: list[str]) -> list[str]:
     types = keys.hf.get("layer_types") or default
-    if len(types) != n_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+    if (not isinstance(types, list) or len(types) != n_layers
+            or not all(t in ("sliding_attention", "full_attention") for t in types)):
         keys.fail(f"layer_types must list 'sliding_attention' / 'full_attention' for each of the {n_layers} "
-                  f"layers, got {types!r}")
+                  f"layers, got {types!r:.120}")
     return types
 
 
@@ -201,11 +229,14 @@ def config_from_hf(model_type: str, hf: dict, where: str | os.PathLike = CONFIG_
     """A Hugging Face config (as `read_hf_config` returns it) -> ModelConfig."""
     keys = _Keys(hf, model_type, Path(where))
     d_model = keys.int("hidden_size")
-    n_layers = keys.int("num_hidden_layers")
+    n_layers = keys.int("num_hidden_layers", maximum=MAX_LAYERS)
     n_heads = keys.int("num_attention_heads")
     n_kv = keys.int("num_key_value_heads", n_heads)
     head_dim = keys.int("head_dim", d_model // n_heads)
-    context = keys.int("max_position_embeddings")
+    if head_dim % 2:  # rope rotates pairs of values
+        keys.fail(f"the head size {head_dim} (head_dim, or hidden_size / num_attention_heads) is odd; "
+                  "rope needs an even one")
+    context = keys.int("max_position_embeddings", maximum=MAX_CONTEXT)
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if hf.get(key) is not None:
             keys.fail(f"{key} = {hf[key]!r} is not supported (only null)")
@@ -217,27 +248,46 @@ def config_from_hf(model_type: str, hf: dict, where: str | os.PathLike = CONFIG_
         keys.fail("attention_bias (biases on q/k/v/o projections) is not supported for "
                   f"model_type {model_type!r}")
     act_key = "hidden_activation" if model_type == "gemma3_text" else "hidden_act"
-    activation = _ACTIVATIONS.get(keys.get(act_key))
+    activation = _ACTIVATIONS.get(keys.str(act_key))
     if activation is None:
         keys.fail(f"{act_key} {keys.get(act_key)!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
     common = dict(arch=_ARCH[model_type], n_layers=n_layers, d_model=d_model, d_ff=keys.int("intermediate_size"),
-                  n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim, vocab_size=keys.int("vocab_size"),
+                  n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
+                  vocab_size=keys.int("vocab_size", maximum=MAX_VOCAB),
                   context_length=context, rms_eps=keys.float("rms_norm_eps"), rope_pairing="halves",
-                  activation=activation, tie_embeddings=bool(keys.get("tie_word_embeddings")))
+                  activation=activation, tie_embeddings=keys.bool("tie_word_embeddings"))
     if n_heads % n_kv:
         keys.fail(f"num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}")
 
+    try:
+        return _arch_config(keys, model_type, hf, common, n_layers, d_model, context)
+    except ValueError as e:  # ModelConfig's own consistency checks
+        if isinstance(e, ModelFileError):
+            raise
+        keys.fail(str(e))
+
+
+def _object(keys: _Keys, key: str) -> dict:
+    """A config value that must be an object (or absent/null: empty)."""
+    value = keys.hf.get(key) or {}
+    if not isinstance(value, dict):
+        keys.fail(f"config key {key!r} = {value!r:.80} is not an object")
+    return value
+
+
+def _arch_config(keys: _Keys, model_type: str, hf: dict, common: dict, n_layers: int, d_model: int,
+                 context: int) -> ModelConfig:
     if model_type == "gemma3_text":
-        rp = hf.get("rope_parameters") or {}
+        rp = _object(keys, "rope_parameters")
         if "full_attention" in rp or "sliding_attention" in rp:  # transformers 5: one dict per layer type
             global_rp, local_rp = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
         else:  # older configs: rope_theta + rope_scaling for global layers, rope_local_base_freq for local
-            global_rp = {**(hf.get("rope_scaling") or {}), **rp}
+            global_rp = {**_object(keys, "rope_scaling"), **rp}
             local_rp = {}
         g_theta, _, g_linear = _rope(keys, global_rp, keys.float("rope_theta"), context, ("default", "linear"))
         l_theta, _, l_linear = _rope(keys, local_rp, keys.float("rope_local_base_freq"), context, ("default", "linear"))
         # the pattern only matters without layer_types: every pattern-th layer is global
-        pattern = keys.int("sliding_window_pattern", hf.get("_sliding_window_pattern") or 6)
+        pattern = keys.int("sliding_window_pattern", hf.get("_sliding_window_pattern") or 6, maximum=MAX_LAYERS)
         types = _layer_types(keys, n_layers, ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                                               for i in range(n_layers)])
         window = keys.window()
@@ -248,7 +298,7 @@ def config_from_hf(model_type: str, hf: dict, where: str | os.PathLike = CONFIG_
                            layer_rope_theta=tuple(l_theta if s else g_theta for s in local),
                            layer_rope_linear=tuple(l_linear if s else g_linear for s in local))
 
-    rp = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rp = _object(keys, "rope_parameters") or _object(keys, "rope_scaling")
     if hf.get("partial_rotary_factor") is not None:
         rp = {**rp, "partial_rotary_factor": hf["partial_rotary_factor"]}
     theta, scaling, linear = _rope(keys, rp, keys.float("rope_theta"), context, ("default", "linear", "llama3"))
@@ -256,7 +306,7 @@ def config_from_hf(model_type: str, hf: dict, where: str | os.PathLike = CONFIG_
         windows = (keys.window(),) * n_layers
     elif model_type == "qwen2":  # windows only with use_sliding_window, on layers >= max_window_layers
         window = keys.window() if keys.get("use_sliding_window") else None
-        first = keys.int("max_window_layers", minimum=0)
+        first = keys.int("max_window_layers", minimum=0, maximum=MAX_LAYERS)
         types = _layer_types(keys, n_layers, ["sliding_attention" if window is not None and i >= first
                                               else "full_attention" for i in range(n_layers)])
         windows = tuple(window if t == "sliding_attention" else None for t in types)
@@ -284,6 +334,10 @@ def weight_files(path: str | os.PathLike) -> list[Path]:
             names = sorted(set(weight_map.values()))
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
             raise ModelFileError(f"{index}: not a safetensors index (needs a 'weight_map' object): {e}") from e
+        # plain file names beside the index: an index does not reach outside its directory
+        bad = [n for n in names if not isinstance(n, str) or not n or Path(n).name != n or n in (".", "..")]
+        if bad:
+            raise ModelFileError(f"{index}: weight_map names {bad[0]!r:.80}, not a file name in the directory")
         missing = [n for n in names if not (path / n).is_file()]
         if missing:
             raise ModelFileError(f"{index} lists weight files that are missing: {', '.join(missing)}")
@@ -304,12 +358,15 @@ def _open(file: Path):
 
 
 def _headers(files: list[Path]) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
-    """Every tensor of the files -> (file, dtype name, shape), read from the headers only."""
+    """Every tensor of the files -> (file, dtype name, shape), read from the headers only
+    (safetensors checks each header's offsets against its dtype, shape and the file's size)."""
     out = {}
     for file in files:
         with _open(file) as f:
             for name in f.offset_keys():
                 info = f.get_slice(name)
+                if name in out:
+                    raise ModelFileError(f"{file}: tensor {name!r} is also in {out[name][0].name}")
                 out[name] = (file, info.get_dtype(), tuple(int(s) for s in info.get_shape()))
     return out
 
@@ -370,7 +427,7 @@ def _plan(cfg: ModelConfig, model_type: str, tensors: dict, where: Path) -> dict
                              + (f" and {len(missing) - 6} more" if len(missing) > 6 else ""))
     for name, (_, field) in plan.items():
         file, dtype, shape = tensors[name]
-        want = _expected_shape(cfg, field)
+        want = expected_shape(cfg, field)
         if shape != want:
             raise ModelFileError(f"{file}: tensor {name!r} has shape {list(shape)}, but config.json implies "
                                  f"{list(want)} (hidden_size {cfg.d_model}, heads {cfg.n_heads}/{cfg.n_kv_heads} "
@@ -387,17 +444,6 @@ def _prefix_of(tensors: dict) -> str:
             if name.startswith(prefix + "layers.") or name.startswith(prefix + "embed_tokens."):
                 return prefix
     return "model."
-
-
-def _expected_shape(cfg: ModelConfig, field: str) -> tuple[int, ...]:
-    q, kv, d = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.d_model
-    return {
-        "embed": (cfg.vocab_size, d), "lm_head": (cfg.vocab_size, d), "final_norm": (d,),
-        "attn_norm": (d,), "ffn_norm": (d,), "post_attn_norm": (d,), "post_ffn_norm": (d,),
-        "q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,),
-        "wq": (q, d), "wk": (kv, d), "wv": (kv, d), "wo": (d, q), "bq": (q,), "bk": (kv,), "bv": (kv,),
-        "w_gate": (cfg.d_ff, d), "w_up": (cfg.d_ff, d), "w_down": (d, cfg.d_ff),
-    }[field]
 
 
 # --- loading -----------------------------------------------------------------------------------
@@ -457,14 +503,20 @@ def _load_tensor(reader: _FileReader, name: str, shape: tuple[int, ...], itemsiz
     buffer that each write donates, so the host holds one chunk at a time and the device never
     holds two copies of the tensor."""
     step = max(1, _CHUNK_BYTES // max(1, math.prod(shape[1:]) * itemsize))
+
+    def rows(start, stop):
+        host = reader.rows(name, start, stop)
+        check_finite(reader.file, name, host)
+        return host
+
     if step >= shape[0]:
-        part = convert(reader.rows(name, 0, shape[0]))
+        part = convert(rows(0, shape[0]))
         if isinstance(part, QTensor):
             return QTensor(jax.tree.map(jax.device_put, part.planes), part.qtype, part.shape)
         return jax.device_put(part)
     planes = qtype = None
     for start in range(0, shape[0], step):
-        part = convert(reader.rows(name, start, min(start + step, shape[0])))
+        part = convert(rows(start, min(start + step, shape[0])))
         leaves = part.planes if isinstance(part, QTensor) else part
         if planes is None:
             qtype = part.qtype if isinstance(part, QTensor) else None
