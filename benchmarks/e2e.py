@@ -65,7 +65,7 @@ def _fmt(x, spec=",.0f") -> str:
 def compact_row(shape: str, mix: str, bench: dict | None, status: str) -> dict:
     s = (bench or {}).get("summary") or {}
     if bench and not s:  # a bench killed mid-way: derive what it had measured
-        from rjax.bench import summarize
+        from rjax.bench_report import summarize
 
         s = summarize(bench)
     ref = LLAMA_CPP.get((shape, mix), {})

@@ -40,7 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from rjax import engine  # noqa: E402
-from rjax.bench import write_json  # noqa: E402
+from rjax.bench_report import write_json  # noqa: E402
 from rjax.engine import DecodeState  # noqa: E402
 from rjax.memory import MemoryFitError, kv_bytes_per_position, plan_memory, tree_bytes  # noqa: E402
 from rjax.paged_cache import PagedKVCache  # noqa: E402

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -50,7 +49,9 @@ from rjax.cache import init_cache
 from rjax.config import ModelConfig
 from rjax.generation import activation_dtype, cache_length
 from rjax.model import Params
-from gguf_blocks.qtensor import QTensor
+from rjax.bench_report import _pyplot, format_table, plot, summarize, write_json
+from rjax.roofline import (decode_weight_bytes, kv_bytes_per_sequence, measure_bandwidth, memory_stats, roofline,
+                           weight_bytes, weight_types)
 from rjax.sampling import SamplingParams
 
 
@@ -84,54 +85,6 @@ class BenchSettings:
             raise ValueError(f"compile_workers must be >= 0, got {self.compile_workers}")
 
 
-# ---------------------------------------------------------------------------------------------
-# bytes: weights, KV cache, roofline
-
-def _leaf_bytes(tree) -> int:
-    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
-def weight_bytes(params: Params) -> int:
-    """Bytes of every weight array (quantized planes or dense arrays) in the params."""
-    return _leaf_bytes(params)
-
-
-def decode_weight_bytes(cfg: ModelConfig, params: Params, batch: int) -> int:
-    """Weight bytes one decode step reads: everything, except that an untied embedding table
-    is only gathered from (`batch` rows of it)."""
-    total = weight_bytes(params)
-    if params.lm_head is None:  # tied: the embedding is read in full as the LM head
-        return total
-    embed = _leaf_bytes(params.embed)
-    return total - embed + math.ceil(embed / cfg.vocab_size) * min(batch, cfg.vocab_size)
-
-
-def kv_bytes_per_sequence(cfg: ModelConfig, context: float, itemsize: int) -> float:
-    """K and V bytes a decode step reads for one sequence holding `context` positions."""
-    per_position = 2 * cfg.n_kv_heads * cfg.head_dim * itemsize
-    return sum(per_position * (min(context, w) if w else context) for w in cfg.layer_windows)
-
-
-def weight_types(params: Params) -> dict[str, dict[str, int]]:
-    """{type name: {count, bytes}} over the weights (QTensor types, dense dtypes)."""
-    out: dict[str, dict[str, int]] = {}
-    for leaf in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QTensor)):
-        name = leaf.qtype.name if isinstance(leaf, QTensor) else str(leaf.dtype)
-        entry = out.setdefault(name, {"count": 0, "bytes": 0})
-        entry["count"] += 1
-        entry["bytes"] += _leaf_bytes(leaf)
-    return dict(sorted(out.items()))
-
-
-def roofline(weight_bytes_per_step: int, kv_bytes_per_seq: float, batch: int, bandwidth_bytes_per_s: float) -> dict:
-    step_bytes = weight_bytes_per_step + batch * kv_bytes_per_seq
-    return dict(bytes_per_step=int(step_bytes), weight_bytes=int(weight_bytes_per_step),
-                kv_bytes=int(batch * kv_bytes_per_seq),
-                step_time_s=step_bytes / bandwidth_bytes_per_s,
-                tokens_per_s=batch * bandwidth_bytes_per_s / step_bytes)
-
-
-# ---------------------------------------------------------------------------------------------
 # measurements
 
 def _percentiles(values) -> dict:
@@ -139,36 +92,6 @@ def _percentiles(values) -> dict:
     if v.size == 0:
         return {"p50": None, "p90": None, "p99": None}
     return {f"p{q}": float(np.percentile(v, q)) for q in (50, 90, 99)}
-
-
-def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, passes: int = 4) -> dict:
-    """Device memory bandwidth from a jitted elementwise pass over an array of nbytes, which
-    reads and writes every byte. `passes` passes run in one dispatch (a loop whose trip count
-    is a runtime value, so XLA can neither unroll nor fuse them) to keep launch and sync
-    overhead out of the time; the median of `repeats` dispatches counts."""
-    n = max(1, nbytes // 4)
-    x = jnp.zeros((n,), jnp.float32)
-    f = jax.jit(lambda a, k: jax.lax.fori_loop(0, k, lambda i, b: b + 1.0, a))
-    k = jnp.int32(passes)
-    f(x, k).block_until_ready()
-    samples = []
-    for _ in range(max(1, repeats)):
-        t0 = time.perf_counter()
-        f(x, k).block_until_ready()
-        samples.append(time.perf_counter() - t0)
-    del x
-    moved = 2 * 4 * n * passes
-    med = float(np.median(samples))
-    return dict(array_bytes=4 * n, passes=passes, bytes_moved=moved, samples_s=samples, median_s=med,
-                bytes_per_s=moved / med, gb_per_s=moved / med / 1e9)
-
-
-def memory_stats() -> dict | None:
-    stats = jax.devices()[0].memory_stats()
-    if not stats:
-        return None
-    keys = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit", "largest_alloc_size")
-    return {k: int(stats[k]) for k in keys if k in stats}
 
 
 def load_for_bench(model: str | os.PathLike, progress: bool = True) -> tuple[ModelConfig, Params, Path]:
@@ -469,135 +392,6 @@ def _bench_decode(cfg, params, s: BenchSettings, b, n, prefilled, key, stop_ids,
                 dispatch_s=_percentiles(dispatch_s),
                 host_s_per_token=float(np.median(host_s)) / n,
                 first_call_s=first_call, compile_s=max(0.0, first_call - steady), programs_compiled=programs)
-
-
-def summarize(result: dict) -> dict:
-    """The headline numbers, llama-bench style (pp = prefill at batch 1, tg = decode at batch 1)."""
-    s = result["settings"]
-    out: dict = {"pp": None, "ttft_s": None, "tg": None, "tg_steps_per_dispatch": None,
-                 "decode_by_batch": {}, "roofline_tg": None, "roofline_fraction_tg": None,
-                 "compile_s_total": None, "bandwidth_gb_per_s": result.get("bandwidth", {}).get("gb_per_s")}
-    p1 = [p for p in result.get("prefill", []) if p["batch"] == 1]
-    if p1:
-        out["pp"] = p1[0]["tokens_per_s"]
-        out["ttft_s"] = p1[0]["ttft_s"]
-    best: dict[int, dict] = {}
-    for d in result.get("decode", []):
-        if d["batch"] not in best or d["tokens_per_s"] > best[d["batch"]]["tokens_per_s"]:
-            best[d["batch"]] = d
-    for b, d in sorted(best.items()):
-        out["decode_by_batch"][str(b)] = {"tokens_per_s": d["tokens_per_s"], "steps_per_dispatch": d["steps_per_dispatch"],
-                                          "roofline_tokens_per_s": d["roofline"]["tokens_per_s"],
-                                          "roofline_fraction": d["roofline_fraction"]}
-    if 1 in best:
-        out["tg"] = best[1]["tokens_per_s"]
-        out["tg_steps_per_dispatch"] = best[1]["steps_per_dispatch"]
-        out["roofline_tg"] = best[1]["roofline"]["tokens_per_s"]
-        out["roofline_fraction_tg"] = best[1]["roofline_fraction"]
-    host = {d["steps_per_dispatch"]: d["host_s_per_token"] for d in result.get("decode", []) if d["batch"] == 1}
-    out["host_s_per_token_by_steps"] = {str(k): v for k, v in sorted(host.items())}
-    # Compile time: the programs compiled ahead (lowering + the concurrent compiles' wall time),
-    # plus what the first calls still spent beyond a steady call.
-    comp = result.get("compile", {})
-    times = [v for fn in ("prefill_and_sample", "decode_loop") for v in comp.get(fn, {}).values()]
-    ahead = comp.get("ahead")
-    out["compile_s_total"] = (float(sum(times)) + (ahead["total_s"] if ahead else 0.0)) if times or ahead else None
-    end = (result.get("memory") or {}).get("end") or {}
-    out["peak_bytes_in_use"] = end.get("peak_bytes_in_use")  # process-wide, bandwidth probe included
-    out["label"] = f"pp{s['prompt_len']} / tg{s['gen']}"
-    return out
-
-
-# Top-level keys of a finished result (the test checks them all).
-RESULT_KEYS = ("rjax_bench_version", "device", "settings", "status", "skipped", "errors", "bandwidth", "model",
-               "memory", "prefill", "decode", "compile", "recompilation", "summary", "elapsed_s")
-
-
-# ---------------------------------------------------------------------------------------------
-# output
-
-def write_json(result: dict, path: str | os.PathLike) -> None:
-    """Atomically (re)write the result, so a reader never sees half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, path)
-
-
-MATPLOTLIB_MISSING = "plotting needs matplotlib: pip install matplotlib (or rjax[plot])"
-
-
-def _pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise RuntimeError(MATPLOTLIB_MISSING) from None
-    return plt
-
-
-def plot(result: dict, path: str | os.PathLike) -> Path:
-    """tokens/s against batch size, one line per steps-per-dispatch, with the roofline."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    by_n: dict[int, list] = {}
-    for d in result["decode"]:
-        by_n.setdefault(d["steps_per_dispatch"], []).append((d["batch"], d["tokens_per_s"]))
-    for n, pts in sorted(by_n.items()):
-        pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"rjax, N={n} steps per dispatch")
-    roof = sorted({(d["batch"], d["roofline"]["tokens_per_s"]) for d in result["decode"]})
-    if roof:
-        ax.plot([p[0] for p in roof], [p[1] for p in roof], "k--",
-                label=f"roofline at {result['bandwidth']['gb_per_s']:.3g} GB/s")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("batch size (sequences)")
-    ax.set_ylabel("decode tokens/s (all sequences)")
-    name = Path(result["model"]["source"]).name if result["model"].get("source") else result["model"]["arch"]
-    ax.set_title(f"{name} on {result['device']['kind']}", fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def format_table(result: dict) -> str:
-    lines = []
-    m, bw = result.get("model", {}), result.get("bandwidth", {})
-    lines.append(f"model {m.get('source') or m.get('arch')}: {m.get('weight_bytes', 0) / 1e9:.3f} GB weights, "
-                 f"device {result['device']['kind']}, copy bandwidth {bw.get('gb_per_s', float('nan')):.1f} GB/s")
-    for p in result.get("prefill", []):
-        lines.append(f"  prefill B={p['batch']:<3} {p['tokens_per_s']:>12,.1f} tokens/s  {p['time_s'] * 1e3:9.2f} ms"
-                     f"   first call {p['first_call_s']:.1f} s")
-    lines.append(f"  {'decode':14} {'tokens/s':>12} {'p50 ms/tok':>11} {'p99':>8} {'host us/tok':>12} "
-                 f"{'roofline':>10} {'frac':>6} {'compile s':>10}")
-    for d in result.get("decode", []):
-        lines.append(f"  B={d['batch']:<3} N={d['steps_per_dispatch']:<5} {d['tokens_per_s']:>12,.1f} "
-                     f"{d['per_token_s']['p50'] * 1e3:>11.3f} {d['per_token_s']['p99'] * 1e3:>8.3f} "
-                     f"{d['host_s_per_token'] * 1e6:>12.1f} {d['roofline']['tokens_per_s']:>10,.0f} "
-                     f"{d['roofline_fraction']:>6.1%} {d['compile_s']:>10.1f}")
-    ahead = result.get("compile", {}).get("ahead")
-    if ahead:
-        lines.append(f"  compiled {len(ahead['programs'])} programs ahead in {ahead['total_s']:.1f} s: lowering "
-                     f"{ahead['lower_s']:.1f} s, then {ahead['wall_s']:.1f} s in {ahead['workers']} threads")
-    rc = result.get("recompilation", {})
-    if rc:
-        lines.append("  programs compiled: " + ", ".join(f"{k} {v['programs']} (expected {v['expected']})"
-                                                       for k, v in rc.items()))
-    mem = (result.get("memory") or {}).get("end")
-    if mem and "peak_bytes_in_use" in mem:
-        lines.append(f"  peak device memory {mem['peak_bytes_in_use'] / 2**30:.2f} GiB")
-    for k in ("skipped", "errors"):
-        if result.get(k):
-            lines.append(f"  {k}: {result[k]}")
-    return "\n".join(lines)
 
 
 def _int_list(text: str) -> tuple[int, ...]:

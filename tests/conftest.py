@@ -1,10 +1,16 @@
 """Shared fixtures: the real catalog models (pulled into the cache on first use) and the oracle."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# Under pytest-xdist several test processes share one GPU: each takes device memory as it
+# needs it rather than XLA's default share up front.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # lets tests import `tests.oracle.client`

@@ -12,8 +12,9 @@ import pytest
 from gguf import GGUFReader
 
 from rjax import engine
-from rjax.bench import (RESULT_KEYS, BenchSettings, decode_weight_bytes, format_table, kv_bytes_per_sequence,
-                        measure_bandwidth, plot, roofline, run_bench, summarize)
+from rjax.bench import BenchSettings, run_bench
+from rjax.bench_report import RESULT_KEYS, format_table, plot, summarize
+from rjax.roofline import decode_weight_bytes, kv_bytes_per_sequence, measure_bandwidth, roofline
 from rjax.cache import init_cache
 from rjax.config import ModelConfig
 from rjax.loaders.gguf import load_gguf
@@ -204,15 +205,3 @@ def test_e2e_table_beside_llama_cpp(result):
     text = e2e.format_rows([row, e2e.compact_row("llama-8b", "q4_k", None, "skipped")])
     assert "54,603" in text and "3,356" in text and "skipped" in text
 
-
-def test_l2_warm_kernel_reads_the_leading_columns():
-    """benchmarks/l2_warm.py's warm kernel (in Pallas' interpreter) sums exactly the leading
-    fraction of every row of planes of several dtypes, rows spread over the programs."""
-    from benchmarks.l2_warm import warm, warm_reference
-
-    k = jax.random.key(0)
-    planes = [jax.random.bits(k, (37, 5, 128), jnp.uint8), jax.random.normal(k, (37, 5), jnp.float32).astype(jnp.float16),
-              jax.random.bits(k, (37, 5, 4), jnp.uint32).astype(jnp.int32)]
-    for fraction, programs in ((1.0, 4), (0.3, 7), (0.3, 64)):
-        got = warm(planes, fraction, programs, interpret=True)
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(warm_reference(planes, fraction, programs)))

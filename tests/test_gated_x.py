@@ -129,7 +129,6 @@ def test_gpu_kernels_apply_the_glu(qtype, m):
 def test_dispatch_takes_it_on_the_float_kernels_cuda_core_tiles():
     """On a GPU backend, at one row: a Q4_1 down product on the float kernel yes; one on the
     int8 GEMV or on the wgmma kernel (Q6_K from one row), or two rows, no."""
-    import unittest.mock as mock
 
     from pallas_kernels.quant_matmul import gemv
 

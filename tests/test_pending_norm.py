@@ -5,7 +5,6 @@ model decoding the same logits with and without it; the Triton lowering for sm_9
 GPU against the two kernels it replaces."""
 from __future__ import annotations
 
-import functools
 import unittest.mock as mock
 import warnings
 
@@ -15,7 +14,6 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
 
-from pallas_kernels import quant_matmul
 from pallas_kernels.quant_matmul import gemv, qmatmul, qmatmul_pending_norm, takes_pending_norm
 from pallas_kernels.quant_matmul.kernel import TileConfig, fused_qmatmul
 from pallas_kernels.quant_matmul.testing import dequantized_product, random_qtensor, rel_error

@@ -5,7 +5,6 @@ Mosaic code or wgmma operands in registers): tests/test_quant_matmul_gpu.py::tes
 from __future__ import annotations
 
 import dataclasses
-import unittest.mock as mock
 
 import jax
 import jax.numpy as jnp

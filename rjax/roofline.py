@@ -1,0 +1,92 @@
+"""What a decode step must read, and how fast this device reads: the roofline that throughput is
+held against. Bytes of weights (quantized planes or dense arrays) and of the KV cache per step,
+the device's copy bandwidth measured by a jitted pass, and the ceiling they give."""
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gguf_blocks.qtensor import QTensor
+from rjax.config import ModelConfig
+from rjax.model import Params
+
+# ---------------------------------------------------------------------------------------------
+# bytes: weights, KV cache, roofline
+
+def _leaf_bytes(tree) -> int:
+    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def weight_bytes(params: Params) -> int:
+    """Bytes of every weight array (quantized planes or dense arrays) in the params."""
+    return _leaf_bytes(params)
+
+
+def decode_weight_bytes(cfg: ModelConfig, params: Params, batch: int) -> int:
+    """Weight bytes one decode step reads: everything, except that an untied embedding table
+    is only gathered from (`batch` rows of it)."""
+    total = weight_bytes(params)
+    if params.lm_head is None:  # tied: the embedding is read in full as the LM head
+        return total
+    embed = _leaf_bytes(params.embed)
+    return total - embed + math.ceil(embed / cfg.vocab_size) * min(batch, cfg.vocab_size)
+
+
+def kv_bytes_per_sequence(cfg: ModelConfig, context: float, itemsize: int) -> float:
+    """K and V bytes a decode step reads for one sequence holding `context` positions."""
+    per_position = 2 * cfg.n_kv_heads * cfg.head_dim * itemsize
+    return sum(per_position * (min(context, w) if w else context) for w in cfg.layer_windows)
+
+
+def weight_types(params: Params) -> dict[str, dict[str, int]]:
+    """{type name: {count, bytes}} over the weights (QTensor types, dense dtypes)."""
+    out: dict[str, dict[str, int]] = {}
+    for leaf in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QTensor)):
+        name = leaf.qtype.name if isinstance(leaf, QTensor) else str(leaf.dtype)
+        entry = out.setdefault(name, {"count": 0, "bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += _leaf_bytes(leaf)
+    return dict(sorted(out.items()))
+
+
+def roofline(weight_bytes_per_step: int, kv_bytes_per_seq: float, batch: int, bandwidth_bytes_per_s: float) -> dict:
+    step_bytes = weight_bytes_per_step + batch * kv_bytes_per_seq
+    return dict(bytes_per_step=int(step_bytes), weight_bytes=int(weight_bytes_per_step),
+                kv_bytes=int(batch * kv_bytes_per_seq),
+                step_time_s=step_bytes / bandwidth_bytes_per_s,
+                tokens_per_s=batch * bandwidth_bytes_per_s / step_bytes)
+
+
+# ---------------------------------------------------------------------------------------------
+def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, passes: int = 4) -> dict:
+    """Device memory bandwidth from a jitted elementwise pass over an array of nbytes, which
+    reads and writes every byte. `passes` passes run in one dispatch (a loop whose trip count
+    is a runtime value, so XLA can neither unroll nor fuse them) to keep launch and sync
+    overhead out of the time; the median of `repeats` dispatches counts."""
+    n = max(1, nbytes // 4)
+    x = jnp.zeros((n,), jnp.float32)
+    f = jax.jit(lambda a, k: jax.lax.fori_loop(0, k, lambda i, b: b + 1.0, a))
+    k = jnp.int32(passes)
+    f(x, k).block_until_ready()
+    samples = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        f(x, k).block_until_ready()
+        samples.append(time.perf_counter() - t0)
+    del x
+    moved = 2 * 4 * n * passes
+    med = float(np.median(samples))
+    return dict(array_bytes=4 * n, passes=passes, bytes_moved=moved, samples_s=samples, median_s=med,
+                bytes_per_s=moved / med, gb_per_s=moved / med / 1e9)
+
+
+def memory_stats() -> dict | None:
+    stats = jax.devices()[0].memory_stats()
+    if not stats:
+        return None
+    keys = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit", "largest_alloc_size")
+    return {k: int(stats[k]) for k in keys if k in stats}
