@@ -314,10 +314,12 @@ def test_gpu_int8_decode_paths_agree(tmp_path):
                 "float": TUNING.replace(int8_max_m=())}
     out = {name: _decode_logits_with(cfg, params, ids, [3], tuning) for name, tuning in variants.items()}
     scale = float(np.abs(out["float"]).max())
-    np.testing.assert_allclose(out["producer"], out["in_kernel"], rtol=0, atol=2e-2 * scale)
     np.testing.assert_allclose(out["add_norm"], out["producer"], rtol=0, atol=2e-2 * scale)
     np.testing.assert_allclose(out["add_norm"], out["bf16_attention_out"], rtol=0, atol=2e-2 * scale)
-    np.testing.assert_allclose(out["producer"], out["float"], rtol=0, atol=5e-2 * scale)
+    # The int8 kernel rounds x from its bfloat16 values, the producers from float32: each is
+    # held against the float kernel.
+    for name in ("producer", "in_kernel", "add_norm"):
+        np.testing.assert_allclose(out[name], out["float"], rtol=0, atol=5e-2 * scale, err_msg=name)
 
 
 @pytest.mark.gpu
