@@ -60,6 +60,13 @@ from rjax.sampling import SamplingParams, sample
 MAX_TOP_LOGPROBS = 20
 
 
+def _put(*host_arrays):
+    """NumPy arrays to the device as a plain transfer: `jnp.asarray` of a NumPy array compiles
+    a small `stage` program for every new shape, which a running server must not do."""
+    out = jax.device_put(host_arrays)
+    return out[0] if len(out) == 1 else out
+
+
 @dataclasses.dataclass(frozen=True)
 class ServingConfig:
     n_slots: int = 32
@@ -522,7 +529,7 @@ class ServingEngine:
             self._live_ids.discard(r.request_id)
         running = [r for r in self._running.values() if r.request_id in ids]
         if running:
-            self.slots = stop_slots(self.slots, jnp.asarray(self._slot_rows([r.slot for r in running])))
+            self.slots = stop_slots(self.slots, _put(self._slot_rows([r.slot for r in running])))
         now = time.perf_counter()
         events = [self._event(r, [], True, now, reason="cancelled") for r in queued + running]
         self._release(running)
@@ -561,7 +568,7 @@ class ServingEngine:
             return
         rows = self._slot_rows(slots)
         tables = self.pages.tables[np.minimum(rows, self.config.n_slots - 1)]
-        self.cache = set_block_tables(self.cache, jnp.asarray(rows), jnp.asarray(tables))
+        self.cache = set_block_tables(self.cache, *_put(rows, tables))
 
     def _prefill_new(self) -> list[StreamEvent]:
         batch = self._take_admissible()
@@ -578,9 +585,9 @@ class ServingEngine:
         rows[: len(batch)] = [r.slot for r in batch]
         valid = np.arange(P) < len(batch)
         pad = [batch[0]] * (P - len(batch))
-        sp = SamplingParams(jnp.asarray([r.temperature for r in batch + pad], jnp.float32),
-                            jnp.asarray([r.top_k for r in batch + pad], jnp.int32),
-                            jnp.asarray([r.top_p for r in batch + pad], jnp.float32))
+        sp = SamplingParams(*_put(np.asarray([r.temperature for r in batch + pad], np.float32),
+                                  np.asarray([r.top_k for r in batch + pad], np.int32),
+                                  np.asarray([r.top_p for r in batch + pad], np.float32)))
         stops = np.full((P, c.max_stop_ids), -1, np.int32)
         for i, r in enumerate(batch):
             stops[i, : len(r.stop_ids)] = r.stop_ids
@@ -588,9 +595,8 @@ class ServingEngine:
         seeds = np.asarray([[r.seed & 0xFFFFFFFF, r.seed >> 32] for r in batch + pad], np.uint32)
         index = np.asarray([r.sample_index for r in batch + pad], np.uint32)
         first, lp, self.slots, self.cache = prefill_into_slots(
-            self.cfg, self.params, self.cache, self.slots, jnp.asarray(tokens), jnp.asarray(lengths),
-            jnp.asarray(rows), jnp.asarray(valid), jnp.asarray(seeds), jnp.asarray(index), sp, jnp.asarray(budget),
-            jnp.asarray(stops))
+            self.cfg, self.params, self.cache, self.slots, *_put(tokens, lengths, rows, valid, seeds, index), sp,
+            *_put(budget, stops))
         first = np.asarray(first)
         done = np.asarray(self.slots.state.done)
         # Only what a request asked for crosses to the host.
@@ -662,7 +668,7 @@ class ServingEngine:
             self._live_ids.discard(self._running.pop(s).request_id)
             if self.pages is not None:
                 self.pages.release(s)
-        self.cache = free_slots(self.cache, jnp.asarray(self._slot_rows(slots)))
+        self.cache = free_slots(self.cache, _put(self._slot_rows(slots)))
         for s in slots:
             heapq.heappush(self._free, s)
 

@@ -110,7 +110,11 @@ def test_generate_two_and_33_prompts(models):
     two = rjax.generate(model, PROMPTS[1:3], **KW)
     _check_against_reference(model, two, PROMPTS[1:3])
     many = rjax.generate(model, PROMPTS, **KW)
-    assert len(many) == 33 and all(len(r.tokens) == N_NEW for r in many)
+    assert len(many) == 33
+    # A random model may pick its end-of-sequence token within N_NEW steps: then "stop", early.
+    assert all((r.finish_reason, len(r.tokens)) == ("length", N_NEW) or
+               (r.finish_reason == "stop" and len(r.tokens) <= N_NEW) for r in many), \
+        [(r.finish_reason, len(r.tokens)) for r in many]
     _check_against_reference(model, [many[0], many[32]], [PROMPTS[0], PROMPTS[32]])
 
 
