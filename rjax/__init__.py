@@ -5,13 +5,16 @@ Functional:  rjax.init_cache, rjax.prefill, rjax.decode_step, rjax.decode_loop, 
              are pure jitted functions of (static config, params pytree, cache pytree, inputs).
 Scoring:     rjax.score, rjax.perplexity; rjax.token_logprobs is the jitted core.
 Serving:     rjax.ServingEngine (continuous batching over slots of a paged KV cache).
+Errors:      rjax.ModelFileError (a damaged or unsupported model file), rjax.ContextLengthError
+             (prompt plus new tokens beyond the context), rjax.InvalidTextError.
 """
 from rjax.cache import KVCache, init_cache
 from rjax.catalog import DEFAULT_MODEL, pull
 from rjax.config import ModelConfig
-from rjax.engine import decode_loop, decode_step, pad_prompts, prefill, prefill_and_sample, prompt_bucket
-from rjax.generation import GenerationResult, generate, stream
+from rjax.engine import ContextLengthError, decode_loop, decode_step, pad_prompts, prefill, prefill_and_sample, prompt_bucket
+from rjax.generation import GenerationResult, InvalidTextError, generate, stream
 from rjax.loaders import Model, load
+from rjax.loaders.errors import ModelFileError
 from rjax.model import Params, forward
 from rjax.plan import Plan, plan_for
 from rjax.paged_cache import PagedKVCache, init_paged_cache
@@ -20,7 +23,8 @@ from rjax.scoring import perplexity, score, token_logprobs
 from rjax.serving import ServingConfig, ServingEngine
 
 __all__ = [
-    "DEFAULT_MODEL", "GenerationResult", "KVCache", "Model", "ModelConfig", "PagedKVCache", "Params", "Plan",
+    "ContextLengthError", "DEFAULT_MODEL", "GenerationResult", "InvalidTextError", "KVCache", "Model", "ModelConfig",
+    "ModelFileError", "PagedKVCache", "Params", "Plan",
     "SamplingParams", "ServingConfig", "ServingEngine",
     "decode_loop", "decode_step", "forward", "generate", "init_cache", "init_paged_cache", "load", "pad_prompts", "plan_for",
     "prefill",

@@ -243,7 +243,7 @@ def initial_state(first_tokens, max_new_tokens, stop_ids, key, cache: KVCache, s
 # every decode step the GPU drains and the host reads the predicate back before it launches the
 # next step. With WHILE and CONDITIONAL among the command-buffer types the whole loop is one CUDA
 # graph whose conditional nodes test the predicate on the device. The option replaces XLA's list,
-# so the list repeats the default types. H100, batch 1, A/B against the default (session 13):
+# so the list repeats the default types. H100, batch 1, A/B against the default:
 # llama-1b Q4_K 1,339 against 1,170 tokens/s, smollm2-135m 1,200 against 1,137. A CPU backend
 # ignores it.
 DECODE_LOOP_COMPILER_OPTIONS = {

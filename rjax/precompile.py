@@ -6,7 +6,7 @@ and fusions of distinct shapes that cost. The engine's programs for a set of bat
 prompt buckets and steps per dispatch are independent of each other, and XLA releases the
 GIL while it compiles, so compiling them in threads cuts the wait from their sum to about the
 slowest one (llama-8b, the 9 programs of `rjax bench`: 76.7 s one after another, 31.1 s in 9
-threads on the H100; benchmarks/NOTES-decode-step.md, session 8). Each program starts
+threads on the H100; docs/kernels.md). Each program starts
 compiling as soon as it is lowered, while the next one lowers (lowering is Python, one
 program at a time: 7.5-12.7 s of those totals), which that measurement did not yet do.
 

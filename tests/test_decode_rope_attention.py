@@ -157,15 +157,19 @@ def test_gpu_matches_the_two_kernels(pairing, B, hq, hkv, d, splits):
 
 
 @pytest.mark.parametrize("kernels", ["reference", "interpret"])
-def test_model_decode_step_takes_it_when_enabled(tmp_path, monkeypatch, kernels):
-    """The model's one-token step with the fused path switched on: the same logits and caches as
-    with rope_append + attention (both through references, or both through the kernels in
-    interpret mode), and the fused path was taken."""
+def test_model_decode_step_takes_it_when_planned(tmp_path, monkeypatch, kernels):
+    """The model's one-token step under a GPU plan with the fused path (Tuning.fused_rope_max_rows
+    256) against the same plan without it (0): the same logits and caches as with rope_append +
+    attention (both through references, or both through the kernels in interpret mode), and the
+    fused path was taken."""
     import pallas_kernels.attention as attention
+    from pallas_kernels.quant_matmul import TUNING
     from rjax import engine
     from rjax.bench import load_for_bench
     from rjax.cache import init_cache
     from rjax.layout import fuse_projections
+    from rjax.model import forward
+    from rjax.plan import plan_for
     from rjax.synth import write_synthetic
 
     path = write_synthetic(tmp_path / "m.gguf", "smollm2-135m", "q4_1", n_layers=2, vocab_size=512,
@@ -179,16 +183,16 @@ def test_model_decode_step_takes_it_when_enabled(tmp_path, monkeypatch, kernels)
     fused = attention.rope_attention
     monkeypatch.setattr("rjax.cache.rope_attention", lambda *a, **k: calls.append(1) or fused(*a, **k))
     tokens, lengths = engine.pad_prompts([[5, 6, 7, 8, 9], [11, 12]])
+    step = jnp.asarray([[3], [4]], jnp.int32)
 
     def run(max_rows):
-        monkeypatch.setattr(attention, "FUSED_ROPE_MAX_ROWS", max_rows)
-        jax.clear_caches()  # the switch is read at trace time
+        # The attention output stays float either way, so that only the fusion differs.
+        tuning = TUNING.replace(fused_rope_max_rows=max_rows, quantized_attention_out=False)
+        plan = plan_for(cfg, params, 2, 1, jnp.float32, gpu=True, implementation=kernels, tuning=tuning)
+        assert {lp.attention for lp in plan.layers} == {"rope_attention" if max_rows else "rope_append"}
         cache = init_cache(cfg, 2, 64)
         _, cache = engine.prefill(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
-        logits, cache = engine.decode_step(cfg, params, cache, jnp.asarray([3, 4], jnp.int32))
-        logits2, cache = engine.decode_step(cfg, params, cache, jnp.asarray([1, 2], jnp.int32),
-                                            jnp.asarray([True, False]))
-        return logits, logits2, cache
+        return forward(cfg, params, cache, step, jnp.asarray(lengths)[:, None], plan=plan)
 
     want = run(0)
     assert not calls

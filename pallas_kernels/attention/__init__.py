@@ -3,8 +3,8 @@
 `attention` (contiguous cache [B, Hkv, S, D]) and `paged_attention` (page pool [P, Hkv, page_size, D]
 plus block tables) are the entry points the model calls; semantics are in reference.py.
 `rope_attention` is a one-token decode step from the QKV product on: kv_append's rotation and
-K/V append, then the attention, as one kernel (`decode_rope_attention`; the model takes it for
-up to FUSED_ROPE_MAX_ROWS sequences).
+K/V append, then the attention, as one kernel (`decode_rope_attention`; the model's plan says
+for how many sequences).
 
 implementation:
   None         choose: on a GPU backend the Pallas kernel (prefill kernel when T > 8, decode kernel
@@ -28,7 +28,7 @@ from .reference import attention_reference, paged_attention_reference
 __all__ = [
     "attention", "paged_attention", "attention_reference", "paged_attention_reference",
     "prefill_attention", "mgpu_prefill_attention", "paged_prefill_attention", "decode_attention",
-    "paged_decode_attention", "decode_rope_attention", "rope_attention", "fuses_rope", "FUSED_ROPE_MAX_ROWS",
+    "paged_decode_attention", "decode_rope_attention", "rope_attention",
     "MAX_DECODE_TOKENS",
 ]
 
@@ -56,20 +56,6 @@ def attention(q, k, v, q_pos, kv_len, *, scale: float, window: int | None = None
     else:
         kernel = prefill_attention
     return kernel(q, k, v, q_pos, kv_len, scale=scale, window=window, interpret=impl == "interpret")
-
-
-# Sequences per decode step up to which the model runs the rotation, the K/V append and the
-# attention of a one-token step as one kernel (`decode_rope_attention`) instead of two
-# (`kv_append.rope_append`, then `decode_attention`): one launch fewer per layer. On the H100 at
-# batch 1 it took 20-25 us of kernel time out of a step (llama-1b 772 -> 752 us, smollm2 831 ->
-# 805 us); end to end the change was inside the run-to-run spread at batch 1 and 8
-# (benchmarks/NOTES-decode-step.md, session 9).
-FUSED_ROPE_MAX_ROWS = 256
-
-
-def fuses_rope(batch: int, tokens: int) -> bool:
-    """Whether a decode step of `batch` sequences x `tokens` tokens takes `rope_attention`."""
-    return tokens == 1 and batch <= FUSED_ROPE_MAX_ROWS
 
 
 def rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, *, n_heads: int, pairing: str, dtype,

@@ -45,7 +45,7 @@ NUM_SMS_H100 = 132
 
 
 def default_tiles(head_dim: int) -> dict:
-    """Block size and launch shape measured best on the H100 (benchmarks/NOTES-attention.md)."""
+    """Block size and launch shape measured best on the H100 (docs/kernels.md)."""
     if head_dim <= 128:
         return dict(block_k=128, num_warps=4, num_stages=3)
     return dict(block_k=64, num_warps=4, num_stages=3)
@@ -60,7 +60,7 @@ def default_num_splits(batch: int, kv_heads: int, num_keys: int, block_k: int, m
     block took 4.7 against 8.0 us for one split of a 1,024-key smollm2 cache
     (benchmarks/decode_attention_tiles.py). Beyond one wave the extra programs and partials cost
     more than they save: llama-8b at batch 8 spent 19.4 us per layer with 5 splits, 13.7 with 2
-    (profile_decode.py, session 10).
+    (benchmarks/profile_decode.py).
 
     Merged by XLA: about two waves, and at least 4 blocks per split: there the extra partials
     cost two more launches, and one block per split decoded smollm2 8% slower end to end (761 vs

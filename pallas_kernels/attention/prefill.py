@@ -9,7 +9,7 @@ not leave the GPU idle.
 
 Lowering: Pallas's Triton lowering. On the H100 the contiguous bf16/f16 prefill goes to the Mosaic
 GPU kernel in prefill_mgpu.py instead (1.00x cuDNN against this kernel's 0.84x at S=2048, D=128;
-benchmarks/NOTES-attention.md). This kernel stays the general path: the paged cache (per-block page
+docs/kernels.md). This kernel stays the general path: the paged cache (per-block page
 gathers are plain pointer loads in Triton), float32 inputs, head dims or cache lengths the Mosaic
 kernel does not tile, and other GPUs; it also runs under `interpret=True` on the CPU, which the
 tests rely on. Triton emits Hopper wgmma for the 16-bit products.
@@ -29,7 +29,7 @@ from .reference import check_shapes
 
 
 def default_tiles(head_dim: int) -> dict:
-    """Tile sizes and launch shape measured on the H100 (benchmarks/NOTES-attention.md)."""
+    """Tile sizes and launch shape measured on the H100 (docs/kernels.md)."""
     if head_dim <= 64:
         return dict(block_q=128, block_k=64, num_warps=4, num_stages=3)
     if head_dim <= 128:

@@ -20,7 +20,7 @@ Structure of one program (CTA), which owns two tiles of `block_q` query rows of 
   matrix products.
 
 Lowering: Mosaic GPU, chosen over the Triton-lowered kernel because it measured 0.94-1.02x cuDNN
-on the H100 where that one reached 0.79-0.84x (benchmarks/NOTES-attention.md). On the CPU it runs in
+on the H100 where that one reached 0.79-0.84x (docs/kernels.md). On the CPU it runs in
 the Mosaic GPU interpreter (`interpret=True`), where the P @ V product is staged through shared
 memory because the interpreter takes wgmma operands from shared memory and fresh accumulators only.
 """

@@ -1,7 +1,7 @@
 """Prefill GEMM (M in the hundreds to thousands): either the fused kernel with large tiles
 (dequantize each weight tile in registers, bf16 MMA on the tensor cores) or dequantize the
 whole weight once and use XLA's dot, whichever measured faster for the type
-(benchmarks/NOTES-quant_matmul.md).
+(docs/kernels.md).
 """
 from __future__ import annotations
 

@@ -111,7 +111,8 @@ class Tuning:
     # kernels read words faster; Q8_0 only where the wgmma kernel takes its batched products).
     words_min_values: tuple = _per_type(Q4_K=0, Q6_K=2**27, Q8_0=0)
     # One-token decode steps of up to this many sequences run rotation, K/V append and
-    # attention as one kernel (decode_rope_attention).
+    # attention as one kernel (decode_rope_attention): one launch fewer per layer, 20-25 us of
+    # kernel time out of a batch-1 step on the H100 (llama-1b 772 -> 752 us, smollm2 831 -> 805).
     fused_rope_max_rows: int = 256
     # That kernel hands its output to an int8 output product rounded to int8, so that the
     # product does not round it per program.
@@ -181,7 +182,7 @@ def default_int8_config(qtype: QType, m: int, n: int, k: int) -> int8.Int8GemvCo
     """The int8 kernel's measured tiles; K is split until there are about INT8_PROGRAMS programs.
 
     One row of Q4_K with K <= 2048 < N: 4 weight rows per program and twice the programs. H100,
-    us per product in llama-1b's decode step (profile_decode.py, session 10): 3072x2048 3.2 vs
+    us per product in llama-1b's decode step (benchmarks/profile_decode.py): 3072x2048 3.2 vs
     3.6, 16384x2048 8.7 vs 9.4. Alone (benchmarks/int8_gemv_tiles.py) the square products gained
     too (4096x4096 5.6 vs 6.0), but in the model they lost (9.8 vs 7.5 us at llama-8b, 3.5 vs
     3.3 at llama-1b), so they keep the default."""

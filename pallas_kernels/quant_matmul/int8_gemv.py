@@ -14,7 +14,7 @@ or plain activations, which every program rounds itself for the K range it cover
 group needs nothing from outside it). The second saves the producer's extra work and, where
 nothing else would have produced the rounded x, a launch; it costs per-step reductions here:
 25-35% of the kernel time for Q4_K at the 8B shapes, less than a launch at the 1B ones.
-`rounds_x_itself` says which (measured, benchmarks/NOTES-quant_matmul.md).
+`rounds_x_itself` says which (measured, docs/kernels.md).
 
 Weights are read as 32-bit words, four packed bytes at a time: the quant planes come either
 as int32 words (`gguf_blocks.words.as_words`, the GPU layout, done once at load) or as bytes,
@@ -30,7 +30,7 @@ is left pending in the QuantizedX as per-group sums of squares, and the consumer
 its sums by it. The group's 32 output rows come from several programs (row tiles, K splits):
 each stores its partial sums and adds one to the group's count (atomic, after a block
 barrier), and the one that arrives last merges them, as the decode attention merges its
-splits. H100, llama-8b (session 11): the output and down products take 1.5-1.7 us more, the
+splits. H100, llama-8b: the output and down products take 1.5-1.7 us more, the
 two norm kernels and their gaps (about 9.7 us per layer) go; batch-1 decode 345 -> 363 tokens/s.
 
 Lowering: Pallas' Triton backend, with `dp4a` as inline PTX (`elementwise_inline_asm`):

@@ -8,7 +8,7 @@ reshapes of those tiles into MMA operands, and masked loads at arbitrary row/blo
 Triton expresses all of it and runs in Pallas' interpreter on CPU (so the exact kernel code
 is tested without a GPU), while Mosaic GPU's layouts for sub-word integer tiles and its
 interpreter with blocked specs did not work for this. Measured numbers live in
-benchmarks/NOTES-quant_matmul.md.
+docs/kernels.md.
 
 Program (n, m, s) of the grid owns output rows x[m*BM : (m+1)*BM] and weight rows
 w[n*BN : (n+1)*BN] and the s-th of `split_k` equal ranges of blocks along K. It walks its

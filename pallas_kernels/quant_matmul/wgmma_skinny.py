@@ -7,7 +7,7 @@ and Q5_0 (`gemv.WGMMA_MIN_M`).
 The Triton kernel's tensor-core path (kernel.py) dequantizes a tile into registers in Triton's
 layout, then moves it through shared memory into the MMA's operand layout, and Triton's
 elementwise model repacks bytes around the inline PTX: about 5.6 instructions per weight, and
-M=16 took twice the M=1 time (benchmarks/NOTES-quant_matmul.md, session 14). Here:
+M=16 took twice the M=1 time (docs/kernels.md). Here:
 
 - The weight is the wgmma's A operand, taken from registers: each thread loads the quant words
   that its own A fragment needs (the WGMMA layout: rows r and r + 8, column pairs 2j, 2j + 1
@@ -40,7 +40,7 @@ M=16 took twice the M=1 time (benchmarks/NOTES-quant_matmul.md, session 14). Her
   takes the others from the thread's quad by shuffles (`_quad_word`). Loading each value
   per row instead (eight or sixteen loads per super-block) was the bottleneck: at 14336x4096
   and 16 rows Q4_1 took 27.9 us against 19.3, Q5_0 28.7 against 24.7, Q4_0 19.3 against 16.8,
-  Q8_0 29.0 against 27.5 (notes, session 17).
+  Q8_0 29.0 against 27.5.
 
 Numerics: as the Triton kernel's bf16x2 path: scale and bias rounded to bf16, then one rounding
 of q * s + b (Q8_0 and Q6_K: of v * s); float32 accumulation.
@@ -587,7 +587,7 @@ def supports(w) -> bool:
 
 def default_config(n: int, k: int) -> WgmmaConfig:
     """The most super-blocks per program (8, 4, 2, 1 dividing K's) that still give
-    PROGRAMS programs. H100 at M=16 (notes, sessions 15-16): Q4_K 14336x4096 8 per program and
+    PROGRAMS programs. H100 at M=16: Q4_K 14336x4096 8 per program and
     2 stages 18.7 us, 2 or 4 per program 19.0-19.4, 4 stages 23-24; 4096x4096 4 per program
     (256 programs) 7.4 us, 2 (512) 7.8, and Q8_0 9.6 against 11.4; Q8_0 16384x2048 8 per
     program (256) 15.9 against 17.8 with 4, where Q4_K lost 2.5%."""
