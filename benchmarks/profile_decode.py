@@ -8,14 +8,16 @@ kernels' durations by name. The report: wall time per step, the summed kernel ti
 (the rest is gaps between kernels: launches and host syncs), and the kernels that take it,
 grouped by family (quantized matmul, attention, other fusions).
 
-No peer: this is the diagnostic behind docs/kernels.md's per-layer split. Compare two trees or
-two settings by running it in each, on one host. `kernel_times` (a trace's GPU kernel time by
-name) is also what quant_matmul.py's `--timing kernels` uses.
+No peer: this is the diagnostic behind docs/kernels.md's per-layer split. Compare two trees,
+or two settings of a kernel threshold (`--tuning FIELD=value`, a field of Tuning), by running
+it in each, on one host. `kernel_times` (a trace's GPU kernel time by name) is also what
+quant_matmul.py's `--timing kernels` uses.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import json
 import os
@@ -23,6 +25,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from gguf_blocks.formats import QType
+from pallas_kernels.quant_matmul import TUNING
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -83,26 +88,26 @@ def traced_kernel_times(exe, args) -> tuple[collections.Counter, collections.Cou
         return kernel_times(trace)
 
 
-def set_constants(items) -> None:
-    """Set integer module constants before a run: `module:NAME=value`, or `module:NAME[KEY]=value`
-    for the entry of a dict constant whose key is named KEY (a GGML type's name, say)."""
-    import importlib
-
+def tuning_from(items):
+    """The default Tuning with fields changed: `FIELD=value`, or `FIELD[TYPE]=value` for the entry
+    of a per-type field (TYPE a GGML type's name, e.g. int8_max_m[Q4_K]=8)."""
+    changes: dict = {}
     for item in items:
-        target, value = item.split("=")
-        module, name = target.split(":")
-        name, _, key = name.rstrip("]").partition("[")
-        mod = importlib.import_module(module)
-        table = getattr(mod, name)
+        target, _, value = item.partition("=")
+        name, _, key = target.rstrip("]").partition("[")
+        if not hasattr(TUNING, name) or not value:
+            raise SystemExit(f"--tuning {item!r}: expected FIELD=value or FIELD[TYPE]=value, FIELD one of "
+                             f"{', '.join(f.name for f in dataclasses.fields(TUNING))}")
+        v = int(value) if value.lstrip("-").isdigit() else {"true": True, "false": False}.get(value.lower())
+        if v is None:
+            raise SystemExit(f"--tuning {item!r}: the value must be an integer, true or false")
         if key:
-            match = [k for k in table if getattr(k, "name", str(k)) == key] if isinstance(table, dict) else []
-            if len(match) != 1 or not isinstance(table[match[0]], int):
-                raise SystemExit(f"{module}.{name} has no integer entry {key!r}")
-            table[match[0]] = int(value)
-        elif isinstance(table, int):
-            setattr(mod, name, int(value))
+            if key not in QType.__members__:
+                raise SystemExit(f"--tuning {item!r}: {key!r} is not a GGML type name")
+            changes.setdefault(name, {})[QType[key]] = v
         else:
-            raise SystemExit(f"{module}.{name} is not an integer constant")
+            changes[name] = v
+    return TUNING.replace(**changes)
 
 
 def main() -> int:
@@ -115,11 +120,11 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--layers", type=int, default=None, help="override the layer count (smoke tests)")
-    p.add_argument("--set", action="append", default=[], metavar="module:CONST[KEY]=value",
-                   help="set an integer module constant before rjax is imported")
+    p.add_argument("--tuning", action="append", default=[], metavar="FIELD[TYPE]=value",
+                   help="run the step with a kernel threshold changed (pallas_kernels.quant_matmul.Tuning)")
     p.add_argument("--tag", default="", help="appended to the report's file name")
     a = p.parse_args()
-    set_constants(a.set)
+    tuning = tuning_from(a.tuning)
 
     import jax
     import jax.numpy as jnp
@@ -148,13 +153,13 @@ def main() -> int:
     first, cache = engine.prefill_and_sample(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths), None, key, sp)
     stop = jnp.asarray([-1], jnp.int32)
     state = engine.initial_state(first, jnp.full((b,), 3 * a.steps, jnp.int32), stop, key, cache)
-    toks, state, cache = engine.decode_loop(cfg, params, cache, state, sp, stop, a.steps)   # compile
+    toks, state, cache = engine.decode_loop(cfg, params, cache, state, sp, stop, a.steps, tuning)   # compile
     np.asarray(toks)
     # A fresh directory per run: kernel_times reads the one trace file it finds.
     with tempfile.TemporaryDirectory(prefix="rjax-trace-") as trace:
         t0 = time.perf_counter()
         with jax.profiler.trace(trace):
-            toks, state, cache = engine.decode_loop(cfg, params, cache, state, sp, stop, a.steps)
+            toks, state, cache = engine.decode_loop(cfg, params, cache, state, sp, stop, a.steps, tuning)
             np.asarray(toks)
         wall = time.perf_counter() - t0
         total, count = kernel_times(trace)
@@ -165,13 +170,13 @@ def main() -> int:
     for name, ns in total.items():
         fams[family(name)] += ns
         fam_n[family(name)] += count[name]
-    report = dict(shape=a.shape, quant=a.quant, batch=b, constants=a.set, steps=steps, wall_us_per_step=wall * 1e6 / steps,
+    report = dict(shape=a.shape, quant=a.quant, batch=b, tuning=a.tuning, steps=steps, wall_us_per_step=wall * 1e6 / steps,
                   kernel_us_per_step=kernel_us, kernels_per_step=sum(count.values()) / steps,
                   families={f: dict(us_per_step=ns / 1e3 / steps, kernels_per_step=fam_n[f] / steps)
                             for f, ns in fams.most_common()},
                   top=[dict(name=n[:120], us_per_step=ns / 1e3 / steps, calls_per_step=count[n] / steps)
                        for n, ns in total.most_common(a.top)])
-    print(f"{a.shape} {a.quant} B={b} {' '.join(a.set)}: {report['wall_us_per_step']:.0f} us/step wall (profiled), "
+    print(f"{a.shape} {a.quant} B={b} {' '.join(a.tuning)}: {report['wall_us_per_step']:.0f} us/step wall (profiled), "
           f"{kernel_us:.0f} us/step in {report['kernels_per_step']:.0f} kernels")
     for f, v in report["families"].items():
         print(f"  {f:22s} {v['us_per_step']:8.1f} us/step  {v['kernels_per_step']:6.1f} kernels/step")

@@ -24,7 +24,8 @@ import numpy as np
 
 from rjax.cache import KVCache
 from rjax.config import ModelConfig
-from rjax.model import Params, hidden_states, logits_from_hidden
+from rjax.model import Params, hidden_states, logits_from_hidden, plan_of
+from rjax.plan import TUNING, Tuning
 from rjax.sampling import SamplingParams, _is_concrete, check_sampling, sample
 
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -162,9 +163,10 @@ def prefill(cfg: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
     return _prefill_logits(cfg, params, cache, tokens, lengths, slots)
 
 
-def _decode_logits(cfg, params, cache: KVCache, tokens, active):
+def _decode_logits(cfg, params, cache: KVCache, tokens, active, tuning: Tuning = TUNING):
     pos = jnp.where(active, cache.lengths, -1)[:, None]
-    h, cache = hidden_states(cfg, params, cache, tokens[:, None], pos, None, cache.dtype)
+    plan = plan_of(cfg, params, cache, tokens[:, None], None, cache.dtype, tuning)
+    h, cache = hidden_states(cfg, params, cache, tokens[:, None], pos, None, cache.dtype, plan)
     return logits_from_hidden(params, h[:, 0]), cache.advance(None, active.astype(jnp.int32))
 
 
@@ -252,7 +254,8 @@ DECODE_LOOP_COMPILER_OPTIONS = {
 }
 
 
-def _check_decode_loop(cfg, params, cache, state: DecodeState, sp: SamplingParams, stop_ids, n_steps) -> None:
+def _check_decode_loop(cfg, params, cache, state: DecodeState, sp: SamplingParams, stop_ids, n_steps,
+                       tuning) -> None:
     """Shapes only: the serving loop calls this every dispatch, and reading device values back
     would wait for the dispatch before. The loop itself stops a slot at the end of its cache row,
     and sampling values are checked where they are made (`SamplingParams.make`)."""
@@ -270,13 +273,14 @@ def _check_decode_loop(cfg, params, cache, state: DecodeState, sp: SamplingParam
 
 
 @_checked(_check_decode_loop)
-@functools.partial(jax.jit, static_argnames=("cfg", "n_steps"), donate_argnames=("cache",),
+@functools.partial(jax.jit, static_argnames=("cfg", "n_steps", "tuning"), donate_argnames=("cache",),
                    compiler_options=DECODE_LOOP_COMPILER_OPTIONS)
 def decode_loop(cfg: ModelConfig, params: Params, cache: KVCache, state: DecodeState, sp: SamplingParams,
-                stop_ids: jax.Array, n_steps: int):
+                stop_ids: jax.Array, n_steps: int, tuning: Tuning = TUNING):
     """Up to n_steps decode steps in one XLA program, stopping early when every slot is done.
 
     A slot is done after a stop token, after its token budget, or when the cache is full.
+    `tuning`: the kernel thresholds the step's plan is made with (benchmarks try others).
     -> (tokens [B, n_steps] int32 with -1 where nothing was generated, state, cache).
     """
     B = state.last_token.shape[0]
@@ -289,7 +293,7 @@ def decode_loop(cfg: ModelConfig, params: Params, cache: KVCache, state: DecodeS
     def body(carry):
         i, out, state, cache = carry
         active = ~state.done & (cache.lengths < cache.max_len)
-        logits, cache = _decode_logits(cfg, params, cache, state.last_token, active)
+        logits, cache = _decode_logits(cfg, params, cache, state.last_token, active, tuning)
         key, sub = jax.random.split(state.key)
         tok = sample(logits, sub, sp)
         out = out.at[:, i].set(jnp.where(active, tok, -1))

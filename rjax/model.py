@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from gguf_blocks.qtensor import Weight
 from rjax import ops
 from rjax.config import ModelConfig
-from rjax.plan import LayerPlan, Plan, plan_for
+from rjax.plan import TUNING, LayerPlan, Plan, Tuning, plan_for
 
 
 @jax.tree_util.register_dataclass
@@ -110,10 +110,10 @@ def embed(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
     return x
 
 
-def plan_of(cfg: ModelConfig, params: Params, cache, tokens: jax.Array, slots, dtype) -> Plan:
-    """The default plan for this call's shapes, cache kind and backend."""
+def plan_of(cfg: ModelConfig, params: Params, cache, tokens: jax.Array, slots, dtype, tuning: Tuning = TUNING) -> Plan:
+    """The plan for this call's shapes, cache kind and backend."""
     B, T = tokens.shape
-    return plan_for(cfg, params, B, T, dtype, paged=cache.paged, slots=slots is not None)
+    return plan_for(cfg, params, B, T, dtype, paged=cache.paged, slots=slots is not None, tuning=tuning)
 
 
 def hidden_states(cfg: ModelConfig, params: Params, cache, tokens: jax.Array, pos: jax.Array,
