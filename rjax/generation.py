@@ -12,7 +12,6 @@ subclass) and changes nothing, a given cache included.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import time
 from typing import Iterator, Sequence
 
@@ -20,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rjax import engine
+from rjax import checks, engine
 from rjax.cache import KVCache, init_cache
 from rjax.precompile import compile_programs, decode_program, prefill_program
 from rjax.loaders import Model
@@ -96,25 +95,9 @@ def check_prompt_lengths(model: Model, prompts: Sequence[Sequence[int]]) -> None
                                      f"is {ctx} tokens and generation needs at least one free position")
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
 def check_token_ids(model: Model, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
     """Each prompt as a list of ints in [0, vocab_size), else ValueError naming the first bad id."""
-    vocab = model.config.vocab_size
-    out = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, (str, bytes, bytearray)):
-            raise TypeError(f"prompt {i} must be a sequence of token ids, got {type(p).__name__} "
-                            f"(text goes through rjax.generate / rjax.stream)")
-        ids = list(p)
-        for j, t in enumerate(ids):
-            if not _is_int(t) or not 0 <= t < vocab:
-                raise ValueError(f"prompt {i} has token id {t!r} at position {j}, outside the vocabulary "
-                                 f"[0, {vocab})")
-        out.append([int(t) for t in ids])
-    return out
+    return [checks.check_token_ids(p, model.config.vocab_size, f"prompt {i}") for i, p in enumerate(prompts)]
 
 
 def check_request(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens, temperature, top_k, top_p,
@@ -126,11 +109,11 @@ def check_request(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tok
     OpenAI API asks); with one (a conversation's next turn), each prompt must leave a free
     position after what its slot holds, and generation stops at the end of the cache
     (finish reason "context")."""
-    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+    if not checks.is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if not _is_int(steps_per_dispatch) or steps_per_dispatch < 1:
+    if not checks.is_int(steps_per_dispatch) or steps_per_dispatch < 1:
         raise ValueError(f"steps_per_dispatch must be an integer >= 1, got {steps_per_dispatch!r}")
-    if not _is_int(seed) or not -2**63 <= seed < 2**63:
+    if not checks.is_int(seed) or not -2**63 <= seed < 2**63:
         raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {seed!r}")
     check_sampling(temperature, top_k, top_p)
     if not len(prompts):
@@ -260,7 +243,7 @@ def serve_ids(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens:
     `n_slots` running at once; more wait for a free slot. -> list of `serving.Completion`."""
     from rjax.serving import ServingConfig, ServingEngine
 
-    if not _is_int(n_slots) or n_slots < 1:
+    if not checks.is_int(n_slots) or n_slots < 1:
         raise ValueError(f"n_slots must be an integer >= 1, got {n_slots!r}")
     prompts = check_request(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                             top_p=top_p, seed=seed, steps_per_dispatch=steps_per_dispatch)
