@@ -46,9 +46,13 @@ from tqdm.auto import tqdm
 
 from rjax import engine
 from rjax.cache import init_cache
+from rjax.catalog import DEFAULT_MODEL, resolve_model
 from rjax.config import ModelConfig
 from rjax.generation import activation_dtype, cache_length
+from rjax.loaders import for_backend, load
+from rjax.loaders.gguf import load_gguf
 from rjax.model import Params
+from rjax.precompile import compile_programs, decode_program, prefill_program
 from rjax.bench_report import _pyplot, format_table, plot, summarize, write_json
 from rjax.roofline import (decode_weight_bytes, kv_bytes_per_sequence, measure_bandwidth, memory_stats, roofline,
                            weight_bytes, weight_types)
@@ -96,18 +100,11 @@ def _percentiles(values) -> dict:
 
 def load_for_bench(model: str | os.PathLike, progress: bool = True) -> tuple[ModelConfig, Params, Path]:
     """(config, params on the device, path). GGUF files skip the tokenizer: prompts are ids."""
-    from rjax.catalog import resolve_model
-
     path = Path(resolve_model(model, progress=progress))
     if path.is_dir():
-        import rjax
-
-        m = rjax.load(path, progress=progress)
+        m = load(path, progress=progress)
         cfg, params = m.config, m.params
     else:
-        from rjax.loaders import for_backend
-        from rjax.loaders.gguf import load_gguf
-
         cfg, params, _ = load_gguf(path, progress=progress)
         params = for_backend(params)   # as rjax.load arranges them
     jax.block_until_ready(params)
@@ -274,8 +271,6 @@ def _compile_ahead(cfg, params, s: BenchSettings, tasks, bucket, S, dtype, resul
     """Every program the run will call, compiled concurrently before it is timed (what a
     server's start-up costs); result["compile"]["ahead"]. A failure is recorded and the
     programs then compile at their first calls."""
-    from rjax.precompile import compile_programs, decode_program, prefill_program
-
     programs = [prefill_program(cfg, params, b, bucket, S, dtype) if n is None else
                 decode_program(cfg, params, b, S, dtype, n, n_stop_ids=1) for b, n in tasks]
     try:
@@ -435,8 +430,6 @@ def cmd_bench(a) -> int:
 
 
 def register_cli(subparsers) -> None:
-    from rjax.catalog import DEFAULT_MODEL
-
     p = subparsers.add_parser("bench", help="prefill/decode throughput, latency, compile time and roofline",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-m", "--model", default=DEFAULT_MODEL, help=f"catalog name or path (default: {DEFAULT_MODEL})")

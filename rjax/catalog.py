@@ -114,6 +114,12 @@ CATALOG: Mapping[str, CatalogEntry] = types.MappingProxyType(
     {e.name: e for e in (SMOLLM2_135M_INSTRUCT, GEMMA3_270M)})
 
 
+def add_model_argument(parser) -> None:
+    """The `-m/--model` option every subcommand that loads a model takes."""
+    parser.add_argument("-m", "--model", default=DEFAULT_MODEL,
+                        help=f"catalog name, .gguf file or Hugging Face directory (default: {DEFAULT_MODEL})")
+
+
 # ---------------------------------------------------------------------------------------------
 # where things live
 

@@ -5,12 +5,7 @@ import argparse
 import json
 import sys
 
-
-def _add_model_arg(p: argparse.ArgumentParser) -> None:
-    from rjax.catalog import DEFAULT_MODEL
-
-    p.add_argument("-m", "--model", default=DEFAULT_MODEL,
-                   help=f"catalog name, .gguf file or Hugging Face directory (default: {DEFAULT_MODEL})")
+from rjax.catalog import add_model_argument
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -119,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("generate", help="generate a reply (streams to stdout)")
-    _add_model_arg(p)
+    add_model_argument(p)
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     _add_sampling_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with tokens, text and timings")
@@ -128,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="multi-turn conversation in the terminal")
-    _add_model_arg(p)
+    add_model_argument(p)
     p.add_argument("--system", default=None, help="system prompt")
     _add_sampling_args(p)
     p.set_defaults(func=cmd_chat)

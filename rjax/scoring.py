@@ -21,10 +21,14 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from rjax.cache import init_cache
+from rjax.catalog import add_model_argument
 from rjax.config import ModelConfig
 from rjax.engine import prompt_bucket
+from rjax.generation import activation_dtype, check_text
+from rjax.loaders import load
 from rjax.model import Params, hidden_states, logits_from_hidden
 
 # Largest [rows, vocab] float32 logits block materialized at once (64 MiB): long batches are
@@ -89,12 +93,6 @@ def continuation_logprob(cfg: ModelConfig, params: Params, tokens: jax.Array, le
     return jnp.sum(jnp.where(target >= jnp.asarray(starts)[:, None], lp, 0.0), axis=-1)
 
 
-def _activation_dtype():
-    from rjax.generation import activation_dtype
-
-    return activation_dtype()
-
-
 def _check_fits(cfg: ModelConfig, n: int, what: str) -> None:
     if n > cfg.context_length:
         raise ValueError(f"{what} has {n} tokens, more than the model's context length {cfg.context_length}")
@@ -109,12 +107,6 @@ def _check_ids(cfg: ModelConfig, ids: Sequence[int], what: str) -> list[int]:
             raise ValueError(f"{what} has token id {t!r} at position {j}, outside the vocabulary [0, {cfg.vocab_size})")
         out.append(int(t))
     return out
-
-
-def _text(value, what: str) -> str:
-    from rjax.generation import check_text
-
-    return check_text(value, what)
 
 
 def score_ids(cfg: ModelConfig, params: Params, prompt_ids: Sequence[Sequence[int]],
@@ -139,7 +131,7 @@ def score_ids(cfg: ModelConfig, params: Params, prompt_ids: Sequence[Sequence[in
         tokens[i, : len(s)] = s
     lengths = np.array([len(s) for s in seqs], np.int32)
     lp = np.asarray(token_logprobs(cfg, params, jnp.asarray(tokens), jnp.asarray(lengths),
-                                   dtype or _activation_dtype()))
+                                   dtype or activation_dtype()))
     # Token j of sequence i is predicted at output column j - 1.
     return [lp[i, len(p) - 1: len(s) - 1].copy() for i, (p, s) in enumerate(zip(prompt_ids, seqs))]
 
@@ -196,10 +188,10 @@ def score(model, context: str, continuations: Sequence[str] | str) -> list[Conti
     Returns one `ContinuationScore` per continuation; `.logprob` (also `float(s)`) is the summed
     log-probability, `.token_logprobs` the per-token array, `.tokens` the ids scored.
     """
-    context = _text(context, "context")
+    context = check_text(context, "context")
     if isinstance(continuations, (str, bytes, bytearray)):
         continuations = [continuations]
-    continuations = [_text(c, f"continuation {i}") for i, c in enumerate(continuations)]
+    continuations = [check_text(c, f"continuation {i}") for i, c in enumerate(continuations)]
     if not continuations:
         raise ValueError("no continuations to score")
     pairs = [split_pair(model.tokenizer, context, c) for c in continuations]
@@ -301,13 +293,11 @@ def window_nll(cfg: ModelConfig, params: Params, windows: Sequence[Window], *, b
     Windows run `batch` at a time, padded to the longest window, so a whole evaluation compiles
     once; a short last batch is filled with copies of its first window (their results dropped).
     """
-    from tqdm.auto import tqdm
-
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     T = max(len(w.tokens) for w in windows)
     _check_fits(cfg, T, "a perplexity window")
-    dtype = dtype or _activation_dtype()
+    dtype = dtype or activation_dtype()
     parts: list[np.ndarray] = []
     total, count = 0.0, 0
     bar = tqdm(total=len(windows), desc=desc, unit="window", disable=not progress, leave=False)
@@ -367,7 +357,7 @@ def perplexity(model, text: str, *, ctx: int = 512, stride: int | None = None, b
     ppl · sqrt(var(nll) / (n - 1)). The progress bar shows the running estimate.
     """
     tok = model.tokenizer
-    ids = tok.encode(_text(text, "text"))
+    ids = tok.encode(check_text(text, "text"))
     bos = tok.bos_id if (tok.add_bos and tok.bos_id is not None) else None
     return perplexity_of_ids(model.config, model.params, ids, ctx=ctx, stride=stride, bos_id=bos,
                              batch=batch, dtype=dtype, progress=progress)
@@ -377,13 +367,11 @@ def perplexity(model, text: str, *, ctx: int = 512, stride: int | None = None, b
 
 
 def cmd_perplexity(a) -> int:
-    import rjax
-
     path = Path(a.file)
     if not path.is_file():
         raise FileNotFoundError(f"perplexity: text file {str(path)!r} does not exist")
     text = path.read_text(encoding="utf-8")
-    model = rjax.load(a.model, progress=not a.json)
+    model = load(a.model, progress=not a.json)
     r = perplexity(model, text, ctx=a.ctx, stride=a.stride, batch=a.batch, progress=not a.json)
     if a.json:
         print(json.dumps(r.to_json()))
@@ -396,14 +384,12 @@ def cmd_perplexity(a) -> int:
 
 
 def register_cli(subparsers) -> None:
-    from rjax.cli import _add_model_arg
-
     p = subparsers.add_parser(
         "perplexity", help="perplexity of a text file (llama.cpp's chunks, or a strided sliding window)",
         description="Perplexity of a text file. By default as llama.cpp's llama-perplexity computes it: "
                     "non-overlapping chunks of --ctx tokens, the second half of each chunk scored. With "
                     "--stride: Hugging Face's strided sliding window, every token scored once.")
-    _add_model_arg(p)
+    add_model_argument(p)
     p.add_argument("file", help="UTF-8 text file")
     p.add_argument("--ctx", type=int, default=512, help="tokens per chunk / window (default 512)")
     p.add_argument("--stride", type=int, default=None,
