@@ -89,6 +89,41 @@ class KVCache:
             return dataclasses.replace(self, lengths=self.lengths + n_new)
         return dataclasses.replace(self, lengths=self.lengths.at[slots].add(n_new))
 
+    def row(self, slot):
+        """Slot `slot`'s K and V, each [L, Hkv, max_len, D]."""
+        return jnp.stack([k[slot] for k in self.k]), jnp.stack([v[slot] for v in self.v])
+
+    def set_row(self, slot, k, v, length):
+        """Slot `slot` holds k, v [L, Hkv, max_len, D] and `length` positions."""
+        return dataclasses.replace(self, k=tuple(c.at[slot].set(x) for c, x in zip(self.k, k)),
+                                   v=tuple(c.at[slot].set(x) for c, x in zip(self.v, v)),
+                                   lengths=self.lengths.at[slot].set(length))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefixSnapshot:
+    """One sequence's KV: k, v [L, Hkv, max_len, D] (positions past `length` are whatever the
+    slot held there), and `length` (int32 scalar) valid positions. A pytree of fixed shapes, so
+    `snapshot` and `restore` jit once per cache shape whatever the length."""
+    k: jax.Array
+    v: jax.Array
+    length: jax.Array
+
+
+@jax.jit
+def snapshot(cache, slot) -> PrefixSnapshot:
+    """The KV of slot `slot` (a traced int is fine) of a contiguous or paged cache."""
+    k, v = cache.row(slot)
+    return PrefixSnapshot(k, v, cache.lengths[slot])
+
+
+@jax.jit
+def restore(cache, slot, snap: PrefixSnapshot):
+    """`cache` with slot `slot` holding `snap` (the cache's own shape and dtype). A paged slot
+    must own the pages for snap.length positions: restore fills them and writes nothing else."""
+    return cache.set_row(slot, snap.k.astype(cache.dtype), snap.v.astype(cache.dtype), snap.length)
+
 
 def _replace(arrays: tuple, i: int, new) -> tuple:
     return arrays[:i] + (new,) + arrays[i + 1:]

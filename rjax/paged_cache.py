@@ -95,6 +95,31 @@ class PagedKVCache:
             return dataclasses.replace(self, lengths=self.lengths + n_new)
         return dataclasses.replace(self, lengths=self.lengths.at[slots].add(n_new))
 
+    def row(self, slot):
+        """Slot `slot`'s K and V, each [L, Hkv, max_len, D]; zeros where it owns no page."""
+        table = self.block_tables[slot]
+
+        def gather(pool):  # [L, P, Hkv, ps, D] -> [L, Hkv, max_pages * ps, D]
+            pages = jnp.take(pool, table, axis=1, mode="fill", fill_value=0)
+            L, M, H, ps, D = pages.shape
+            return pages.transpose(0, 2, 1, 3, 4).reshape(L, H, M * ps, D)
+
+        return gather(self.k), gather(self.v)
+
+    def set_row(self, slot, k, v, length):
+        """Slot `slot` holds k, v [L, Hkv, max_len, D] and `length` positions: written into the
+        pages its table names (positions without a page are dropped; no other page is touched)."""
+        table = self.block_tables[slot]
+        page = jnp.where(table >= 0, table, self.n_pages)
+
+        def scatter(pool, x):
+            L, H, S, D = x.shape
+            pages = x.reshape(L, H, self.max_pages, self.page_size, D).transpose(0, 2, 1, 3, 4)
+            return pool.at[:, page].set(pages, mode="drop")
+
+        return dataclasses.replace(self, k=scatter(self.k, k), v=scatter(self.v, v),
+                                   lengths=self.lengths.at[slot].set(length))
+
     def reset(self, slots):
         """Empty slots `slots` [B]: length 0 and no pages (indices >= n_slots are ignored)."""
         return dataclasses.replace(
