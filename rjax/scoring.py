@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from rjax.cache import init_cache
 from rjax.catalog import add_model_argument
+from rjax.checks import check_token_ids
 from rjax.config import ModelConfig
 from rjax.engine import prompt_bucket
 from rjax.generation import activation_dtype, check_text
@@ -98,17 +99,6 @@ def _check_fits(cfg: ModelConfig, n: int, what: str) -> None:
         raise ValueError(f"{what} has {n} tokens, more than the model's context length {cfg.context_length}")
 
 
-def _check_ids(cfg: ModelConfig, ids: Sequence[int], what: str) -> list[int]:
-    """ids as ints in [0, vocab_size): out of range, the embedding and log-softmax gathers would
-    clamp them and score another token."""
-    out = []
-    for j, t in enumerate(ids):
-        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < cfg.vocab_size:
-            raise ValueError(f"{what} has token id {t!r} at position {j}, outside the vocabulary [0, {cfg.vocab_size})")
-        out.append(int(t))
-    return out
-
-
 def score_ids(cfg: ModelConfig, params: Params, prompt_ids: Sequence[Sequence[int]],
               continuation_ids: Sequence[Sequence[int]], dtype=None) -> list[np.ndarray]:
     """Per-token log-probabilities of each continuation after its prompt, all pairs in one call.
@@ -123,7 +113,8 @@ def score_ids(cfg: ModelConfig, params: Params, prompt_ids: Sequence[Sequence[in
     for i, (p, c) in enumerate(zip(prompt_ids, continuation_ids)):
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty: the first continuation token needs a context (e.g. BOS)")
-        seqs.append(_check_ids(cfg, p, f"prompt {i}") + _check_ids(cfg, c, f"continuation {i}"))
+        seqs.append(check_token_ids(p, cfg.vocab_size, f"prompt {i}")
+                    + check_token_ids(c, cfg.vocab_size, f"continuation {i}"))
         _check_fits(cfg, len(seqs[-1]), f"prompt + continuation {i}")
     T = min(prompt_bucket(max(len(s) for s in seqs)), cfg.context_length)
     tokens = np.zeros((len(seqs), T), np.int32)
@@ -328,7 +319,7 @@ def perplexity_of_ids(cfg: ModelConfig, params: Params, tokens: Sequence[int], *
     """Perplexity of a token list; see `perplexity` (bos_id: the BOS that replaces the first token
     of every llama.cpp chunk, None when the tokenizer adds no BOS)."""
     _check_fits(cfg, ctx, f"a perplexity window (ctx={ctx})")
-    tokens = _check_ids(cfg, tokens, "the text")
+    tokens = check_token_ids(tokens, cfg.vocab_size, "the text")
     windows = llama_cpp_windows(tokens, ctx, bos_id) if stride is None else strided_windows(tokens, ctx, stride)
     nll = window_nll(cfg, params, windows, batch=batch, dtype=dtype, progress=progress)
     ppl, std, mean = _ppl_stats(nll)
