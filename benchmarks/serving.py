@@ -8,9 +8,9 @@ No external engine runs here; llama.cpp's batched-decode figure for llama-8b is 
 
 For each synthetic model (llama-1b and llama-8b shapes, q4_k; written under --workdir unless
 already there) and each batch size B: a paged cache of B slots, each already holding --context
-positions in its own pages, and the serving engine's decode dispatch (`engine.decode_loop` over
-the paged cache with per-slot sampling parameters and stop ids, --steps decode steps per
-dispatch, every slot active). The first dispatch is a warm-up; --dispatches timed ones follow,
+positions in its own pages, and the program `ServingEngine.step` runs for decoding
+(`rjax.slots.decode_dispatch` over the paged cache: a random stream, sampling parameters and
+stop ids per slot, --steps decode steps per dispatch, every slot active). The first dispatch is a warm-up; --dispatches timed ones follow,
 each synced by fetching its tokens. tokens/s = B x steps x dispatches / time.
 
 Every program is compiled first, all batch sizes in parallel threads, so the compile time is
@@ -27,6 +27,7 @@ at 64 slots, llama-1b decodes at least 20x the batch-1 rate.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -45,7 +46,8 @@ from rjax.engine import DecodeState  # noqa: E402
 from rjax.memory import MemoryFitError, kv_bytes_per_position, plan_memory, tree_bytes  # noqa: E402
 from rjax.paged_cache import PagedKVCache  # noqa: E402
 from rjax.precompile import Program, compile_programs  # noqa: E402
-from rjax.sampling import SamplingParams  # noqa: E402
+from rjax.serving import ServingConfig, ServingEngine  # noqa: E402
+from rjax.slots import decode_dispatch, init_slots  # noqa: E402
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # (shape, quantization mix, share of the time budget); batch sizes are measured in this order
@@ -65,33 +67,30 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def decode_inputs(cfg, B: int, context: int, max_len: int, page_size: int, dtype, abstract: bool):
-    """(cache, state, sampling, stop ids) for B slots each holding `context` positions on its own
-    pages (slot b owns pages b * max_pages ...), every slot active and never stopping."""
+    """(cache, slots) for B slots each holding `context` positions on its own pages (slot b owns
+    pages b * max_pages ...), every slot active, greedy and never stopping."""
     max_pages = max_len // page_size
     pool = (cfg.n_layers, B * max_pages, cfg.n_kv_heads, page_size, cfg.head_dim)
     if abstract:
         arr = jax.ShapeDtypeStruct
         kv = arr(pool, dtype)
         cache = PagedKVCache(kv, kv, arr((B, max_pages), jnp.int32), arr((B,), jnp.int32))
-        state = DecodeState(arr((B,), jnp.int32), arr((B,), bool), arr((B,), jnp.int32),
-                            jax.eval_shape(lambda: jax.random.key(0)))
-        sp = SamplingParams(arr((B,), jnp.float32), arr((B,), jnp.int32), arr((B,), jnp.float32))
-        return cache, state, sp, arr((B, MAX_STOP_IDS), jnp.int32)
+        return cache, jax.eval_shape(lambda: init_slots(B, MAX_STOP_IDS))
     cache = PagedKVCache(jnp.zeros(pool, dtype), jnp.zeros(pool, dtype),
                          jnp.arange(B * max_pages, dtype=jnp.int32).reshape(B, max_pages),
                          jnp.full((B,), context, jnp.int32))
     rng = np.random.default_rng(B)
     state = DecodeState(jnp.asarray(rng.integers(0, cfg.vocab_size, B), jnp.int32), jnp.zeros((B,), bool),
-                        jnp.full((B,), max_len, jnp.int32), jax.random.key(B))
-    return cache, state, SamplingParams.make(B), jnp.full((B, MAX_STOP_IDS), -1, jnp.int32)
+                        jnp.full((B,), max_len, jnp.int32), jax.random.split(jax.random.key(B), B))
+    return cache, dataclasses.replace(init_slots(B, MAX_STOP_IDS), state=state)
 
 
 def compile_all(cfg, params, batches, a, max_len, dtype, workers):
     """{B: (compiled decode dispatch, seconds lowering + compiling it) or an error string}: one
     `rjax.precompile.compile_programs` call, the compilations in parallel threads."""
-    programs = [Program(f"B={B}", engine.decode_loop,
+    programs = [Program(f"B={B}", decode_dispatch,
                         (cfg, params, *decode_inputs(cfg, B, a.context, max_len, a.page_size, dtype, abstract=True),
-                         a.steps)) for B in batches]
+                         a.steps, False)) for B in batches]
     report = compile_programs(programs, workers, on_error="record")
     out = {}
     for B in batches:
@@ -102,23 +101,23 @@ def compile_all(cfg, params, batches, a, max_len, dtype, workers):
 
 
 def measure(compiled, cfg, params, B, a, max_len, dtype) -> dict:
-    cache, state, sp, stops = decode_inputs(cfg, B, a.context, max_len, a.page_size, dtype, abstract=False)
-    jax.block_until_ready((cache, state))
+    cache, slots = decode_inputs(cfg, B, a.context, max_len, a.page_size, dtype, abstract=False)
+    jax.block_until_ready((cache, slots))
     t0 = time.perf_counter()
-    out, state, cache = compiled(params, cache, state, sp, stops)
+    out, _, slots, cache = compiled(params, cache, slots)
     np.asarray(out)
     warmup_s = time.perf_counter() - t0
     times, tokens = [], 0
     for _ in range(a.dispatches):
         t0 = time.perf_counter()
-        out, state, cache = compiled(params, cache, state, sp, stops)
+        out, _, slots, cache = compiled(params, cache, slots)
         out = np.asarray(out)
         times.append(time.perf_counter() - t0)
         tokens += int((out >= 0).sum())
     expected = B * a.steps * a.dispatches
     if tokens != expected:
         raise RuntimeError(f"B={B}: {tokens} tokens generated, expected {expected}: a slot stopped early")
-    del cache, state
+    del cache, slots
     total = sum(times)
     return dict(tokens=tokens, time_s=total, tokens_per_s=tokens / total,
                 step_ms=1e3 * float(np.median(times)) / a.steps, dispatch_s=times, warmup_s=warmup_s)
@@ -127,8 +126,6 @@ def measure(compiled, cfg, params, B, a, max_len, dtype) -> dict:
 def serve_end_to_end(cfg, params, a, dtype, deadline) -> dict:
     """--serve-requests requests (random prompts of --serve-prompt tokens, --serve-gen new tokens each)
     through a 64-slot ServingEngine."""
-    from rjax.serving import ServingConfig, ServingEngine
-
     page = a.page_size
     max_len = -(-(a.serve_prompt + a.serve_gen) // page) * page
     config = ServingConfig(n_slots=64, max_len=max_len, page_size=page, steps_per_dispatch=a.steps,
@@ -140,7 +137,8 @@ def serve_end_to_end(cfg, params, a, dtype, deadline) -> dict:
     # Warm-up: a few requests through every step once (the small bookkeeping programs compile).
     t0 = time.perf_counter()
     for _ in range(16):
-        eng.submit(rng.integers(0, cfg.vocab_size, a.serve_prompt), max_new_tokens=2 * a.steps)
+        eng.submit(rng.integers(0, cfg.vocab_size, a.serve_prompt),
+                   max_new_tokens=min(2 * a.steps, max_len - a.serve_prompt))
     for _ in eng.run():
         pass
     warmup_s = time.perf_counter() - t0

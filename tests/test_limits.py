@@ -338,7 +338,7 @@ SERVING = ServingConfig(n_slots=2, max_len=32, page_size=8, steps_per_dispatch=4
 
 
 def test_serving_submit_refuses_and_the_engine_still_serves_the_same(tiny):
-    """What ServingEngine.submit refuses today (its own checks, and SamplingParams.make's)."""
+    """What ServingEngine.submit refuses (its own checks, and check_sampling's)."""
     cfg, params = tiny
     eng = ServingEngine(cfg, params, SERVING)
 
@@ -350,10 +350,10 @@ def test_serving_submit_refuses_and_the_engine_still_serves_the_same(tiny):
     cases = [
         (dict(prompt=list(range(32))), r"prompt of 32 tokens: ServingConfig.max_len is 32"),
         (dict(prompt=[]), "empty prompt"),
-        (dict(prompt=[1, cfg.vocab_size]), "outside the vocabulary of 512"),
-        (dict(prompt=[-1]), "outside the vocabulary"),
-        (dict(prompt=[1], max_new_tokens=0), "max_new_tokens must be >= 1"),
-        (dict(prompt=[1], stop_ids=[cfg.vocab_size]), "outside the vocabulary"),
+        (dict(prompt=[1, cfg.vocab_size]), r"prompt has token id 512 at position 1, outside the vocabulary \[0, 512"),
+        (dict(prompt=[-1]), "prompt has token id -1 at position 0, outside the vocabulary"),
+        (dict(prompt=[1], max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),
+        (dict(prompt=[1], stop_ids=[cfg.vocab_size]), "stop_ids has token id 512 at position 0, outside the"),
         (dict(prompt=[1], stop_ids=list(range(9))), "ServingConfig.max_stop_ids is 8"),
     ] + [(dict(prompt=[1], **kw), msg) for kw, msg in BAD_SAMPLING]
     for kw, msg in cases:
@@ -363,12 +363,38 @@ def test_serving_submit_refuses_and_the_engine_still_serves_the_same(tiny):
     assert serve([5, 6, 7]) == want
 
 
-@pytest.mark.xfail(reason="ServingEngine.submit (rjax/serving.py) converts with int(): bytes become byte ids, "
-                          "fractional ids and budgets are truncated", strict=False)
-@pytest.mark.parametrize("kw", [dict(prompt=b"hello"), dict(prompt=[1.7, 2.2]), dict(prompt=[1], max_new_tokens=2.5),
-                                dict(prompt=[True, 2])])
-def test_serving_submit_misses(tiny, kw):
+@pytest.mark.parametrize("kw, error, msg", [
+    # what int() would have taken: the bytes of a text, fractional ids and budgets, bools
+    (dict(prompt=b"hello"), TypeError, "prompt must be a sequence of token ids, got bytes"),
+    (dict(prompt="hello"), TypeError, "prompt must be a sequence of token ids, got str"),
+    (dict(prompt=7), TypeError, "prompt must be a sequence of token ids, got int"),
+    (dict(prompt=[1.7, 2.2]), ValueError, "prompt has token id 1.7 at position 0, a float: token ids are integers"),
+    (dict(prompt=[True, 2]), ValueError, "prompt has token id True at position 0, a bool"),
+    (dict(prompt=np.array([1.0, 2.0])), ValueError, "prompt has token id .* at position 0, a float64"),
+    (dict(prompt=[1], max_new_tokens=2.5), ValueError, "max_new_tokens must be an integer >= 1, got 2.5"),
+    (dict(prompt=[1], max_new_tokens=True), ValueError, "max_new_tokens must be an integer >= 1, got True"),
+    (dict(prompt=[1], stop_ids=[2.0]), ValueError, "stop_ids has token id 2.0 at position 0, a float"),
+    (dict(prompt=[1], stop_ids=b"\x02"), TypeError, "stop_ids must be a sequence of token ids, got bytes"),
+    # NaN and infinities
+    (dict(prompt=[1], max_new_tokens=float("nan")), ValueError, "max_new_tokens must be an integer >= 1, got nan"),
+    (dict(prompt=[1], max_new_tokens=float("inf")), ValueError, "max_new_tokens must be an integer >= 1, got inf"),
+    (dict(prompt=[1], seed=float("nan")), ValueError, "seed must be an integer or None, got nan"),
+    (dict(prompt=[1], seed=2.5), ValueError, "seed must be an integer or None, got 2.5"),
+    (dict(prompt=[1], sample_index=float("inf")), ValueError, r"sample_index must be an integer in \[0, 2\*\*32\)"),
+    (dict(prompt=[1], sample_index=-1), ValueError, r"sample_index must be an integer in \[0, 2\*\*32\), got -1"),
+    (dict(prompt=[1], logprobs="yes"), TypeError, "logprobs must be a bool, got 'yes'"),
+    # a prompt plus max_new_tokens beyond max_len (32)
+    (dict(prompt=[1] * 20, max_new_tokens=13), ContextLengthError,
+     r"prompt of 20 tokens and max_new_tokens 13: 33 positions, beyond ServingConfig.max_len of 32 "
+     r"\(max_new_tokens can be at most 12\)"),
+    (dict(prompt=[1]), ContextLengthError, "max_new_tokens 256: 257 positions"),  # the default budget
+    (dict(prompt=[1] * 32, max_new_tokens=1), PromptTooLongError, "prompt of 32 tokens"),
+])
+def test_serving_submit_refuses_bad_types_and_budgets(tiny, kw, error, msg):
     cfg, params = tiny
     eng = ServingEngine(cfg, params, SERVING)
-    with pytest.raises((ValueError, TypeError)):
+    with pytest.raises(error, match=msg):
         eng.submit(**kw)
+    with pytest.raises(error, match=msg):
+        eng.check_request(**kw)
+    assert eng.n_queued == 0 and not eng.has_work

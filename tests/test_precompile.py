@@ -12,6 +12,7 @@ from rjax.bench import load_for_bench
 from rjax.cache import init_cache
 from rjax.precompile import Program, compile_programs, decode_program, prefill_program
 from rjax.sampling import SamplingParams
+from rjax.serving import ServingConfig, ServingEngine
 from rjax.synth import write_synthetic
 
 B, BUCKET, CACHE, STEPS = 2, 16, 64, 3
@@ -123,8 +124,6 @@ def test_generation_compiles_each_program_once_ahead(model, tmp_path):
 
 @pytest.mark.parametrize("page_size", [16, None])
 def test_serving_engine_precompiles_every_shape_it_calls(model, page_size):
-    from rjax.serving import ServingConfig, ServingEngine
-
     cfg, params = model
     config = ServingConfig(n_slots=3, max_len=64, page_size=page_size, steps_per_dispatch=4,
                            prefill_buckets=(1, 2), max_prefill_tokens=64)
@@ -142,4 +141,4 @@ def test_serving_engine_precompiles_every_shape_it_calls(model, page_size):
         ids = [eng.submit(list(rng.integers(0, cfg.vocab_size, n)), max_new_tokens=3) for n in lengths]
         done = {e.request_id: e.completion for e in eng.run() if e.finished}
     assert sorted(done) == sorted(ids) and all(len(done[i].tokens) == 3 for i in ids)
-    assert "jit(prefill_into_slots)" not in compiles and "jit(decode_loop)" not in compiles
+    assert "jit(prefill_into_slots)" not in compiles and "jit(decode_dispatch)" not in compiles

@@ -11,9 +11,10 @@ import pytest
 import jax.numpy as jnp
 
 import rjax
-from rjax import serving
+from rjax import serving, slots
 from rjax.server.text import ChoiceText
-from rjax.serving import MAX_TOP_LOGPROBS, ServingConfig, ServingEngine
+from rjax.serving import ServingConfig, ServingEngine
+from rjax.slots import MAX_TOP_LOGPROBS
 
 CONFIG = ServingConfig(n_slots=4, max_len=64, page_size=8, steps_per_dispatch=4, prefill_buckets=(4,))
 
@@ -96,12 +97,12 @@ def test_logprobs_are_log_softmax_and_cost_one_program(tiny):
     eng = ServingEngine(cfg, params, CONFIG)
     plain = eng.submit([3, 1, 4, 1, 5], max_new_tokens=6)
     first, _ = _drain(eng)
-    before = serving.decode_dispatch._cache_size()
+    before = slots.decode_dispatch._cache_size()
     with_lp = eng.submit([3, 1, 4, 1, 5], max_new_tokens=6, logprobs=True)
     sampled = eng.submit([2, 7, 1, 8], max_new_tokens=6, logprobs=True, temperature=1.0, seed=1)
     other = eng.submit([9, 9], max_new_tokens=6)
     done, _ = _drain(eng)
-    assert serving.decode_dispatch._cache_size() <= before + 1
+    assert slots.decode_dispatch._cache_size() <= before + 1
     assert done[other].logprobs is None and first[plain].logprobs is None
     for rid, prompt in ((with_lp, [3, 1, 4, 1, 5]), (sampled, [2, 7, 1, 8])):
         c = done[rid]

@@ -15,10 +15,13 @@ import numpy as np
 import pytest
 
 import rjax
-from rjax import engine, serving
+from rjax import engine, slots
 from rjax.cache import init_cache
+from rjax.engine import ContextLengthError
 from rjax.memory import MemoryFitError, kv_bytes_per_position, plan_memory
-from rjax.serving import ServingConfig, ServingEngine, fit_config, free_slots
+from rjax.serving import ServingConfig, ServingEngine
+from rjax.serving_limits import fit_config
+from rjax.slots import free_slots
 
 # One engine geometry for most tests, so they share compiled programs: 8 slots of 64 positions
 # over a pool of 24 pages of 8 (fewer than 8 full slots need: long requests wait for pages).
@@ -155,12 +158,12 @@ def test_settings_slots_and_lengths_are_data_not_recompilations(tiny):
     for p in _prompts(1, 3, cfg.vocab_size):
         warm.submit(p, max_new_tokens=5)
     _drain(warm)
-    before = (serving.prefill_into_slots._cache_size(), engine.decode_loop._cache_size())
+    before = (slots.prefill_into_slots._cache_size(), slots.decode_dispatch._cache_size())
     eng = ServingEngine(cfg, params, CONFIG)
     for i, p in enumerate(_prompts(2, 6, cfg.vocab_size)):
         eng.submit(p, max_new_tokens=5, temperature=0.3 * i, top_k=i, top_p=1.0 - 0.1 * i, stop_ids=[i, i + 1])
     _drain(eng)
-    assert (serving.prefill_into_slots._cache_size(), engine.decode_loop._cache_size()) == before
+    assert (slots.prefill_into_slots._cache_size(), slots.decode_dispatch._cache_size()) == before
     _check_idle(eng)
 
 
@@ -185,15 +188,19 @@ def test_requests_wait_for_pages_and_still_match(tiny, alone):
     _check_idle(eng)
 
 
-def test_a_sequence_stops_at_max_len(tiny, alone):
+def test_a_request_may_fill_max_len_and_no_more(tiny, alone):
     cfg, params = tiny
     p = _prompts(4, 1, cfg.vocab_size, lo=14, hi=14)[0]
     eng = ServingEngine(cfg, params, CONFIG)
-    rid = eng.submit(p, max_new_tokens=500)
+    with pytest.raises(ContextLengthError, match=r"prompt of 14 tokens and max_new_tokens 51: 65 positions, beyond "
+                                                 r"ServingConfig.max_len of 64 \(max_new_tokens can be at most 50\)"):
+        eng.submit(p, max_new_tokens=51)
+    assert not eng.has_work
+    rid = eng.submit(p, max_new_tokens=50)
     (c,) = [e.completion for e in eng.run() if e.finished]
-    # 14 prompt positions + 50 written tokens fill 64; the 51st token is sampled but never written.
-    assert c.request_id == rid and c.finish_reason == "context" and len(c.tokens) == 51
-    assert c.tokens == alone(p, 51)
+    # 14 prompt positions + 49 written tokens; the 50th token is sampled but never written.
+    assert c.request_id == rid and c.finish_reason == "length" and len(c.tokens) == 50
+    assert c.tokens == alone(p, 50)
     _check_idle(eng)
 
 
@@ -227,20 +234,20 @@ def test_bad_requests_are_refused_and_change_nothing(tiny):
     cases = [
         (dict(prompt=list(range(64))), r"prompt of 64 tokens: ServingConfig.max_len is 64"),
         (dict(prompt=[]), "empty prompt"),
-        (dict(prompt=[1, cfg.vocab_size]), r"outside the vocabulary of 512"),
-        (dict(prompt=[1, 2], max_new_tokens=0), "max_new_tokens must be >= 1"),
+        (dict(prompt=[1, cfg.vocab_size]), r"prompt has token id 512 at position 1, outside the vocabulary \[0, 512\)"),
+        (dict(prompt=[1, 2], max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),
         (dict(prompt=[1, 2], temperature=-1.0), "temperature must be >= 0"),
         (dict(prompt=[1, 2], top_p=0.0), r"top_p must be in \(0, 1\]"),
         (dict(prompt=[1, 2], stop_ids=list(range(9))), "9 stop ids; ServingConfig.max_stop_ids is 8"),
-        (dict(prompt=[1, 2], stop_ids=[-4]), "stop ids .* outside the vocabulary"),
+        (dict(prompt=[1, 2], stop_ids=[-4]), "stop_ids has token id -4 at position 0, outside the vocabulary"),
     ]
     for kw, msg in cases:
         with pytest.raises(ValueError, match=msg):
             eng.submit(**kw)
     assert eng.n_queued == 0 and not eng.has_work and eng.step() == []
-    eng.submit([1, 2], request_id="a")
+    eng.submit([1, 2], max_new_tokens=4, request_id="a")
     with pytest.raises(ValueError, match="request id 'a' is already queued or running"):
-        eng.submit([3], request_id="a")
+        eng.submit([3], max_new_tokens=4, request_id="a")
     assert eng.n_queued == 1
 
 

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rjax.serving import MAX_TOP_LOGPROBS
+from rjax.slots import MAX_TOP_LOGPROBS
 
 MAX_STOP_STRINGS = 4   # OpenAI's limit
 MAX_N = 16             # choices per request: each takes a slot of its own

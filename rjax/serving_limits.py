@@ -1,0 +1,129 @@
+"""What a `ServingEngine` holds and what it accepts: its limits (`ServingConfig`, or
+`fit_config` for the device's free memory) and the checks a request must pass before `submit`
+queues it.
+
+A request is refused, with nothing changed, when it could never run as asked: a prompt that is
+empty, not a sequence of integer token ids inside the vocabulary, or that leaves no free position
+in `max_len` (PromptTooLongError); a `max_new_tokens` that is not an integer >= 1, or that with
+the prompt needs more than `max_len` positions (ContextLengthError, as the OpenAI API refuses
+such a request); more than `max_stop_ids` stop ids, or ids outside the vocabulary; sampling
+settings out of range (`rjax.sampling.check_sampling`: NaN and infinities included); a seed or
+sample index that is not an integer. Refusals are ValueError (or a subclass), TypeError for a
+prompt or stop set that is not a sequence at all.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from rjax.checks import check_token_ids, is_int
+from rjax.config import ModelConfig
+from rjax.engine import ContextLengthError, PromptTooLongError
+from rjax.memory import plan_memory
+from rjax.sampling import check_sampling
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingConfig:
+    n_slots: int = 32
+    max_len: int = 2048                 # positions per sequence (prompt + generated)
+    page_size: int | None = 16          # None: a contiguous cache [L, n_slots, Hkv, max_len, D]
+    n_pages: int | None = None          # page pool size; None: every slot can reach max_len
+    steps_per_dispatch: int = 8
+    # Prompt counts a prefill call is padded to (one compiled program each); the last is the most
+    # prompts packed into one call.
+    prefill_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
+    max_prefill_tokens: int = 4096      # padded tokens per prefill call (one longer prompt still runs alone)
+    max_stop_ids: int = 8               # stop ids per request
+    kv_dtype: str = "float32"
+
+    def __post_init__(self):
+        for name in ("n_slots", "max_len", "steps_per_dispatch", "max_prefill_tokens", "max_stop_ids"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ServingConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.prefill_buckets or list(self.prefill_buckets) != sorted(set(self.prefill_buckets)) \
+                or self.prefill_buckets[0] < 1:
+            raise ValueError(f"ServingConfig.prefill_buckets must be increasing counts >= 1, got {self.prefill_buckets}")
+        if self.page_size is not None:
+            if self.page_size < 1 or self.page_size & (self.page_size - 1):
+                raise ValueError(f"ServingConfig.page_size must be a power of two, got {self.page_size}")
+            if self.max_len % self.page_size:
+                raise ValueError(f"ServingConfig.max_len {self.max_len} is not a multiple of page_size {self.page_size}")
+            if self.n_pages is not None and self.n_pages < self.max_pages:
+                raise ValueError(f"ServingConfig.n_pages {self.n_pages} cannot hold one sequence of max_len "
+                                 f"{self.max_len} ({self.max_pages} pages of {self.page_size})")
+        elif self.n_pages is not None:
+            raise ValueError("ServingConfig.n_pages needs a page_size")
+
+    @property
+    def max_prefill_prompts(self) -> int:
+        return self.prefill_buckets[-1]
+
+    def prefill_bucket(self, n_prompts: int) -> int:
+        return next(b for b in self.prefill_buckets if b >= n_prompts)
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size is not None
+
+    @property
+    def max_pages(self) -> int:
+        return self.max_len // self.page_size
+
+    @property
+    def pool_pages(self) -> int:
+        return self.n_slots * self.max_pages if self.n_pages is None else self.n_pages
+
+
+def fit_config(cfg: ModelConfig, *, max_len: int, page_size: int | None = 16, n_slots: int | None = None,
+               tokens_per_slot: int | None = None, params_bytes: int = 0, reserve_bytes: int | None = None,
+               available: int | None = None, budget_bytes: int | None = None, **settings) -> ServingConfig:
+    """A ServingConfig whose slots (unless given) and pages are what the device's free memory
+    holds (see `rjax.memory.plan_memory`); raises MemoryFitError when not even one sequence fits."""
+    base = ServingConfig(n_slots=n_slots or 1, max_len=max_len, page_size=page_size, **settings)
+    plan = plan_memory(cfg, max_len=max_len, page_size=page_size, n_slots=n_slots, tokens_per_slot=tokens_per_slot,
+                       prefill_tokens=base.max_prefill_tokens, prefill_prompts=base.max_prefill_prompts,
+                       dtype=base.kv_dtype, params_bytes=params_bytes, reserve_bytes=reserve_bytes,
+                       available=available, budget_bytes=budget_bytes)
+    return dataclasses.replace(base, n_slots=plan.n_slots, n_pages=plan.n_pages)
+
+
+
+def check_stop_ids(cfg: ModelConfig, config: ServingConfig, stop_ids: Sequence[int]) -> tuple[int, ...]:
+    """-> the stop ids as ints, at most `max_stop_ids` of them, each inside the vocabulary."""
+    ids = check_token_ids(stop_ids, cfg.vocab_size, "stop_ids")
+    if len(ids) > config.max_stop_ids:
+        raise ValueError(f"{len(ids)} stop ids; ServingConfig.max_stop_ids is {config.max_stop_ids}")
+    return tuple(ids)
+
+
+def check_request(cfg: ModelConfig, config: ServingConfig, prompt: Sequence[int], *, max_new_tokens, temperature,
+                  top_k, top_p, stop_ids: Sequence[int], seed=None, sample_index=0,
+                  logprobs=False) -> tuple[list[int], tuple[int, ...]]:
+    """Refuse a request the engine could never run as asked (see the module docstring); reads
+    nothing but its arguments. -> (the prompt, the stop ids), as ints."""
+    prompt = check_token_ids(prompt, cfg.vocab_size, "prompt")
+    if not prompt:
+        raise ValueError("empty prompt: at least one token is needed")
+    if len(prompt) >= config.max_len:
+        raise PromptTooLongError(f"prompt of {len(prompt)} tokens: ServingConfig.max_len is {config.max_len} "
+                                 f"positions and generation needs at least one free position")
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    check_sampling(temperature, top_k, top_p)
+    stops = check_stop_ids(cfg, config, stop_ids)
+    if seed is not None and not is_int(seed):
+        raise ValueError(f"seed must be an integer or None, got {seed!r}")
+    if not is_int(sample_index) or not 0 <= sample_index < 2 ** 32:
+        raise ValueError(f"sample_index must be an integer in [0, 2**32), got {sample_index!r}")
+    if not isinstance(logprobs, (bool, np.bool_)):
+        raise TypeError(f"logprobs must be a bool, got {logprobs!r}")
+    # Last, so that a request with a bad setting is told about that setting first.
+    if len(prompt) + max_new_tokens > config.max_len:
+        raise ContextLengthError(
+            f"prompt of {len(prompt)} tokens and max_new_tokens {max_new_tokens}: {len(prompt) + max_new_tokens} "
+            f"positions, beyond ServingConfig.max_len of {config.max_len} (max_new_tokens can be at most "
+            f"{config.max_len - len(prompt)})")
+    return prompt, stops

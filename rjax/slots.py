@@ -1,0 +1,178 @@
+"""The device side of continuous batching: per-slot decode state and the pure jitted functions
+that update it (`rjax.serving.ServingEngine` is the host-side scheduler that calls them).
+
+Each slot draws from its own random stream, made from its request's seed at admission, so a
+seeded request samples the same tokens whatever else runs beside it. Log-probabilities (the
+chosen token's and the top `MAX_TOP_LOGPROBS`, of the model's raw distribution) come out of
+prefill always (one small top-k per prompt) and out of a decode dispatch only with `logprobs`
+(a second compiled variant of the dispatch, so the plain one pays nothing).
+
+A slot index is data, never a static argument, and sampling parameters are per-slot arrays, so
+admitting a request with other settings into any slot reuses the compiled programs. Updates of a
+few slots take `rows` padded with the out-of-range index n_slots, which they drop.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from rjax import engine
+from rjax.config import ModelConfig
+from rjax.engine import DecodeState
+from rjax.model import Params
+from rjax.paged_cache import PagedKVCache
+from rjax.sampling import SamplingParams, sample
+
+# Top log-probabilities a request may ask for per token (OpenAI's top_logprobs limit).
+MAX_TOP_LOGPROBS = 20
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SlotBatch:
+    """Everything per slot that the decode loop reads, as arrays over all slots."""
+
+    state: DecodeState         # last_token, done, remaining [n_slots]; a free slot is done;
+    #                            key [n_slots]: one random stream per slot
+    sampling: SamplingParams   # [n_slots]
+    stop_ids: jax.Array        # [n_slots, max_stop_ids] int32, -1 padded
+
+
+def init_slots(n_slots: int, max_stop_ids: int) -> SlotBatch:
+    # The keys are placeholders: admission gives each slot its request's key.
+    state = DecodeState(jnp.zeros((n_slots,), jnp.int32), jnp.ones((n_slots,), bool),
+                        jnp.zeros((n_slots,), jnp.int32), jax.random.split(jax.random.key(0), n_slots))
+    return SlotBatch(state, SamplingParams.make(n_slots), jnp.full((n_slots, max_stop_ids), -1, jnp.int32))
+
+
+def request_keys(seeds, sample_index):
+    """One key per request from its 64-bit seed (seeds [P, 2] uint32: low and high words) and its
+    sample index [P] (n samples of one seed draw apart)."""
+    def one(seed, index):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed[0]), seed[1]), index)
+
+    return jax.vmap(one)(seeds, sample_index)
+
+
+def sample_rows(logits, keys, sp: SamplingParams):
+    """`rjax.sample` with one key per row: logits [B, V], keys [B] -> (tokens [B] int32, the keys
+    advanced). A row's draw depends on its own key alone, not on the rows beside it."""
+    pair = jax.vmap(jax.random.split)(keys)
+    keys, subs = pair[:, 0], pair[:, 1]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw():
+        def one(row, key, t, k, p):
+            return sample(row[None], key, SamplingParams(t[None], k[None], p[None]))[0]
+        return jax.vmap(one)(logits, subs, sp.temperature, sp.top_k, sp.top_p)
+
+    # All-greedy batches (the common serving case) skip the sort that filtered sampling needs.
+    sampled = jax.lax.cond(jnp.any(sp.temperature > 0), draw, lambda: greedy)
+    return jnp.where(sp.temperature > 0, sampled, greedy).astype(jnp.int32), keys
+
+
+class TopLogprobs(NamedTuple):
+    """Log-probabilities under the model's raw distribution (log_softmax of the logits)."""
+
+    chosen: jax.Array     # [...] the sampled token's
+    top_ids: jax.Array    # [..., MAX_TOP_LOGPROBS] int32, most likely first
+    top: jax.Array        # [..., MAX_TOP_LOGPROBS]
+
+
+def top_logprobs(logits, tokens) -> TopLogprobs:
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    top, ids = jax.lax.top_k(logp, min(MAX_TOP_LOGPROBS, logp.shape[-1]))
+    return TopLogprobs(chosen, ids.astype(jnp.int32), top)
+
+
+def _is_stop(tokens, stop_ids):
+    return jnp.any(tokens[:, None] == stop_ids, axis=-1)
+
+
+def admit(slots: SlotBatch, cache, rows, valid, first_tokens, max_new_tokens, sampling: SamplingParams,
+          stop_ids, keys) -> SlotBatch:
+    """Start the sequences just prefilled into cache rows `rows` [P], whose first tokens are
+    `first_tokens` [P] and random streams `keys` [P]; rows with valid False are padding and
+    change nothing."""
+    new = engine.initial_state(first_tokens, max_new_tokens, stop_ids, keys, cache, rows)
+    idx = jnp.where(valid, rows, slots.stop_ids.shape[0])  # padding scatters out of range: dropped
+
+    def put(full, part):
+        return full.at[idx].set(part, mode="drop")
+
+    s = slots.state
+    state = DecodeState(put(s.last_token, new.last_token), put(s.done, new.done),
+                        put(s.remaining, new.remaining), put(s.key, keys))
+    return SlotBatch(state, jax.tree.map(put, slots.sampling, sampling), put(slots.stop_ids, stop_ids))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache", "slots"))
+def prefill_into_slots(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, tokens, lengths, rows, valid, seeds,
+                       sample_index, sampling: SamplingParams, max_new_tokens, stop_ids):
+    """Prefill P prompts (tokens [P, T], lengths [P]; padding prompts have length 0 and valid
+    False) into cache rows `rows` [P], sample each first token from its request's key
+    (`request_keys(seeds, sample_index)`) and start the sequences with their per-prompt sampling
+    parameters, token budgets [P] and stop ids [P, K].
+    -> (first tokens [P], their TopLogprobs, slots, cache)."""
+    logits, cache = engine.prefill(cfg, params, cache, tokens, lengths, rows)
+    first, keys = sample_rows(logits, request_keys(seeds, sample_index), sampling)
+    slots = admit(slots, cache, rows, valid, first, max_new_tokens, sampling, stop_ids, keys)
+    return first, top_logprobs(logits, first), slots, cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "n_steps", "logprobs"), donate_argnames=("cache", "slots"),
+                   compiler_options=engine.DECODE_LOOP_COMPILER_OPTIONS)
+def decode_dispatch(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, n_steps: int, logprobs: bool = False):
+    """Up to n_steps decode steps over every slot in one XLA program (`engine.decode_loop` with a
+    random stream per slot), stopping early when every slot is done. With `logprobs` (static:
+    a second program) also each step's TopLogprobs [n_slots, n_steps, ...].
+    -> (tokens [n_slots, n_steps] int32, -1 where nothing was generated; TopLogprobs or None;
+    slots; cache)."""
+    B = slots.state.last_token.shape[0]
+    out0 = jnp.full((B, n_steps), -1, jnp.int32)
+    k = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
+    lp0 = TopLogprobs(jnp.zeros((B, n_steps)), jnp.zeros((B, n_steps, k), jnp.int32),
+                      jnp.zeros((B, n_steps, k))) if logprobs else None
+
+    def cond(carry):
+        i, _, _, state, _ = carry
+        return (i < n_steps) & ~jnp.all(state.done)
+
+    def body(carry):
+        i, out, lp, state, cache = carry
+        active = ~state.done & (cache.lengths < cache.max_len)
+        logits, cache = engine.decode_step(cfg, params, cache, state.last_token, active)
+        tok, keys = sample_rows(logits, state.key, slots.sampling)
+        out = out.at[:, i].set(jnp.where(active, tok, -1))
+        if logprobs:
+            lp = jax.tree.map(lambda full, step: full.at[:, i].set(step), lp, top_logprobs(logits, tok))
+        remaining = state.remaining - active.astype(jnp.int32)
+        done = state.done | (active & (_is_stop(tok, slots.stop_ids) | (remaining <= 0)
+                                       | (cache.lengths >= cache.max_len)))
+        state = DecodeState(jnp.where(active, tok, state.last_token), done, remaining, keys)
+        return i + 1, out, lp, state, cache
+
+    _, out, lp, state, cache = jax.lax.while_loop(cond, body, (jnp.int32(0), out0, lp0, slots.state, cache))
+    return out, lp, dataclasses.replace(slots, state=state), cache
+
+
+@functools.partial(jax.jit, donate_argnames=("slots",))
+def stop_slots(slots: SlotBatch, rows) -> SlotBatch:
+    """Mark slots `rows` done (indices >= n_slots are padding), so decoding skips them."""
+    state = dataclasses.replace(slots.state, done=slots.state.done.at[rows].set(True, mode="drop"))
+    return dataclasses.replace(slots, state=state)
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def free_slots(cache, rows):
+    """Empty cache rows `rows` (indices >= n_slots are padding): length 0, and no pages for a
+    paged cache. A contiguous row keeps its old entries, but nothing reads past a row's length."""
+    if isinstance(cache, PagedKVCache):
+        return cache.reset(rows)
+    return dataclasses.replace(cache, lengths=cache.lengths.at[rows].set(0, mode="drop"))
+
