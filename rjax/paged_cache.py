@@ -5,9 +5,8 @@ page holding positions i * page_size .. (i + 1) * page_size - 1 of slot s, or -1
 owns no page yet; `lengths[s]` counts the valid positions of slot s. The pytree has the same
 `write` / `attend` / `advance` methods as the contiguous `KVCache`, so the model runs on either.
 
-Which pages a slot owns is decided on the host by `PageAllocator` (a free list; pages are taken
-as sequences grow and returned when they finish) and copied into the device table by the pure
-`set_block_tables`. On the device a write whose position has no page in the slot's table is
+Which pages a slot owns is decided on the host by `rjax.pages.PageAllocator` (free list,
+reservations, the prefix cache) and copied into the device table by the pure `set_block_tables`. On the device a write whose position has no page in the slot's table is
 dropped, never redirected: no write can reach a page the slot does not own.
 """
 from __future__ import annotations
@@ -17,7 +16,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels.attention import paged_attention
 from rjax.config import ModelConfig
@@ -146,72 +144,13 @@ def init_paged_cache(cfg: ModelConfig, n_slots: int, n_pages: int, page_size: in
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
+def set_lengths(cache: PagedKVCache, slots: jax.Array, lengths: jax.Array) -> PagedKVCache:
+    """lengths[slots] = lengths ([B]); slots >= n_slots are ignored (padding). For a slot whose
+    table starts with pages of a cached prefix: it holds those positions already."""
+    return dataclasses.replace(cache, lengths=cache.lengths.at[slots].set(lengths, mode="drop"))
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
 def set_block_tables(cache: PagedKVCache, slots: jax.Array, tables: jax.Array) -> PagedKVCache:
     """block_tables[slots] = tables ([B], [B, max_pages]); slots >= n_slots are ignored (padding)."""
     return dataclasses.replace(cache, block_tables=cache.block_tables.at[slots].set(tables, mode="drop"))
-
-
-class PagesExhaustedError(RuntimeError):
-    pass
-
-
-class PageAllocator:
-    """Host-side page bookkeeping for a `PagedKVCache`: the free list, the pages each slot owns
-    (its block table, mirrored in `tables`), and per-slot reservations.
-
-    A reservation promises a slot that many pages in the future; `reserve` refuses what the pool
-    cannot promise, so a slot that grows within its reservation always finds free pages.
-    """
-
-    def __init__(self, n_pages: int, n_slots: int, max_pages: int, page_size: int):
-        self.n_pages, self.n_slots, self.max_pages, self.page_size = n_pages, n_slots, max_pages, page_size
-        self._free = list(range(n_pages - 1, -1, -1))  # a stack: low page numbers are used first
-        self.tables = np.full((n_slots, max_pages), NO_PAGE, np.int32)
-        self.owned = np.zeros(n_slots, np.int64)      # pages each slot holds
-        self.reserved = np.zeros(n_slots, np.int64)   # pages promised to each slot (>= owned)
-
-    @property
-    def n_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def unreserved(self) -> int:
-        """Pages nobody has been promised: what a new reservation can take."""
-        return self.n_pages - int(self.reserved.sum())
-
-    def pages_for(self, n_positions: int) -> int:
-        return -(-n_positions // self.page_size)
-
-    def reserve(self, slot: int, n_pages: int) -> None:
-        """Promise `slot` (holding nothing) n_pages pages, or raise PagesExhaustedError."""
-        if self.reserved[slot] or self.owned[slot]:
-            raise ValueError(f"slot {slot} already holds a reservation; release it first")
-        if n_pages > self.max_pages:
-            raise PagesExhaustedError(f"slot {slot}: {n_pages} pages requested, a slot's block table has "
-                                      f"{self.max_pages} ({self.max_pages * self.page_size} positions)")
-        if n_pages > self.unreserved:
-            raise PagesExhaustedError(f"slot {slot}: {n_pages} pages requested, {self.unreserved} of "
-                                      f"{self.n_pages} are unreserved")
-        self.reserved[slot] = n_pages
-
-    def grow(self, slot: int, n_positions: int) -> bool:
-        """Give `slot` pages for positions 0 .. n_positions - 1 (within its reservation).
-        -> whether its table changed. Raises PagesExhaustedError beyond the reservation."""
-        need = self.pages_for(n_positions)
-        if need <= self.owned[slot]:
-            return False
-        if need > self.reserved[slot]:
-            raise PagesExhaustedError(f"slot {slot}: {n_positions} positions need {need} pages, "
-                                      f"beyond its reservation of {int(self.reserved[slot])}")
-        for col in range(int(self.owned[slot]), need):
-            self.tables[slot, col] = self._free.pop()
-        self.owned[slot] = need
-        return True
-
-    def release(self, slot: int) -> None:
-        """Return every page of `slot` to the free list and drop its reservation."""
-        n = int(self.owned[slot])
-        self._free.extend(int(p) for p in self.tables[slot, :n][::-1])
-        self.tables[slot] = NO_PAGE
-        self.owned[slot] = 0
-        self.reserved[slot] = 0

@@ -44,7 +44,8 @@ from rjax.cache import init_cache
 from rjax.config import ModelConfig
 from rjax.memory import kv_bytes_per_position, plan_memory
 from rjax.model import Params
-from rjax.paged_cache import PageAllocator, init_paged_cache, set_block_tables
+from rjax.paged_cache import init_paged_cache, set_block_tables, set_lengths
+from rjax.pages import PageAllocator, PrefixCacheStats, page_hashes
 from rjax.precompile import Program, compile_programs
 from rjax.sampling import SamplingParams
 from rjax.serving_events import Completion, StreamEvent, TokenLogprob, token_logprob
@@ -79,6 +80,9 @@ class _Request:
     tokens: list[int] = dataclasses.field(default_factory=list)
     token_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     first_token_s: float = 0.0
+    prefilled: int = 0        # prompt positions in its slot so far (shared prefix pages included)
+    hashes: list[bytes] | None = None   # content hashes of the prompt's full pages
+    computing: list[bytes] = dataclasses.field(default_factory=list)  # those it computes, not yet indexed
 
 
 class ServingEngine:
@@ -106,7 +110,7 @@ class ServingEngine:
             self.cache = init_paged_cache(cfg, config.n_slots, config.pool_pages, config.page_size, config.max_len,
                                           dtype)
             self.pages: PageAllocator | None = PageAllocator(config.pool_pages, config.n_slots, config.max_pages,
-                                                             config.page_size)
+                                                             config.page_size, prefix_cache=config.prefix_cache)
         else:
             self.cache = init_cache(cfg, config.n_slots, config.max_len, dtype)
             self.pages = None
@@ -115,7 +119,11 @@ class ServingEngine:
         self._queue: collections.deque[_Request] = collections.deque()
         self._cancels: collections.deque = collections.deque()  # request ids; deque appends are thread-safe
         self._free = list(range(config.n_slots))  # a heap: the lowest free slot is taken first
-        self._running: dict[int, _Request] = {}                # slot -> request
+        self._prefilling: list[_Request] = []   # holding a slot, prompt not yet all in the cache (in order)
+        self._running: dict[int, _Request] = {}                # slot -> request (decoding)
+        # Pages that admitted prompts are computing, by content hash: a prompt that would compute
+        # one of them again waits a step and shares it instead.
+        self._computing: collections.Counter[bytes] = collections.Counter()
         self._ids = itertools.count()
         self._live_ids: set = set()                           # ids of queued and running requests
         self.kv_bytes = (config.pool_pages * config.page_size if config.paged else config.n_slots * config.max_len) \
@@ -124,13 +132,22 @@ class ServingEngine:
     # -- compiling ahead --------------------------------------------------------------------
 
     def prefill_shapes(self, prompt_lengths: Sequence[int] | None = None) -> list[tuple[int, int]]:
-        """The (prompt count bucket, prompt length bucket) pairs admission can form: a single
-        prompt of any length that fits, and packs of prompts within `max_prefill_tokens`.
-        `prompt_lengths`: only the buckets of these lengths (default: every bucket that fits)."""
+        """The (prompt count bucket, chunk length bucket) pairs a prefill call can take: a
+        prompt longer than `chunk_tokens` goes in chunks of that many, and a call packs chunks
+        within `max_prefill_tokens`. `prompt_lengths`: only the chunks of prompts of these
+        lengths (default: every bucket up to a chunk)."""
         c = self.config
-        longest = engine.prompt_bucket(c.max_len - 1)
-        lengths = [t for t in engine.PROMPT_BUCKETS if t <= longest] if prompt_lengths is None else \
-            sorted({engine.prompt_bucket(min(max(int(n), 1), c.max_len - 1)) for n in prompt_lengths})
+        if prompt_lengths is None:
+            longest = engine.prompt_bucket(min(c.max_len - 1, c.chunk_tokens))
+            lengths = [t for t in engine.PROMPT_BUCKETS if t <= longest]
+        else:
+            chunks = set()
+            for n in prompt_lengths:
+                n = min(max(int(n), 1), c.max_len - 1)
+                chunks.add(min(n, c.chunk_tokens))
+                if n > c.chunk_tokens and n % c.chunk_tokens:
+                    chunks.add(n % c.chunk_tokens)
+            lengths = sorted({engine.prompt_bucket(n) for n in chunks})
         counts = sorted({c.prefill_bucket(n) for n in range(1, min(c.n_slots, c.max_prefill_prompts) + 1)})
         return [(p, t) for p in counts for t in lengths if p == 1 or p * t <= c.max_prefill_tokens]
 
@@ -207,7 +224,8 @@ class ServingEngine:
 
     @property
     def n_running(self) -> int:
-        return len(self._running)
+        """Requests holding a slot: decoding, or with their prompt still being prefilled."""
+        return len(self._running) + len(self._prefilling)
 
     @property
     def n_free_slots(self) -> int:
@@ -216,11 +234,19 @@ class ServingEngine:
     @property
     def pages_in_use(self) -> int | None:
         """KV pages that sequences hold now (None for a contiguous cache)."""
-        return None if self.pages is None else self.pages.n_pages - self.pages.n_free
+        return None if self.pages is None else self.pages.n_held
+
+    @property
+    def prefix_stats(self) -> PrefixCacheStats | None:
+        """The prefix cache's counts (lookups, hits, pages reused, tokens saved, evictions) and
+        pages cached; None without a prefix cache."""
+        if self.pages is None or not self.pages.prefix_cache:
+            return None
+        return self.pages.stats
 
     @property
     def has_work(self) -> bool:
-        return bool(self._queue or self._running or self._cancels)
+        return bool(self._queue or self._prefilling or self._running or self._cancels)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -249,34 +275,65 @@ class ServingEngine:
         for r in queued:
             self._queue.remove(r)
             self._live_ids.discard(r.request_id)
-        running = [r for r in self._running.values() if r.request_id in ids]
-        if running:
-            self.slots = stop_slots(self.slots, _put(self._slot_rows([r.slot for r in running])))
+        held = [r for r in self._prefilling + list(self._running.values()) if r.request_id in ids]
+        if any(r.slot in self._running for r in held):
+            self.slots = stop_slots(self.slots, _put(self._slot_rows([r.slot for r in held])))
         now = time.perf_counter()
-        events = [self._event(r, [], True, now, reason="cancelled") for r in queued + running]
-        self._release(running)
+        events = [self._event(r, [], True, now, reason="cancelled") for r in queued + held]
+        self._release(held)
         return events
 
-    def _take_admissible(self) -> list[_Request]:
-        c, batch = self.config, []
-        room = min(len(self._free), c.max_prefill_prompts)
-        while self._queue and len(batch) < room:
-            req = self._queue[0]
-            longest = max([len(r.prompt) for r in batch] + [len(req.prompt)])
-            if batch and c.prefill_bucket(len(batch) + 1) * engine.prompt_bucket(longest) \
-                    > c.max_prefill_tokens:
-                break
+    def _admit(self) -> None:
+        """Queued requests into free slots, first come first served, while the pool can promise
+        each every page it may need. With the prefix cache a request's table starts with the
+        cached pages of its prompt's prefix; a request that would compute a page another
+        admitted prompt is computing waits (next step it shares it)."""
+        c, shared_rows = self.config, []
+        while self._queue and self._free:
+            req, shared = self._queue[0], []
             if self.pages is not None:
+                if self.pages.prefix_cache and req.hashes is None:
+                    req.hashes = page_hashes(req.prompt, c.page_size, len(req.prompt) // c.page_size)
+                matchable = (req.hashes or [])[: (len(req.prompt) - 1) // c.page_size]
+                shared = self.pages.match_hashes(matchable)
+                if len(shared) < len(matchable) and self._computing[matchable[len(shared)]]:
+                    break
                 need = self.pages.pages_for(req.length_limit)
-                if need > self.pages.unreserved:
-                    break  # first come, first served: it waits for pages, and so do those behind it
+                if not self.pages.fits(need, shared):
+                    break  # it waits for pages, and so do those behind it
             self._queue.popleft()
             req.slot = heapq.heappop(self._free)
             if self.pages is not None:
-                self.pages.reserve(req.slot, self.pages.pages_for(req.length_limit))
-                self.pages.grow(req.slot, len(req.prompt))
-            batch.append(req)
+                self.pages.reserve(req.slot, need, shared)
+                req.prefilled = len(shared) * c.page_size
+                req.computing = (req.hashes or [])[len(shared):]
+                self._computing.update(req.computing)
+                if shared:
+                    shared_rows.append(req)
+            self._prefilling.append(req)
+        if shared_rows:
+            self._sync_block_tables([r.slot for r in shared_rows])
+            self.cache = set_lengths(self.cache, *_put(self._slot_rows([r.slot for r in shared_rows]),
+                                                       self._slot_values([r.prefilled for r in shared_rows])))
+
+    def _chunks(self) -> list[tuple[_Request, int]]:
+        """(request, prompt tokens) for the next prefill call: the prefilling requests in order,
+        each with its next chunk, packed within `max_prefill_tokens`."""
+        c, batch, longest = self.config, [], 0
+        for r in self._prefilling[: c.max_prefill_prompts]:
+            n = min(len(r.prompt) - r.prefilled, c.chunk_tokens)
+            if batch and c.prefill_bucket(len(batch) + 1) * engine.prompt_bucket(max(longest, n)) \
+                    > c.max_prefill_tokens:
+                break
+            batch.append((r, n))
+            longest = max(longest, n)
         return batch
+
+    def _slot_values(self, values: list[int]) -> np.ndarray:
+        """Per-slot values padded as `_slot_rows` pads their slots."""
+        out = np.zeros(self.config.n_slots, np.int32)
+        out[: len(values)] = values
+        return out
 
     def _slot_rows(self, slots: list[int]) -> np.ndarray:
         """`slots` padded to n_slots entries with the out-of-range index n_slots (ignored by the
@@ -293,46 +350,76 @@ class ServingEngine:
         self.cache = set_block_tables(self.cache, *_put(rows, tables))
 
     def _prefill_new(self) -> list[StreamEvent]:
-        batch = self._take_admissible()
+        """Admit what fits, then one prefill call: the next chunk of each prefilling request.
+        A request whose last chunk this is samples its first token and starts decoding."""
+        self._admit()
+        batch = self._chunks()
         if not batch:
             return []
         c = self.config
+        reqs = [r for r, _ in batch]
         if self.pages is not None:
-            self._sync_block_tables([r.slot for r in batch])
+            self._sync_block_tables([r.slot for r, n in batch if self.pages.grow(r.slot, r.prefilled + n)])
         P = c.prefill_bucket(len(batch))
-        tokens, lengths = engine.pad_prompts([r.prompt for r in batch])
+        tokens, lengths = engine.pad_prompts([r.prompt[r.prefilled:r.prefilled + n] for r, n in batch])
         tokens = np.pad(tokens, ((0, P - len(batch)), (0, 0)))
         lengths = np.pad(lengths, (0, P - len(batch)))  # padding prompts: length 0, nothing written
-        rows = np.full(P, batch[0].slot, np.int32)
-        rows[: len(batch)] = [r.slot for r in batch]
-        valid = np.arange(P) < len(batch)
-        pad = [batch[0]] * (P - len(batch))
-        sp = SamplingParams(*_put(np.asarray([r.temperature for r in batch + pad], np.float32),
-                                  np.asarray([r.top_k for r in batch + pad], np.int32),
-                                  np.asarray([r.top_p for r in batch + pad], np.float32)))
+        rows = np.full(P, reqs[0].slot, np.int32)
+        rows[: len(batch)] = [r.slot for r in reqs]
+        # A chunk before a prompt's last is written and advances the slot, but starts nothing.
+        last = [r.prefilled + n == len(r.prompt) for r, n in batch]
+        valid = np.pad(np.asarray(last, bool), (0, P - len(batch)))
+        pad = [reqs[0]] * (P - len(batch))
+        sp = SamplingParams(*_put(np.asarray([r.temperature for r in reqs + pad], np.float32),
+                                  np.asarray([r.top_k for r in reqs + pad], np.int32),
+                                  np.asarray([r.top_p for r in reqs + pad], np.float32)))
         stops = np.full((P, c.max_stop_ids), -1, np.int32)
-        for i, r in enumerate(batch):
+        for i, r in enumerate(reqs):
             stops[i, : len(r.stop_ids)] = r.stop_ids
-        budget = np.asarray([r.max_new_tokens for r in batch + pad], np.int32)
-        seeds = np.asarray([[r.seed & 0xFFFFFFFF, r.seed >> 32] for r in batch + pad], np.uint32)
-        index = np.asarray([r.sample_index for r in batch + pad], np.uint32)
+        budget = np.asarray([r.max_new_tokens for r in reqs + pad], np.int32)
+        seeds = np.asarray([[r.seed & 0xFFFFFFFF, r.seed >> 32] for r in reqs + pad], np.uint32)
+        index = np.asarray([r.sample_index for r in reqs + pad], np.uint32)
         first, lp, self.slots, self.cache = prefill_into_slots(
             self.cfg, self.params, self.cache, self.slots, *_put(tokens, lengths, rows, valid, seeds, index), sp,
             *_put(budget, stops))
+        for r, n in batch:
+            r.prefilled += n
+            self._index(r, r.prompt[: r.prefilled])
+        started = [(i, r) for i, (r, done_) in enumerate(zip(reqs, last)) if done_]
+        if not started:
+            return []
+        self._prefilling = [r for r in self._prefilling if r.prefilled < len(r.prompt)]
         first = np.asarray(first)
         done = np.asarray(self.slots.state.done)
         # Only what a request asked for crosses to the host.
-        lp = jax.tree.map(np.asarray, lp) if any(r.logprobs for r in batch) else None
+        lp = jax.tree.map(np.asarray, lp) if any(r.logprobs for _, r in started) else None
         now = time.perf_counter()
         events = []
-        for i, r in enumerate(batch):
+        for i, r in started:
             r.first_token_s = now
             r.length = len(r.prompt)
             self._running[r.slot] = r
             entries = [token_logprob(lp, i, None, int(first[i]))] if r.logprobs else None
             events.append(self._add_tokens(r, [int(first[i])], entries, bool(done[r.slot]), now))
-        self._release([r for r in batch if done[r.slot]])
+        self._release([r for _, r in started if done[r.slot]])
         return events
+
+    def _index(self, r: _Request, tokens: list[int]) -> None:
+        """Offer the full pages of `r`'s slot holding `tokens` to the prefix cache, and stop
+        counting those it computed as in progress."""
+        if self.pages is None or not self.pages.prefix_cache:
+            return
+        self.pages.register(r.slot, tokens)
+        written = len(tokens) // self.config.page_size - (len(r.hashes) - len(r.computing))
+        self._uncount(r, max(written, 0))
+
+    def _uncount(self, r: _Request, n: int) -> None:
+        """The first n pages `r` was computing are written (or will never be)."""
+        for h in r.computing[:n]:
+            self._computing[h] -= 1
+            if not self._computing[h]:
+                del self._computing[h]
+        r.computing = r.computing[n:]
 
     def _decode(self) -> list[StreamEvent]:
         c = self.config
@@ -382,13 +469,22 @@ class ServingEngine:
                                       list(r.token_logprobs) if r.logprobs else None), logprobs=entries)
 
     def _release(self, finished: list[_Request]) -> None:
+        """Free the slots and pages of finished (or cancelled) requests; their full pages stay
+        in the prefix cache, holding the prompt and the tokens generated."""
         if not finished:
             return
         slots = [r.slot for r in finished]
-        for s in slots:
-            self._live_ids.discard(self._running.pop(s).request_id)
+        for r in finished:
+            self._live_ids.discard(r.request_id)
+            self._running.pop(r.slot, None)
             if self.pages is not None:
-                self.pages.release(s)
+                # The slot holds the K/V of every token but the last generated (never fed back),
+                # or of the chunks prefilled so far.
+                self._index(r, (r.prompt + r.tokens)[:r.length or r.prefilled])
+                self._uncount(r, len(r.computing))   # a prompt cancelled before all were written
+                self.pages.release(r.slot)
+        gone = {id(r) for r in finished}
+        self._prefilling = [r for r in self._prefilling if id(r) not in gone]
         self.cache = free_slots(self.cache, _put(self._slot_rows(slots)))
         for s in slots:
             heapq.heappush(self._free, s)

@@ -20,7 +20,7 @@ import numpy as np
 
 from rjax.checks import check_token_ids, is_int
 from rjax.config import ModelConfig
-from rjax.engine import ContextLengthError, PromptTooLongError
+from rjax.engine import PROMPT_BUCKETS, ContextLengthError, PromptTooLongError
 from rjax.memory import plan_memory
 from rjax.sampling import check_sampling
 
@@ -35,14 +35,23 @@ class ServingConfig:
     # Prompt counts a prefill call is padded to (one compiled program each); the last is the most
     # prompts packed into one call.
     prefill_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
-    max_prefill_tokens: int = 4096      # padded tokens per prefill call (one longer prompt still runs alone)
+    # Padded tokens per prefill call: prompts are packed up to this, and a longer prompt is
+    # prefilled in chunks (`chunk_tokens`), one per step, between the running slots' decode
+    # dispatches, so that it neither needs a program of its length nor stalls the others.
+    max_prefill_tokens: int = 4096
     max_stop_ids: int = 8               # stop ids per request
     kv_dtype: str = "float32"
+    # Full pages of earlier sequences are kept and shared by later prompts that start with the
+    # same tokens (paged caches only; see rjax.pages).
+    prefix_cache: bool = True
 
     def __post_init__(self):
         for name in ("n_slots", "max_len", "steps_per_dispatch", "max_prefill_tokens", "max_stop_ids"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServingConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prefill_tokens < PROMPT_BUCKETS[0]:
+            raise ValueError(f"ServingConfig.max_prefill_tokens must be at least the smallest prompt bucket "
+                             f"{PROMPT_BUCKETS[0]}, got {self.max_prefill_tokens}")
         if not self.prefill_buckets or list(self.prefill_buckets) != sorted(set(self.prefill_buckets)) \
                 or self.prefill_buckets[0] < 1:
             raise ValueError(f"ServingConfig.prefill_buckets must be increasing counts >= 1, got {self.prefill_buckets}")
@@ -56,6 +65,12 @@ class ServingConfig:
                                  f"{self.max_len} ({self.max_pages} pages of {self.page_size})")
         elif self.n_pages is not None:
             raise ValueError("ServingConfig.n_pages needs a page_size")
+
+    @property
+    def chunk_tokens(self) -> int:
+        """The most prompt tokens of one sequence a prefill call takes: the longest prompt
+        bucket within `max_prefill_tokens`."""
+        return max(b for b in PROMPT_BUCKETS if b <= self.max_prefill_tokens)
 
     @property
     def max_prefill_prompts(self) -> int:

@@ -11,7 +11,8 @@ import pytest
 from rjax import engine
 from rjax.cache import init_cache
 from rjax.loaders.gguf import load_gguf
-from rjax.paged_cache import NO_PAGE, PageAllocator, PagesExhaustedError, init_paged_cache, set_block_tables
+from rjax.paged_cache import NO_PAGE, init_paged_cache, set_block_tables
+from rjax.pages import PageAllocator, PagesExhaustedError
 from rjax.synth import write_synthetic
 
 PS = 8  # page size

@@ -71,9 +71,11 @@ def _drain(eng: ServingEngine, submit_at: dict[int, list] | None = None):
 
 
 def _check_idle(eng: ServingEngine):
-    """Everything was given back: all slots free, all pages free, every length 0."""
+    """Everything was given back: all slots free, no page held (free, or kept by the prefix
+    cache), every refcount and length 0."""
     assert eng.n_running == 0 and eng.n_queued == 0
-    assert eng.pages.n_free == eng.pages.n_pages and eng.pages.unreserved == eng.pages.n_pages
+    assert eng.pages.n_held == 0 and eng.pages.unreserved == eng.pages.n_pages
+    assert eng.pages.n_free + eng.pages.n_cached == eng.pages.n_pages and not eng.pages.refs.any()
     assert (eng.pages.tables == -1).all()
     np.testing.assert_array_equal(np.asarray(eng.cache.lengths), 0)
     np.testing.assert_array_equal(np.asarray(eng.cache.block_tables), -1)
