@@ -23,16 +23,9 @@ class ModelFileError(ValueError):
     """A model file that cannot be used: the message names the file and what is wrong."""
 
 
-def expected_shape(cfg, field: str) -> tuple[int, ...]:
-    """The (out, in) shape a `LayerParams` / `Params` field has under `cfg`."""
-    q, kv, d = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.d_model
-    return {
-        "embed": (cfg.vocab_size, d), "lm_head": (cfg.vocab_size, d), "final_norm": (d,),
-        "attn_norm": (d,), "ffn_norm": (d,), "post_attn_norm": (d,), "post_ffn_norm": (d,),
-        "q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,),
-        "wq": (q, d), "wk": (kv, d), "wv": (kv, d), "wo": (d, q), "bq": (q,), "bk": (kv,), "bv": (kv,),
-        "w_gate": (cfg.d_ff, d), "w_up": (cfg.d_ff, d), "w_down": (d, cfg.d_ff),
-    }[field]
+def listing(names: list[str], most: int) -> str:
+    """The first `most` names, comma-separated, and how many more there are."""
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _float_arrays(weight) -> list[np.ndarray]:

@@ -23,9 +23,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 from tqdm.auto import tqdm
 
 from rjax.config import ModelConfig, RopeScaling, SUPPORTED_ARCHITECTURES
-from rjax.loaders.errors import (MAX_CONTEXT, MAX_DIM, MAX_LAYERS, MAX_VOCAB, ModelFileError, check_finite,
-                                 expected_shape)
-from rjax.model import LayerParams, Params
+from rjax.loaders.errors import MAX_CONTEXT, MAX_DIM, MAX_LAYERS, MAX_VOCAB, ModelFileError, check_finite, listing
+from rjax.loaders.fields import BIAS_FIELDS, NORM_FIELDS, assemble_params, expected_shape, required_layer_fields
+from rjax.model import Params
 from gguf_blocks import formats
 from gguf_blocks.qtensor import QTensor
 
@@ -286,9 +286,6 @@ LAYER_TENSORS = {
 # the full name after `blk.N.`: "attn_q.weight", "attn_q.bias", ...
 _LAYER_NAMES = {(k if k.endswith(".bias") else k + ".weight"): f for k, f in LAYER_TENSORS.items()}
 TOP_TENSORS = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
-# Norms and biases are applied elementwise: they must be dense.
-_VECTORS = {"attn_norm", "ffn_norm", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "final_norm",
-            "bq", "bk", "bv"}
 
 
 def _place(name: str, cfg: ModelConfig, path) -> tuple[int | None, str] | None:
@@ -331,27 +328,19 @@ def load_params(reader: GGUFReader, cfg: ModelConfig, progress: bool = True) -> 
             host = formats.to_host_weight(t.name, t.tensor_type, t.data, shape)
         except formats.TensorFormatError as e:
             raise TensorFileError(f"{path}: {e}") from e
-        if field in _VECTORS and isinstance(host, QTensor):
+        if field in NORM_FIELDS | BIAS_FIELDS and isinstance(host, QTensor):
             raise ModelFileError(f"{path}: tensor {t.name!r} is {host.qtype.name}; norms and biases must be "
                                  "F32, F16 or BF16")
         check_finite(path, t.name, host)
         (top if layer is None else layers[layer])[field] = _to_device(host)
     missing = [n for n, f in TOP_TENSORS.items() if f not in top and (f != "lm_head" or not cfg.tie_embeddings)]
-    required = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down"]
-    if cfg.qkv_bias:
-        required += ["bq", "bk", "bv"]
-    if cfg.qk_norm:
-        required += ["q_norm", "k_norm"]
-    if cfg.post_norms:
-        required += ["post_attn_norm", "post_ffn_norm"]
+    required = required_layer_fields(cfg)
     inverse = {v: k for k, v in LAYER_TENSORS.items()}
     for i, layer in enumerate(layers):
         missing += [f"blk.{i}.{inverse[f]}" for f in required if f not in layer]
     if missing:
-        raise ModelFileError(f"{path}: missing tensors: {', '.join(missing[:8])}"
-                             + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
-    return Params(embed=top["embed"], layers=tuple(LayerParams(**l) for l in layers),
-                  final_norm=top["final_norm"], lm_head=None if cfg.tie_embeddings else top["lm_head"])
+        raise ModelFileError(f"{path}: missing tensors: {listing(missing, 8)}")
+    return assemble_params(cfg, top, layers)
 
 
 def config_from_reader(reader: GGUFReader, path: str | os.PathLike = "<gguf>") -> ModelConfig:
