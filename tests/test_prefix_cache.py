@@ -138,8 +138,8 @@ def test_long_prompt_in_chunks_while_others_decode(tiny):
 @pytest.mark.slow
 def test_64_requests_on_the_default_model(smollm2):
     """The real default model: 64 requests over two system prompts (page-aligned 64 tokens and
-    unaligned 77) and 4 two-turn conversations, page sizes 16 and 32: greedy tokens equal with
-    the cache on and off."""
+    unaligned 77) and 4 two-turn conversations: greedy tokens equal with the cache on and off
+    (other page sizes: the tests above)."""
     cfg, params, tok = smollm2.config, smollm2.params, smollm2.tokenizer
     text = ("You are a careful assistant. Answer briefly and precisely, cite the facts you use, and say "
             "when you do not know. ") * 8
@@ -149,7 +149,7 @@ def test_64_requests_on_the_default_model(smollm2):
     prompts = [systems[i % 2] + q for i, q in enumerate(questions)]
     convs = [systems[i % 2] + tok.encode(f" Tell me about the number {i}.") for i in range(4)]
     results = {}
-    for page_size, on in ((16, False), (16, True), (32, True)):
+    for page_size, on in ((16, False), (16, True)):
         config = ServingConfig(n_slots=16, max_len=256, page_size=page_size, steps_per_dispatch=8,
                                prefill_buckets=(1, 4, 8), max_prefill_tokens=1024, prefix_cache=on)
         first, eng = _run(cfg, params, config, prompts + convs, max_new=8)
@@ -160,4 +160,3 @@ def test_64_requests_on_the_default_model(smollm2):
             assert eng.prefix_stats.hits >= 60
             _check_idle(eng)
     assert results[(16, True)] == results[(16, False)]
-    assert results[(32, True)] == results[(16, False)]

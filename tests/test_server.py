@@ -562,3 +562,18 @@ def test_metrics(srv):
     assert value('rjax_requests_finished_total{finish_reason="length"}') >= 1
     assert value('rjax_http_requests_total{route="/v1/completions",status="200"}') >= 1
     assert "rjax_free_slots" in text
+
+
+def test_metrics_count_prefix_cache_hits(srv):
+    """The same long prompt twice: the second shares the first's full pages."""
+    prompt = "the quick brown fox jumps over the dog"
+    n = len(srv.tok.encode(prompt))
+    assert n > 2 * CONFIG.page_size
+    read = lambda name: float(re.search(rf"^{name} ([0-9.e+-]+)$", httpx.get(f"{srv.url}/metrics").text,  # noqa: E731
+                                        re.M).group(1))
+    hits, saved = read("rjax_prefix_cache_hits_total"), read("rjax_prefix_cache_tokens_saved_total")
+    for _ in range(2):
+        _client(srv).completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert read("rjax_prefix_cache_hits_total") >= hits + 1
+    assert read("rjax_prefix_cache_tokens_saved_total") >= saved + (n - 1) // CONFIG.page_size * CONFIG.page_size
+    assert "rjax_kv_pages_cached" in httpx.get(f"{srv.url}/metrics").text

@@ -249,3 +249,6 @@ class EngineLoop:
         if e.pages is not None:
             m.kv_pages_in_use.set(e.pages_in_use)
             m.kv_pages_total.set(e.pages.n_pages)
+            m.kv_pages_cached.set(e.pages.n_cached)
+        if e.prefix_stats is not None:
+            m.count_prefix(e.prefix_stats)

@@ -27,6 +27,24 @@ class Metrics:
         self.kv_pages_in_use = Gauge("rjax_kv_pages_in_use", "KV-cache pages held by sequences", registry=r)
         self.kv_pages_total = Gauge("rjax_kv_pages_total", "KV-cache pages in the pool", registry=r)
         self.free_slots = Gauge("rjax_free_slots", "Slots free for a new sequence", registry=r)
+        self.kv_pages_cached = Gauge("rjax_kv_pages_cached", "KV-cache pages kept for the prefix cache, held by "
+                                     "no sequence", registry=r)
+        self.prefix = {name: Counter(f"rjax_prefix_cache_{name}", doc, registry=r) for name, doc in (
+            ("lookups", "Prompts matched against the prefix cache"),
+            ("hits", "Prompts that shared at least one cached page"),
+            ("pages_reused", "KV pages shared instead of computed"),
+            ("tokens_saved", "Prompt tokens not prefilled thanks to the prefix cache"),
+            ("evictions", "Cached pages given to a new use"))}
+        self._prefix_seen: dict[str, int] = {}
+
+    def count_prefix(self, stats) -> None:
+        """Advance the prefix-cache counters to an engine's running totals (a fresh engine
+        starts its totals from zero again)."""
+        for name, counter in self.prefix.items():
+            value = getattr(stats, name)
+            seen = self._prefix_seen.get(name, 0)
+            counter.inc(value - seen if value >= seen else value)
+            self._prefix_seen[name] = value
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
