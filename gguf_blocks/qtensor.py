@@ -31,19 +31,5 @@ class QTensor:
     def nbytes(self) -> int:
         return sum(int(p.size) * p.dtype.itemsize for p in jax.tree.leaves(self.planes))
 
-    def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        from gguf_blocks.reference import dequantize
-
-        return dequantize(self).astype(dtype)
-
-    def take_rows(self, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
-        """Dequantized rows `ids` (any shape) -> ids.shape + (in_features,): an embedding lookup."""
-        from gguf_blocks.reference import dequantize
-
-        flat = ids.reshape(-1)
-        rows = jax.tree.map(lambda p: jnp.take(p, flat, axis=0), self.planes)
-        sub = QTensor(rows, self.qtype, (int(flat.shape[0]), self.shape[1]))
-        return dequantize(sub).astype(dtype).reshape(*ids.shape, self.shape[1])
-
 
 Weight = QTensor | jax.Array

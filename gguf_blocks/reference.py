@@ -174,6 +174,15 @@ def dequantize_blocks(qtype: QType, planes) -> jax.Array:
     return out
 
 
+def take_rows(w: QTensor, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """Rows `ids` (any shape) of a QTensor, dequantized -> ids.shape + (in_features,): an
+    embedding lookup that dequantizes only the rows it takes."""
+    flat = ids.reshape(-1)
+    rows = jax.tree.map(lambda p: jnp.take(p, flat, axis=0), w.planes)
+    sub = QTensor(rows, w.qtype, (int(flat.shape[0]), w.shape[1]))
+    return dequantize(sub).astype(dtype).reshape(*ids.shape, w.shape[1])
+
+
 def dequantize(w) -> jax.Array:
     """A QTensor, or a dense F32/F16/BF16 array -> float32 array of its logical shape."""
     if isinstance(w, QTensor):

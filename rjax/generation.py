@@ -25,6 +25,7 @@ from rjax.precompile import compile_programs, decode_program, prefill_program
 from rjax.loaders import Model
 from rjax.engine import ContextLengthError, PromptTooLongError  # noqa: F401 (part of this module's API)
 from rjax.sampling import SamplingParams, check_sampling
+from rjax.serving import ServingConfig, ServingEngine
 
 
 class InvalidTextError(ValueError):
@@ -241,8 +242,6 @@ def serve_ids(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens:
               n_slots: int = DEFAULT_SERVING_SLOTS):
     """Tokenized prompts through the continuous-batching engine (`rjax.serving`) with up to
     `n_slots` running at once; more wait for a free slot. -> list of `serving.Completion`."""
-    from rjax.serving import ServingConfig, ServingEngine
-
     if not checks.is_int(n_slots) or n_slots < 1:
         raise ValueError(f"n_slots must be an integer >= 1, got {n_slots!r}")
     prompts = check_request(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,

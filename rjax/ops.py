@@ -18,6 +18,7 @@ from pallas_kernels.int8_activations import GatedX, QuantizedX, dequantize_x, qu
 from pallas_kernels.kv_append import apply_rope, split_qkv
 from pallas_kernels.quant_matmul import qmatmul, qmatmul_add_norm, qmatmul_pending_norm
 from pallas_kernels.rms_norm import PendingNorm, add_rms_norm, rms_norm
+from gguf_blocks import reference
 from gguf_blocks.qtensor import QTensor, Weight
 from rjax.plan import LayerPlan, Plan
 
@@ -62,7 +63,7 @@ def matmul(x, w: Weight, *, partials: bool = False, plan: Plan | None = None):
 def take_rows(w: Weight, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
     """Rows `ids` of w, dequantized: an embedding lookup."""
     if isinstance(w, QTensor):
-        return w.take_rows(ids, dtype)
+        return reference.take_rows(w, ids, dtype)
     return jnp.take(w, ids, axis=0).astype(dtype)
 
 
