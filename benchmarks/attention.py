@@ -2,7 +2,8 @@
 
 Peers: jax.nn.dot_product_attention with implementation "cudnn" and "xla"; JAX's shipped Pallas GPU
 ops (attention.mha and the Mosaic GPU attention_mgpu.attention for prefill, decode_attention.gqa
-and paged_attention.paged_attention for decode); and the HBM bandwidth of a large device copy.
+and paged_attention.paged_attention for decode); and the HBM bandwidth (the fastest of
+rjax.roofline's probes: a large device-to-device copy, elementwise passes).
 Each implementation gets its inputs in its own native layout (the layout change is not timed).
 
 Timing: jitted call, two warm-ups, then the median over repetitions of the mean over a batch of
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rjax.roofline import measure_bandwidth
 from pallas_kernels.attention import (
     decode_attention, mgpu_prefill_attention, paged_decode_attention, prefill_attention,
 )
@@ -118,11 +120,14 @@ def run_one(rows, kind, shape, impl, fn, make_set, set_bytes, work, unit, note="
 
 
 def device_copy(rows):
-    n = 2 * 1024**3 // 2
-    x = normal(0, (n,))
-    run_one(rows, "copy", "2 GiB bf16", "negate (read+write)", lambda x: -x, lambda i: (x,), 4 * n,
-            2 * 2 * n, "GB/s")
-    del x
+    """The ceiling: the fastest of rjax.roofline's probes (a device-to-device copy, elementwise
+    passes) over 2 GiB, bytes read + written."""
+    bw = measure_bandwidth(2 << 30)
+    row = dict(kind="copy", shape="2 GiB", impl=f"fastest probe: {bw['probe']}", us=bw["median_s"] * 1e6,
+               rate=bw["gb_per_s"], unit="GB/s", note=", ".join(f"{k} {v['gb_per_s']:.0f}" for k, v in bw["probes"].items()))
+    rows.append(row)
+    print(f"{'copy':8s} {row['shape']:30s} {row['impl']:28s} {row['us']:9.1f} us {row['rate']:8.1f} GB/s ({row['note']})",
+          flush=True)
 
 
 def prefill_case(rows, S, D, *, Hq=32, Hkv=8, B=1, peers=True, sweep=(), mosaic_sweep=()):

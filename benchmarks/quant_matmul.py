@@ -17,8 +17,8 @@ the batch is traced instead and the time is the GPU kernels' summed durations pe
 launch gaps, no host dispatch): the measure for small shapes, where the host-clocked batch
 times the host's dispatch rather than the GPU.
 
-Ceilings measured in the same run: HBM bandwidth by a 2 GiB device-to-device elementwise
-copy (bytes read + written), bf16 TFLOP/s by jnp.dot at 8192^3 and by jnp.dot at each row's
+Ceilings measured in the same run: HBM bandwidth, the fastest of a 2 GiB device-to-device
+copy and elementwise passes (rjax.roofline.measure_bandwidth; bytes read + written), bf16 TFLOP/s by jnp.dot at 8192^3 and by jnp.dot at each row's
 own shape (the "xla_bf16" column: the same product on an already-dequantized bf16 weight).
 """
 from __future__ import annotations
@@ -49,6 +49,7 @@ from pallas_kernels.quant_matmul.reference import dequantize_then_dot
 from gguf_blocks import formats
 from gguf_blocks.qtensor import QTensor
 from rjax.layout import gpu_weight_layout
+from rjax.roofline import measure_bandwidth
 from gguf_blocks.reference import dequantize
 
 warnings.simplefilter("ignore", DeprecationWarning)
@@ -219,17 +220,8 @@ def run_job(job: Job, m_max: int, timing: str = "host"):
 
 
 def measure_ceilings():
-    n = 2**29  # 2 GiB of uint32
-    a = jax.random.bits(jax.random.key(1), (n,), jnp.uint32)
-    copy = jax.jit(lambda a: a ^ jnp.uint32(0x5A5A5A5A))
-    jax.block_until_ready(copy(a))
-    ts = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        jax.block_until_ready(copy(a))
-        ts.append(time.perf_counter() - t0)
-    hbm = 2 * 4 * n / min(ts) / 1e9
-    del a
+    # HBM: the fastest of rjax.roofline's probes over 2 GiB (a device copy, elementwise passes).
+    hbm = measure_bandwidth(2 << 30)["gb_per_s"]
     s = 8192
     p = jax.random.normal(jax.random.key(2), (s, s), jnp.bfloat16)
     q = jax.random.normal(jax.random.key(3), (s, s), jnp.bfloat16)

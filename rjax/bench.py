@@ -2,8 +2,11 @@
 memory-bandwidth roofline measured in the same run.
 
 What is measured (one model, random prompts of `prompt_len` token ids):
-- HBM bandwidth: a jitted `x + 1` over a large device array, counting bytes read + written,
-  median of several runs. It is the ceiling every decode step is held against.
+- HBM bandwidth: the fastest of several probes over a large device array (a device-to-device
+  copy, elementwise passes; `rjax.roofline.measure_bandwidth`), counting bytes read + written,
+  the median of several runs each, beside the device's nominal figure where it is known. The
+  fastest is the ceiling every decode step is held against: a slower probe would overstate the
+  fraction reached.
 - compile: every program the run calls (prefill per batch size, decode per batch size and N)
   is lowered, then compiled concurrently in threads before anything is timed
   (rjax.precompile); the total is the lowering time plus the compiles' wall time, plus what
@@ -155,7 +158,9 @@ def run_bench(model: str | os.PathLike | tuple[ModelConfig, Params], settings: B
     result["bandwidth"] = bw
     # memory_stats' peak is process-wide and cannot be reset: note what the probe alone reached.
     result["memory"] = {"after_bandwidth_probe": memory_stats()}
-    say(f"bandwidth: {bw['gb_per_s']:.1f} GB/s ({bw['array_bytes'] / 2**20:.0f} MiB array)")
+    nominal = f", nominal {bw['nominal_gb_per_s']:.0f} GB/s" if bw["nominal_gb_per_s"] else ""
+    say(f"bandwidth: {bw['gb_per_s']:.1f} GB/s by {bw['probe']} ({bw['array_bytes'] / 2**20:.0f} MiB array; "
+        + ", ".join(f"{k} {v['gb_per_s']:.1f}" for k, v in bw["probes"].items()) + f"{nominal})")
     update()
 
     t0 = time.perf_counter()
