@@ -52,9 +52,16 @@ def cmd_generate(a) -> int:
 
     model = rjax.load(a.model, progress=not a.json)
     kw = _sampling_kwargs(a)
-    if a.json:
-        result = rjax.generate(model, a.prompt, raw=a.raw, **kw)
-        print(json.dumps(result.to_json()))
+    if a.json or a.speculative:
+        result = rjax.generate(model, a.prompt, raw=a.raw, speculative=a.speculative, draft_tokens=a.draft_tokens,
+                               **kw)
+        if a.json:
+            print(json.dumps(result.to_json()))
+            return 0
+        print(result.text)
+        s = result.speculative
+        print(f"[speculative: {s['accepted']} of {s['drafted']} drafted tokens accepted in {s['steps']} steps; "
+              f"decode {result.decode_tokens_per_s:.1f} tokens/s, finish: {result.finish_reason}]", file=sys.stderr)
         return 0
     stats: dict = {}
     for chunk in rjax.stream(model, a.prompt, raw=a.raw, stats=stats, **kw):
@@ -119,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with tokens, text and timings")
     p.add_argument("-v", "--verbose", action="store_true", help="print timings to stderr")
+    p.add_argument("--speculative", choices=["ngram"], default=None,
+                   help="speculative decoding with prompt-lookup drafts (prints accepted/drafted counts)")
+    p.add_argument("--draft-tokens", type=int, default=4, help="tokens drafted per verification (default 4)")
     p.add_argument("prompt")
     p.set_defaults(func=cmd_generate)
 

@@ -26,6 +26,7 @@ from rjax.loaders import Model
 from rjax.engine import ContextLengthError, PromptTooLongError  # noqa: F401 (part of this module's API)
 from rjax.sampling import SamplingParams, check_sampling
 from rjax.serving import ServingConfig, ServingEngine
+from rjax.speculative import NgramDrafter, SpeculativeStats, speculative_ids
 
 
 class InvalidTextError(ValueError):
@@ -40,6 +41,8 @@ class GenerationResult:
     finish_reason: str  # "stop" (end-of-sequence token), "length" (token limit) or "context" (cache full)
     ttft_s: float
     decode_tokens_per_s: float
+    # With speculative decoding: verification steps, draft tokens proposed and accepted.
+    speculative: dict | None = None
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -212,6 +215,34 @@ def _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed,
                                      "length" if len(g) >= max_new_tokens else "context" for g in generated])
 
 
+DRAFTERS = {"ngram": NgramDrafter}
+MAX_DRAFT_TOKENS = 16
+
+
+def _speculative_generate(model: Model, ids: list[int], speculative: str, draft_tokens: int, *,
+                          max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                          seed: int = 0, steps_per_dispatch: int = 8) -> GenerationResult:
+    [ids] = check_request(model, [ids], max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                          top_p=top_p, seed=seed, steps_per_dispatch=steps_per_dispatch)
+    cfg, tok = model.config, model.tokenizer
+    cache = init_cache(cfg, 1, cache_length(len(ids) + max_new_tokens + draft_tokens, cfg.context_length),
+                       activation_dtype())
+    stats = SpeculativeStats()
+    t0 = time.perf_counter()
+    steps = speculative_ids(cfg, model.params, cache, ids, max_new_tokens=max_new_tokens, stop_ids=tok.eos_ids,
+                            sp=SamplingParams.make(1, temperature, top_k, top_p), seed=seed,
+                            drafter=DRAFTERS[speculative](), draft_tokens=draft_tokens, stats=stats)
+    generated = list(next(steps))
+    ttft = time.perf_counter() - t0
+    for new in steps:
+        generated += new
+    decode_s = time.perf_counter() - t0 - ttft
+    reason = "stop" if generated[-1] in tok.eos_ids else "length" if len(generated) >= max_new_tokens else "context"
+    return GenerationResult(ids, generated, tok.decode(_visible(tok, generated)), reason, ttft,
+                            (len(generated) - 1) / decode_s if decode_s > 0 else 0.0,
+                            dict(steps=stats.steps, drafted=stats.drafted, accepted=stats.accepted))
+
+
 def _visible(tok, ids: list[int]) -> list[int]:
     return [t for t in ids if t not in tok.eos_ids]
 
@@ -259,15 +290,27 @@ def serve_ids(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens:
     return [done[i] for i in ids]
 
 
-def generate(model: Model, prompt: str | Sequence[str], *, raw: bool = False, **kw):
+def generate(model: Model, prompt: str | Sequence[str], *, raw: bool = False, speculative: str | None = None,
+             draft_tokens: int = 4, **kw):
     """Text in, text out. A list of prompts runs through the continuous-batching engine (up to
     `n_slots`, default 32, at once) and returns a list of results in prompt order.
 
     Keyword arguments: max_new_tokens, temperature, top_k, top_p, seed, steps_per_dispatch
     (and n_slots for a list). Returns GenerationResult (or a list of them) with token ids, text,
     finish reason and timings (for a list: each request's own time to first token and decode rate).
+    speculative="ngram": one prompt decoded by prompt-lookup drafts of `draft_tokens` tokens,
+    each verified in one forward pass (`rjax.speculative`); the same tokens as without for
+    greedy decoding, the same distribution for sampling.
     """
     tok = model.tokenizer
+    if speculative is not None:
+        if speculative not in DRAFTERS:
+            raise ValueError(f"speculative must be one of {sorted(DRAFTERS)}, got {speculative!r}")
+        if not checks.is_int(draft_tokens) or not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got {draft_tokens!r}")
+        if not isinstance(prompt, (str, bytes, bytearray)):
+            raise ValueError("speculative decoding runs on one prompt (a str), not a list")
+        return _speculative_generate(model, encode_prompt(model, prompt, raw), speculative, draft_tokens, **kw)
     if not isinstance(prompt, (str, bytes, bytearray)):
         if not isinstance(prompt, Sequence):
             raise TypeError(f"prompt must be a str (or UTF-8 bytes) or a list of them, got {type(prompt).__name__}")

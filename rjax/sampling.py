@@ -72,8 +72,8 @@ def check_sampling(temperature, top_k, top_p) -> None:
     first_bad("top_p", p, (p > 0) & (p <= 1), "in (0, 1] (1: off)")
 
 
-def _filtered_sample(logits, key, sp: SamplingParams):
-    """Temperature, then top-k and top-p over the sorted distribution, then a categorical draw."""
+def _sorted_filtered(logits, sp: SamplingParams):
+    """(order, logits sorted by `order`, divided by the temperature, -inf outside top-k / top-p)."""
     B, V = logits.shape
     order = jnp.argsort(-logits, axis=-1)
     sorted_logits = jnp.take_along_axis(logits, order, axis=-1) / jnp.maximum(sp.temperature, 1e-6)[:, None]
@@ -83,7 +83,19 @@ def _filtered_sample(logits, key, sp: SamplingParams):
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    sorted_logits = jnp.where(mass_before >= sp.top_p[:, None], -jnp.inf, sorted_logits)
+    return order, jnp.where(mass_before >= sp.top_p[:, None], -jnp.inf, sorted_logits)
+
+
+def filtered_logits(logits, sp: SamplingParams):
+    """logits [B, V] -> what sampling draws from, in vocabulary order: divided by the temperature,
+    -inf outside top-k and top-p (softmax of it is the sampling distribution)."""
+    order, sorted_logits = _sorted_filtered(logits, sp)
+    return jnp.take_along_axis(sorted_logits, jnp.argsort(order, axis=-1), axis=-1)
+
+
+def _filtered_sample(logits, key, sp: SamplingParams):
+    """Temperature, then top-k and top-p over the sorted distribution, then a categorical draw."""
+    order, sorted_logits = _sorted_filtered(logits, sp)
     choice = jax.random.categorical(key, sorted_logits, axis=-1)
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
 
