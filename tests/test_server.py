@@ -577,3 +577,11 @@ def test_metrics_count_prefix_cache_hits(srv):
     assert read("rjax_prefix_cache_hits_total") >= hits + 1
     assert read("rjax_prefix_cache_tokens_saved_total") >= saved + (n - 1) // CONFIG.page_size * CONFIG.page_size
     assert "rjax_kv_pages_cached" in httpx.get(f"{srv.url}/metrics").text
+
+
+def test_ignore_eos_generates_the_whole_budget(srv):
+    """ignore_eos (vLLM's and llama-server's): no end-of-sequence stop, max_tokens tokens."""
+    eos = sorted(srv.tok.eos_ids)[0]
+    r = _client(srv).completions.create(model=MODEL, prompt=[eos, eos, eos], max_tokens=12, temperature=0,
+                                        extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 12

@@ -418,7 +418,7 @@ def _start(loop: EngineLoop, tok, body: SamplingRequest, prompts: list[list[int]
             raise APIError(400, str(e), param=prompt_param) from None
         for _ in range(body.n):
             requests.append(dict(prompt=p, max_new_tokens=max_tokens, seed=body.seed, sample_index=len(requests),
-                                 logprobs=logprobs, **sampling))
+                                 logprobs=logprobs, **sampling, **({"stop_ids": ()} if body.ignore_eos else {})))
     try:
         return _Generation(loop, tok, requests, body.stop_strings, engine.default_stop_ids,
                            sum(len(p) for p in prompts))

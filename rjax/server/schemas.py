@@ -38,6 +38,8 @@ class SamplingRequest(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # As vLLM's and llama.cpp's servers take it: generate through end-of-sequence tokens.
+    ignore_eos: bool = False
     # Defined by the API, accepted only at their neutral values.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
