@@ -60,7 +60,8 @@ def cmd_generate(a) -> int:
             return 0
         print(result.text)
         s = result.speculative
-        print(f"[speculative: {s['accepted']} of {s['drafted']} drafted tokens accepted in {s['steps']} steps; "
+        print(f"[speculative ({s['drafter']}): {s['accepted']} of {s['drafted']} drafted tokens accepted in "
+              f"{s['steps']} steps; "
               f"decode {result.decode_tokens_per_s:.1f} tokens/s, finish: {result.finish_reason}]", file=sys.stderr)
         return 0
     stats: dict = {}
@@ -126,8 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with tokens, text and timings")
     p.add_argument("-v", "--verbose", action="store_true", help="print timings to stderr")
-    p.add_argument("--speculative", choices=["ngram"], default=None,
-                   help="speculative decoding with prompt-lookup drafts (prints accepted/drafted counts)")
+    p.add_argument("--speculative", default=None, metavar="ngram|self:q4_0|MODEL",
+                   help="speculative decoding (prints accepted/drafted counts): 'ngram' (prompt lookup), "
+                        "'self:q4_0' or 'self:q8_0' (the model requantized drafts for itself), or a draft model "
+                        "with the same tokenizer (catalog name, .gguf file, Hugging Face directory)")
     p.add_argument("--draft-tokens", type=int, default=4, help="tokens drafted per verification (default 4)")
     p.add_argument("prompt")
     p.set_defaults(func=cmd_generate)

@@ -26,7 +26,8 @@ from rjax.loaders import Model
 from rjax.engine import ContextLengthError, PromptTooLongError  # noqa: F401 (part of this module's API)
 from rjax.sampling import SamplingParams, check_sampling
 from rjax.serving import ServingConfig, ServingEngine
-from rjax.speculative import NgramDrafter, SpeculativeStats, speculative_ids
+from rjax.speculative import (ModelDrafter, NgramDrafter, SpeculativeStats, check_draft_model, draft_cache_for,
+                              speculative_ids)
 
 
 class InvalidTextError(ValueError):
@@ -215,23 +216,53 @@ def _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed,
                                      "length" if len(g) >= max_new_tokens else "context" for g in generated])
 
 
-DRAFTERS = {"ngram": NgramDrafter}
 MAX_DRAFT_TOKENS = 16
+SELF_DRAFT_TYPES = ("q8_0", "q4_0")
 
 
-def _speculative_generate(model: Model, ids: list[int], speculative: str, draft_tokens: int, *,
+def load_drafter(model: Model, speculative) -> tuple[object, Model | None]:
+    """`speculative` -> (drafter, draft model or None): "ngram" (prompt lookup); "self:q4_0" or
+    "self:q8_0" (the target's own weights requantized on load: `rjax.load(..., requantize=)`);
+    a catalog name, .gguf file or Hugging Face directory; or a loaded Model. A draft model must
+    have the target's tokenizer."""
+    if speculative == "ngram":
+        return NgramDrafter(), None
+    if isinstance(speculative, Model):
+        draft = speculative
+    elif isinstance(speculative, str) and speculative.startswith("self:"):
+        qtype = speculative.split(":", 1)[1].lower()
+        if qtype not in SELF_DRAFT_TYPES:
+            raise ValueError(f"speculative={speculative!r}: the target can draft for itself requantized to "
+                             f"{' or '.join(SELF_DRAFT_TYPES)} (e.g. 'self:q4_0')")
+        from rjax.loaders import load
+
+        draft = load(model.source, progress=False, requantize=qtype)
+    elif isinstance(speculative, str) and speculative:
+        from rjax.loaders import load
+
+        draft = load(speculative, progress=False)
+    else:
+        raise ValueError(f"speculative must be 'ngram', 'self:q4_0' / 'self:q8_0', a model (catalog name, .gguf "
+                         f"file, Hugging Face directory) or a loaded Model, got {speculative!r}")
+    check_draft_model(model.config, model.tokenizer, draft.config, draft.tokenizer, draft.name)
+    return ModelDrafter(draft.config), draft
+
+
+def _speculative_generate(model: Model, ids: list[int], drafter, draft: Model | None, draft_tokens: int, *,
                           max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                           seed: int = 0, steps_per_dispatch: int = 8) -> GenerationResult:
     [ids] = check_request(model, [ids], max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                           top_p=top_p, seed=seed, steps_per_dispatch=steps_per_dispatch)
     cfg, tok = model.config, model.tokenizer
-    cache = init_cache(cfg, 1, cache_length(len(ids) + max_new_tokens + draft_tokens, cfg.context_length),
-                       activation_dtype())
+    S = cache_length(len(ids) + max_new_tokens, cfg.context_length)
+    cache = init_cache(cfg, 1, S, activation_dtype())
+    draft_cache = draft_cache_for(drafter, S, activation_dtype()) if draft is not None else None
     stats = SpeculativeStats()
     t0 = time.perf_counter()
     steps = speculative_ids(cfg, model.params, cache, ids, max_new_tokens=max_new_tokens, stop_ids=tok.eos_ids,
-                            sp=SamplingParams.make(1, temperature, top_k, top_p), seed=seed,
-                            drafter=DRAFTERS[speculative](), draft_tokens=draft_tokens, stats=stats)
+                            sp=SamplingParams.make(1, temperature, top_k, top_p), seed=seed, drafter=drafter,
+                            draft_params=None if draft is None else draft.params, draft_cache=draft_cache,
+                            draft_tokens=draft_tokens, rounds_per_dispatch=steps_per_dispatch, stats=stats)
     generated = list(next(steps))
     ttft = time.perf_counter() - t0
     for new in steps:
@@ -240,7 +271,8 @@ def _speculative_generate(model: Model, ids: list[int], speculative: str, draft_
     reason = "stop" if generated[-1] in tok.eos_ids else "length" if len(generated) >= max_new_tokens else "context"
     return GenerationResult(ids, generated, tok.decode(_visible(tok, generated)), reason, ttft,
                             (len(generated) - 1) / decode_s if decode_s > 0 else 0.0,
-                            dict(steps=stats.steps, drafted=stats.drafted, accepted=stats.accepted))
+                            dict(steps=stats.steps, drafted=stats.drafted, accepted=stats.accepted,
+                                 drafter="ngram" if draft is None else draft.name))
 
 
 def _visible(tok, ids: list[int]) -> list[int]:
@@ -290,7 +322,7 @@ def serve_ids(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens:
     return [done[i] for i in ids]
 
 
-def generate(model: Model, prompt: str | Sequence[str], *, raw: bool = False, speculative: str | None = None,
+def generate(model: Model, prompt: str | Sequence[str], *, raw: bool = False, speculative=None,
              draft_tokens: int = 4, **kw):
     """Text in, text out. A list of prompts runs through the continuous-batching engine (up to
     `n_slots`, default 32, at once) and returns a list of results in prompt order.
@@ -298,19 +330,22 @@ def generate(model: Model, prompt: str | Sequence[str], *, raw: bool = False, sp
     Keyword arguments: max_new_tokens, temperature, top_k, top_p, seed, steps_per_dispatch
     (and n_slots for a list). Returns GenerationResult (or a list of them) with token ids, text,
     finish reason and timings (for a list: each request's own time to first token and decode rate).
-    speculative="ngram": one prompt decoded by prompt-lookup drafts of `draft_tokens` tokens,
-    each verified in one forward pass (`rjax.speculative`); the same tokens as without for
-    greedy decoding, the same distribution for sampling.
+    speculative: one prompt decoded by drafts of `draft_tokens` tokens, each batch of drafts
+    verified in one forward pass (`rjax.speculative`): "ngram" (prompt lookup), "self:q4_0" /
+    "self:q8_0" (the target requantized as its own draft model), a draft model with the
+    target's tokenizer (catalog name, path, or a loaded Model). The same tokens as without for
+    greedy decoding, the same distribution for sampling; the result's `speculative` reports
+    steps, drafted and accepted counts.
     """
     tok = model.tokenizer
     if speculative is not None:
-        if speculative not in DRAFTERS:
-            raise ValueError(f"speculative must be one of {sorted(DRAFTERS)}, got {speculative!r}")
         if not checks.is_int(draft_tokens) or not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got {draft_tokens!r}")
         if not isinstance(prompt, (str, bytes, bytearray)):
             raise ValueError("speculative decoding runs on one prompt (a str), not a list")
-        return _speculative_generate(model, encode_prompt(model, prompt, raw), speculative, draft_tokens, **kw)
+        ids = encode_prompt(model, prompt, raw)
+        drafter, draft = load_drafter(model, speculative)
+        return _speculative_generate(model, ids, drafter, draft, draft_tokens, **kw)
     if not isinstance(prompt, (str, bytes, bytearray)):
         if not isinstance(prompt, Sequence):
             raise TypeError(f"prompt must be a str (or UTF-8 bytes) or a list of them, got {type(prompt).__name__}")

@@ -2,27 +2,38 @@
 pass of K + 1 positions over the cache, keep the longest prefix the target agrees with plus one
 token of the target's own, and roll the cache back by resetting its length.
 
-The rollback is only a length: positions past a slot's length are never read, and the next
-write overwrites them. Acceptance runs on the device in the same program as the verification:
-greedy keeps a draft token while it is the target's argmax; sampling accepts a drafted token x
-with probability p(x) (a drafter proposes one token with certainty, so min(1, p/q) = p(x)) and
-on a rejection draws from p with x removed, which leaves every emitted token distributed
-exactly as plain sampling from p (top-k, top-p and temperature included).
+The rollback is only a length: positions past a slot's length are never read (attention sees
+positions up to each query's own), and the next write overwrites them. Acceptance runs on the
+device in the same program as the verification: greedy keeps a draft token while it is the
+target's argmax; sampling accepts a drafted token x with probability min(1, p(x) / q(x)) (q:
+the drafter's distribution; a prompt-lookup draft is certain, q(x) = 1) and on a rejection
+draws from max(0, p - q) renormalized, which leaves every emitted token distributed exactly as
+plain sampling from p (top-k, top-p and temperature included).
 
-Drafters propose from the tokens so far: `NgramDrafter` looks the sequence's last n-gram up
-earlier in the sequence (prompt lookup: no second model).
+Drafters, static under jit (frozen, hashable):
+- `NgramDrafter`: prompt lookup. The sequence's last n-gram is looked up earlier in the
+  sequence, on the device, over a token history the loop carries; no second model.
+- `ModelDrafter`: a second model with the target's vocabulary (any rjax model, e.g. the target
+  itself requantized to fewer bits). Its params and its own KV cache travel beside the
+  target's; it drafts K tokens one decode step at a time inside the program, and its cache is
+  rolled back with the target's: to the same length, less the one position it never wrote when
+  every draft was accepted (that token is fed first in the next round).
+
+`speculative_loop` runs many draft-verify-accept rounds as one XLA program, as
+`engine.decode_loop` runs many decode steps; K is static, so each K is its own program.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from rjax import engine
-from rjax.cache import KVCache
+from rjax.cache import KVCache, init_cache
 from rjax.config import ModelConfig
 from rjax.model import Params, forward
 from rjax.sampling import SamplingParams, filtered_logits
@@ -36,6 +47,7 @@ class NgramDrafter:
     min_ngram: int = 1
 
     def draft(self, tokens: list[int], k: int) -> list[int]:
+        """The host version (the reference the device lookup is tested against)."""
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
             tail = tokens[-n:]
             for start in range(len(tokens) - n - 1, -1, -1):
@@ -43,43 +55,201 @@ class NgramDrafter:
                     return tokens[start + n:start + n + k]
         return []
 
+    def lookup(self, hist, length, k: int):
+        """On the device: hist [S] (the first `length` real), -> (drafts [k] int32, how many
+        are real), as `draft(hist[:length], k)`."""
+        S = hist.shape[0]
+        s = jnp.arange(S)
+        ext = jnp.concatenate([hist, jnp.zeros(max(k, self.max_ngram), hist.dtype)])
+        found, start = jnp.bool_(False), jnp.int32(0)
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):  # longest first
+            tail = jax.lax.dynamic_slice(ext, (length - n,), (n,))
+            match = (s <= length - n - 1) & (n <= length - 1)
+            for i in range(n):
+                match &= ext[i:i + S] == tail[i]
+            latest = jnp.max(jnp.where(match, s, -1)).astype(jnp.int32)
+            take = ~found & (latest >= 0)
+            start = jnp.where(take, latest + n, start)
+            found |= take
+        drafts = jax.lax.dynamic_slice(ext, (start,), (k,))
+        n_real = jnp.where(found, jnp.clip(length - start, 0, k), 0).astype(jnp.int32)
+        return drafts.astype(jnp.int32), n_real
 
-def accept(logits, drafts, n_drafts, key, sp: SamplingParams):
+
+@dataclasses.dataclass(frozen=True)
+class ModelDrafter:
+    """A draft model: its static config here; its params and KV cache are arguments of the loop."""
+    cfg: ModelConfig
+
+
+def check_draft_model(target_cfg: ModelConfig, target_tok, draft_cfg: ModelConfig, draft_tok, name: str) -> None:
+    """A draft model must speak the target's vocabulary: same embedding rows, same tokens."""
+    if draft_cfg.vocab_size != target_cfg.vocab_size:
+        raise ValueError(f"speculative: the draft model {name} has a vocabulary of {draft_cfg.vocab_size:,} tokens, "
+                         f"the target {target_cfg.vocab_size:,}; a draft model needs the target's tokenizer")
+    if target_tok is not None and draft_tok is not None and \
+            target_tok.backend.get_vocab(with_added_tokens=True) != draft_tok.backend.get_vocab(with_added_tokens=True):
+        raise ValueError(f"speculative: the draft model {name} has another tokenizer than the target (same size, "
+                         f"different tokens); a draft model needs the target's tokenizer")
+
+
+def accept(logits, drafts, n_drafts, key, sp: SamplingParams, draft_logq=None):
     """The verification's decision. logits [K + 1, V]: the target's at the last accepted token
-    and at each draft; drafts [K] (the first n_drafts real). -> (m, next): the first m drafts are
-    kept, then `next`, the target's own token (a correction, or a bonus after all K)."""
+    and at each draft; drafts [K] (the first n_drafts real); draft_logq [K, V]: the drafter's
+    log-probabilities of each draft's position (None: certain drafts, q(draft) = 1).
+    -> (m, next): the first m drafts are kept, then `next`, the target's own token (a
+    correction, or a bonus after all of them)."""
     K = drafts.shape[0]
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    rows = jax.tree.map(lambda a: jnp.broadcast_to(a[:1], (K + 1,)), sp)  # one setting for every position
-    logp = jax.nn.log_softmax(filtered_logits(logits, rows), axis=-1)
-    k_accept, k_next = jax.random.split(key)
-    sampled = sp.temperature[0] > 0
-    draft_logp = jnp.take_along_axis(logp[:K], drafts[:, None], axis=-1)[:, 0]
-    ok = jnp.where(sampled, jnp.log(jax.random.uniform(k_accept, (K,))) < draft_logp,
-                   drafts == greedy_tokens[:K])
-    ok &= jnp.arange(K) < n_drafts
-    m = jnp.argmin(jnp.concatenate([ok, jnp.zeros((1,), bool)])).astype(jnp.int32)  # leading accepts
-    # On a rejection at m the draft there is removed from the target's distribution.
-    rejected = jnp.where(m < n_drafts, drafts[jnp.minimum(m, K - 1)], -1)
-    row = jnp.where(jnp.arange(logp.shape[1]) == rejected, -jnp.inf, logp[m])
-    drawn = jax.random.categorical(k_next, row).astype(jnp.int32)
-    return m, jnp.where(sampled, drawn, greedy_tokens[m])
+    real = jnp.arange(K) < n_drafts
+
+    def leading(ok):
+        return jnp.argmin(jnp.concatenate([ok & real, jnp.zeros((1,), bool)])).astype(jnp.int32)
+
+    def greedy():
+        best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        m = leading(drafts == best[:K])
+        return m, best[m]
+
+    def sampled():
+        rows = jax.tree.map(lambda a: jnp.broadcast_to(a[:1], (K + 1,)), sp)  # one setting for every position
+        logp = jax.nn.log_softmax(filtered_logits(logits, rows), axis=-1)
+        k_accept, k_next = jax.random.split(key)
+        ratio = jnp.take_along_axis(logp[:K], drafts[:, None], axis=-1)[:, 0]
+        if draft_logq is not None:
+            ratio -= jnp.take_along_axis(draft_logq, drafts[:, None], axis=-1)[:, 0]
+        m = leading(jnp.log(jax.random.uniform(k_accept, (K,))) < ratio)
+        p = jnp.exp(logp[m])
+        # On a rejection at m the draft's distribution there is taken out of the target's.
+        rejected = m < n_drafts
+        at = jnp.minimum(m, K - 1)
+        q = jax.nn.one_hot(drafts[at], p.shape[0]) if draft_logq is None else jnp.exp(draft_logq[at])
+        residual = jnp.maximum(p - jnp.where(rejected, q, 0), 0)
+        row = jnp.where(jnp.any(residual > 0), jnp.log(residual), logp[m])  # p == q: nothing to take out
+        return m, jax.random.categorical(k_next, row).astype(jnp.int32)
+
+    return jax.lax.cond(sp.temperature[0] > 0, sampled, greedy)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def verify(cfg: ModelConfig, params: Params, cache: KVCache, last, drafts, n_drafts, key, sp: SamplingParams):
-    """One verification step of slot 0: `last` (the newest token, not yet in the cache) and
-    drafts [K] (n_drafts real) at the positions after the cache's length, in one forward pass.
-    -> (m, next, cache): m drafts accepted, the target's next token, and the cache holding
-    `last` and the m accepted drafts (the rest rolled back)."""
-    K = drafts.shape[0]
-    held = cache.lengths[0]
-    tokens = jnp.concatenate([last[None], drafts])[None]
-    t = jnp.arange(K + 1, dtype=jnp.int32)
-    pos = jnp.where(t <= n_drafts, held + t, -1)[None]
-    logits, cache = forward(cfg, params, cache, tokens, pos, None, cache.dtype)
-    m, nxt = accept(logits[0], drafts, n_drafts, key, sp)
-    return m, nxt, dataclasses.replace(cache, lengths=cache.lengths.at[0].set(held + 1 + m))
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecState:
+    """One sequence's state between rounds (slot 0 of the caches)."""
+    last: jax.Array       # [] int32: the newest token, in neither cache yet
+    pending: jax.Array    # [] int32: the token at position length - 1 the draft model's cache lacks, or -1
+    hist: jax.Array       # [max_len + 1] int32: the prompt and every token generated (n-gram lookup)
+    n_hist: jax.Array     # [] int32: tokens in hist (the cache's length + 1)
+    done: jax.Array       # [] bool
+    remaining: jax.Array  # [] int32: tokens it may still generate
+    key: jax.Array
+    steps: jax.Array      # [] int32: verification passes so far
+    drafted: jax.Array    # [] int32: real drafts proposed
+    accepted: jax.Array   # [] int32: of those, kept
+
+
+def initial_state(prompt, first: int, max_new_tokens: int, stop_ids, key, max_len: int) -> SpecState:
+    hist = np.zeros(max_len + 1, np.int32)
+    hist[: len(prompt)] = prompt
+    hist[len(prompt)] = first
+    done = first in set(int(s) for s in stop_ids) or max_new_tokens <= 1 or len(prompt) >= max_len
+    z = jnp.int32(0)
+    return SpecState(jnp.int32(first), jnp.int32(-1), jnp.asarray(hist), jnp.int32(len(prompt) + 1), jnp.bool_(done),
+                     jnp.int32(max_new_tokens - 1), key, z, z, z)
+
+
+def _propose(logits, key, sp: SamplingParams):
+    """The draft model's token at one position: argmax (greedy), or a draw from its filtered
+    distribution with that distribution's log-probabilities [V] (sampling)."""
+    def greedy():
+        return jnp.argmax(logits).astype(jnp.int32), jnp.zeros_like(logits)
+
+    def sampled():
+        f = filtered_logits(logits[None], sp)[0]
+        return jax.random.categorical(key, f).astype(jnp.int32), jax.nn.log_softmax(f)
+
+    return jax.lax.cond(sp.temperature[0] > 0, sampled, greedy)
+
+
+def _draft_with_model(dcfg: ModelConfig, dparams, dcache, last, pending, held, n, k: int, key, sp):
+    """n (<= k) drafts from the draft model, which holds positions [0, held) but the pending
+    one. -> (drafts [k], log q [k, V], cache holding [0, held + n))."""
+    V = dcfg.vocab_size
+    keys = jax.random.split(key, k)
+    # The first step feeds the pending token (if any) beside `last`: one pass of two positions.
+    tokens = jnp.stack([jnp.maximum(pending, 0), last])[None]
+    pos = jnp.stack([jnp.where(pending >= 0, held - 1, -1), jnp.where(n > 0, held, -1)])[None]
+    logits, dcache = forward(dcfg, dparams, dcache, tokens, pos, None, dcache.dtype)
+    d0, q0 = _propose(logits[0, 1], keys[0], sp)
+    drafts = jnp.zeros(k, jnp.int32).at[0].set(d0)
+    logq = jnp.zeros((k, V), jnp.float32).at[0].set(q0)
+
+    def body(carry):
+        j, drafts, logq, dcache = carry
+        logits, dcache = forward(dcfg, dparams, dcache, drafts[j - 1][None, None], (held + j)[None, None], None,
+                                 dcache.dtype)
+        d, q = _propose(logits[0, 0], keys[j], sp)
+        return j + 1, drafts.at[j].set(d), logq.at[j].set(q), dcache
+
+    _, drafts, logq, dcache = jax.lax.while_loop(lambda c: c[0] < n, body, (jnp.int32(1), drafts, logq, dcache))
+    return drafts, logq, dcache
+
+
+def _round(cfg, params, cache: KVCache, st: SpecState, sp, stop_ids, drafter, dparams, dcache, k: int):
+    held, S = cache.lengths[0], cache.max_len
+    # Drafts must fit the cache (last + drafts) and the budget (the target adds one of its own).
+    room = jnp.clip(jnp.minimum(S - held - 1, st.remaining - 1), 0, k)
+    key, k_draft, k_accept = jax.random.split(st.key, 3)
+    if isinstance(drafter, ModelDrafter):
+        drafts, logq, dcache = _draft_with_model(drafter.cfg, dparams, dcache, st.last, st.pending, held, room, k,
+                                                 k_draft, sp)
+        n = room
+    else:
+        drafts, found = drafter.lookup(st.hist, st.n_hist, k)
+        logq, n = None, jnp.minimum(found, room)
+    t = jnp.arange(k + 1, dtype=jnp.int32)
+    tokens = jnp.concatenate([st.last[None], drafts])
+    logits, cache = forward(cfg, params, cache, tokens[None], jnp.where(t <= n, held + t, -1)[None], None,
+                            cache.dtype)
+    m, nxt = accept(logits[0], drafts, n, k_accept, sp, logq)
+    emitted = jnp.where(t < m, jnp.concatenate([drafts, jnp.zeros(1, jnp.int32)]), nxt)
+    stop = jnp.any(emitted[:, None] == stop_ids[None, :], axis=-1) & (t <= m)
+    e = jnp.minimum(jnp.where(jnp.any(stop), jnp.argmax(stop) + 1, m + 1), st.remaining)
+    out = jnp.where(t < e, emitted, -1)
+    new_held = held + 1 + m
+    cache = dataclasses.replace(cache, lengths=cache.lengths.at[0].set(new_held))
+    pending = jnp.where(m == n, tokens[m], -1)
+    if dcache is not None:
+        dcache = dataclasses.replace(dcache, lengths=dcache.lengths.at[0].set(new_held - (pending >= 0)))
+    remaining = st.remaining - e
+    done = jnp.any(stop & (t < e)) | (remaining <= 0) | (new_held >= S)
+    hist = st.hist.at[st.n_hist + t].set(jnp.where(t <= m, emitted, 0), mode="drop")
+    st = SpecState(nxt, pending, hist, st.n_hist + 1 + m, done, remaining, key, st.steps + 1, st.drafted + n,
+                   st.accepted + m)
+    return out, st, cache, dcache
+
+
+def speculative_rounds(cfg: ModelConfig, params: Params, cache: KVCache, state: SpecState, sp: SamplingParams,
+                       stop_ids, drafter, draft_params, draft_cache, k: int, n_rounds: int):
+    """Up to n_rounds draft-verify-accept rounds for slot 0 in one XLA program, stopping early
+    when the sequence is done (a stop id, its budget, or the end of the cache). `drafter`:
+    NgramDrafter, or ModelDrafter with its `draft_params` and one-slot `draft_cache` (else None).
+    -> (tokens [n_rounds, k + 1] int32, -1 where nothing was emitted; state; cache; draft_cache)."""
+    out0 = jnp.full((n_rounds, k + 1), -1, jnp.int32)
+
+    def body(carry):
+        i, out, st, cache, dcache = carry
+        row, st, cache, dcache = _round(cfg, params, cache, st, sp, stop_ids, drafter, draft_params, dcache, k)
+        return i + 1, out.at[i].set(row), st, cache, dcache
+
+    _, out, state, cache, draft_cache = jax.lax.while_loop(
+        lambda c: (c[0] < n_rounds) & ~c[2].done, body, (jnp.int32(0), out0, state, cache, draft_cache))
+    return out, state, cache, draft_cache
+
+
+# The program: `speculative_rounds` jitted (its body is traceable inside a caller's jit or vmap),
+# compiled as `engine.decode_loop` is, so that on a GPU the rounds are one CUDA graph.
+speculative_loop = functools.partial(jax.jit, static_argnames=("cfg", "drafter", "k", "n_rounds"),
+                                     donate_argnames=("cache", "draft_cache"),
+                                     compiler_options=engine.DECODE_LOOP_COMPILER_OPTIONS)(speculative_rounds)
 
 
 @dataclasses.dataclass
@@ -90,42 +260,41 @@ class SpeculativeStats:
 
 
 def speculative_ids(cfg: ModelConfig, params: Params, cache: KVCache, prompt: list[int], *, max_new_tokens: int,
-                    stop_ids=(), sp: SamplingParams, seed: int = 0, drafter=NgramDrafter(), draft_tokens: int = 4,
-                    stats: SpeculativeStats | None = None):
+                    stop_ids=(), sp: SamplingParams, seed: int = 0, drafter=NgramDrafter(), draft_params=None,
+                    draft_cache: KVCache | None = None, draft_tokens: int = 4, rounds_per_dispatch: int = 8,
+                    stats: SpeculativeStats | None = None) -> Iterator[list[int]]:
     """Generate for one prompt in slot 0 of an empty one-slot `cache`, K = draft_tokens drafts
-    per verification. Yields lists of new tokens (the first token alone, then each
-    verification's accepted drafts and the target's token), stopping after a stop id, after
+    per verification and `rounds_per_dispatch` rounds per program call. A ModelDrafter needs
+    `draft_params` and an empty one-slot `draft_cache` of the target's max_len. Yields lists of
+    new tokens (the first token alone, then each dispatch's), stopping after a stop id, after
     max_new_tokens, or when the cache is full. Greedy output equals plain greedy decoding's."""
-    K = draft_tokens
     stats = stats if stats is not None else SpeculativeStats()
-    stops = set(int(s) for s in stop_ids)
-    key = jax.random.key(seed)
-    key, sub = jax.random.split(key)
+    if isinstance(drafter, ModelDrafter) and (draft_params is None or draft_cache is None):
+        raise ValueError("drafter: a ModelDrafter needs draft_params and a draft_cache")
+    if draft_cache is not None and draft_cache.max_len != cache.max_len:
+        raise ValueError(f"draft_cache has max_len {draft_cache.max_len}, the target's cache {cache.max_len}")
+    key, sub = jax.random.split(jax.random.key(seed))
     tokens, lengths = engine.pad_prompts([prompt])
-    first, cache = engine.prefill_and_sample(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths), None,
-                                             sub, sp)
-    seq = list(prompt) + [int(first[0])]
-    out = [seq[-1]]
-    yield [seq[-1]]
-    held = len(prompt)
-    while len(out) < max_new_tokens and out[-1] not in stops and held + 1 <= cache.max_len:
-        # Room: the last token and the drafts must fit the cache; no more than the budget needs.
-        room = min(K, cache.max_len - held - 1, max_new_tokens - len(out) - 1)
-        drafts = drafter.draft(seq, room) if room > 0 else []
-        padded = np.zeros(K, np.int32)
-        padded[: len(drafts)] = drafts
-        key, sub = jax.random.split(key)
-        m, nxt, cache = verify(cfg, params, cache, jnp.int32(seq[-1]), jnp.asarray(padded),
-                               jnp.int32(len(drafts)), sub, sp)
-        m = int(m)
-        new = list(drafts[:m]) + [int(nxt)]
-        stats.steps, stats.drafted, stats.accepted = stats.steps + 1, stats.drafted + len(drafts), stats.accepted + m
-        held += 1 + m
-        for i, t in enumerate(new):  # nothing after a stop id
-            if t in stops:
-                new = new[: i + 1]
-                break
-        new = new[: max_new_tokens - len(out)]
-        seq += new
-        out += new
-        yield new
+    tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+    first, cache = engine.prefill_and_sample(cfg, params, cache, tokens, lengths, None, sub, sp)
+    if isinstance(drafter, ModelDrafter):
+        _, draft_cache = engine.prefill(drafter.cfg, draft_params, draft_cache, tokens, lengths)
+    else:
+        draft_params = draft_cache = None
+    first = int(first[0])
+    yield [first]
+    stops = jnp.asarray(sorted(set(int(s) for s in stop_ids)) or [-1], jnp.int32)
+    state = initial_state(prompt, first, max_new_tokens, stop_ids, key, cache.max_len)
+    while not bool(state.done):
+        out, state, cache, draft_cache = speculative_loop(cfg, params, cache, state, sp, stops, drafter, draft_params,
+                                                          draft_cache, draft_tokens, rounds_per_dispatch)
+        stats.steps, stats.drafted, stats.accepted = int(state.steps), int(state.drafted), int(state.accepted)
+        out = np.asarray(out).reshape(-1)
+        yield [int(t) for t in out if t >= 0]
+
+
+def draft_cache_for(drafter: ModelDrafter, max_len: int, dtype) -> KVCache:
+    if max_len > drafter.cfg.context_length:
+        raise ValueError(f"speculative: the draft model's context of {drafter.cfg.context_length} tokens is shorter "
+                         f"than the {max_len} positions this generation needs")
+    return init_cache(drafter.cfg, 1, max_len, dtype)

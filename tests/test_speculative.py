@@ -1,19 +1,26 @@
-"""Speculative decoding with prompt-lookup drafts: greedy output token for token equal to plain
-greedy decoding (prompts with and without repetition, drafts cut by the token limit and the end
-of the cache), the acceptance rule's output distribution equal to plain sampling's, and the
-drafter itself."""
+"""Speculative decoding with prompt-lookup and draft-model drafters: greedy output token for
+token equal to plain greedy decoding (prompts with and without repetition, drafts that run past
+a stop id, the token limit or the end of the cache), rejected K/V never visible after rollback,
+sampled output distributed as plain sampling, and the drafters themselves."""
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gguf_blocks.requantize import requantize_tree
 import rjax
 from rjax import engine
 from rjax.cache import init_cache
 from rjax.sampling import SamplingParams
-from rjax.speculative import NgramDrafter, SpeculativeStats, accept, speculative_ids
+from rjax.config import ModelConfig
+from rjax.model import LayerParams, Params, forward
+from rjax.sampling import sample
+from rjax.speculative import (ModelDrafter, NgramDrafter, SpecState, SpeculativeStats, accept, speculative_ids,
+                              speculative_loop, speculative_rounds)
 
 REPEATING = [5, 6, 7, 8, 9, 10] * 3 + [5, 6]
 PLAIN = [3, 141, 59, 26, 5, 35, 89, 79, 32, 38]
@@ -39,15 +46,114 @@ def _greedy(cfg, params, prompt, n, max_len):
     return out
 
 
-def _speculative(cfg, params, prompt, n, max_len, k, stats=None):
+def _speculative(cfg, params, prompt, n, max_len, k, stats=None, draft=None, stop_ids=()):
+    """draft: None (prompt lookup) or (config, params) of a draft model."""
     out = []
+    kw = {} if draft is None else dict(drafter=ModelDrafter(draft[0]), draft_params=draft[1],
+                                       draft_cache=init_cache(draft[0], 1, max_len))
     for new in speculative_ids(cfg, params, init_cache(cfg, 1, max_len), prompt, max_new_tokens=n,
-                               sp=SamplingParams.make(1), draft_tokens=k, stats=stats):
+                               sp=SamplingParams.make(1), draft_tokens=k, stats=stats, stop_ids=stop_ids, **kw):
         out += new
     return out
 
 
-@pytest.mark.parametrize("k", [1, 4, 7])
+@pytest.fixture(scope="module")
+def drafts(tiny, tmp_path_factory):
+    """Draft models for `tiny`: itself requantized to Q4_0 (mostly agrees) and an unrelated
+    one-layer model of the same vocabulary (mostly disagrees: many rejections)."""
+    from rjax.loaders.gguf import load_gguf
+    from rjax.synth import write_synthetic
+
+    cfg, params = tiny
+    path = write_synthetic(tmp_path_factory.mktemp("synth") / "other.gguf", "smollm2-135m", "q8_0", seed=4,
+                           n_layers=1, vocab_size=512, tokenizer_from="builtin")
+    other_cfg, other_params, _ = load_gguf(path, progress=False)
+    return {"self_q4_0": (cfg, requantize_tree(params, "q4_0")), "other": (other_cfg, other_params)}
+
+
+def test_device_lookup_equals_the_host_drafter():
+    d = NgramDrafter()
+    lookup = jax.jit(lambda h, n: d.lookup(h, n, 5))
+    rng = np.random.default_rng(1)
+    for trial in range(200):
+        n = int(rng.integers(1, 40))
+        tokens = rng.integers(0, 4 if trial % 2 else 12, size=n).tolist()
+        hist = np.zeros(48, np.int32)
+        hist[:n], hist[n:] = tokens, rng.integers(0, 4, size=48 - n)   # junk past the length is never used
+        got, real = lookup(jnp.asarray(hist), jnp.int32(n))
+        assert np.asarray(got)[: int(real)].tolist() == d.draft(tokens, 5), tokens
+
+
+@pytest.mark.parametrize("which", ["self_q4_0", "other"])
+@pytest.mark.parametrize("prompt", [REPEATING, PLAIN], ids=["repeating", "plain"])
+def test_draft_model_greedy_equals_plain_greedy(tiny, drafts, prompt, which):
+    cfg, params = tiny
+    stats = SpeculativeStats()
+    assert _speculative(cfg, params, prompt, 30, 128, 4, stats, drafts[which]) == _greedy(cfg, params, prompt, 30, 128)
+    assert 0 <= stats.accepted <= stats.drafted <= 4 * stats.steps
+    if which == "self_q4_0":
+        assert stats.accepted > stats.drafted // 2   # its own copy mostly agrees
+    else:
+        assert stats.accepted < stats.drafted        # rejections happened: rollback was exercised
+
+
+@pytest.mark.parametrize("which", [None, "other"])
+def test_drafts_past_a_stop_id_the_token_limit_and_the_cache_end(tiny, drafts, which):
+    cfg, params = tiny
+    draft = None if which is None else drafts[which]
+    want = _greedy(cfg, params, REPEATING, 40, 128)
+    # A stop id first generated mid-way: drafts beyond it are dropped, the stop id ends the output.
+    stop = next(t for t in want[8:] if t not in want[:8])
+    cut = want[: want.index(stop) + 1]
+    assert _speculative(cfg, params, REPEATING, 40, 128, 4, draft=draft, stop_ids=[stop]) == cut
+    for n in (1, 2, 5, 11):   # budgets that end inside a draft
+        assert _speculative(cfg, params, REPEATING, n, 128, 4, draft=draft) == want[:n]
+    # A 32-position cache: generation stops when it is full, drafts shortened to fit.
+    assert _speculative(cfg, params, REPEATING, 40, 32, 4, draft=draft) == _greedy(cfg, params, REPEATING, 40, 32)
+
+
+def _poison(cache, value=1e4):
+    """K and V past each slot's length set to `value`: if any attention saw them, logits would move."""
+    S = cache.max_len
+    beyond = (jnp.arange(S)[None, :] >= cache.lengths[:, None])[:, None, :, None]
+    return dataclasses.replace(cache, k=tuple(jnp.where(beyond, value, k) for k in cache.k),
+                               v=tuple(jnp.where(beyond, value, v) for v in cache.v))
+
+
+@pytest.mark.parametrize("which", [None, "other"])
+def test_rolled_back_kv_is_never_visible(tiny, drafts, which):
+    """One round per call, both caches poisoned past their lengths between rounds (where the
+    rejected drafts' K/V lie): the output is still plain greedy's, so nothing past a length is
+    ever read; and the rounds did reject."""
+    cfg, params = tiny
+    prompt, S, k = PLAIN, 128, 4
+    want = _greedy(cfg, params, prompt, 30, S)
+    cache, sp = init_cache(cfg, 1, S), SamplingParams.make(1)
+    t, l = engine.pad_prompts([prompt])
+    logits, cache = engine.prefill(cfg, params, cache, jnp.asarray(t), jnp.asarray(l))
+    drafter, dparams, dcache = NgramDrafter(), None, None
+    if which is not None:
+        dcfg, dparams = drafts[which]
+        drafter = ModelDrafter(dcfg)
+        _, dcache = engine.prefill(dcfg, dparams, init_cache(dcfg, 1, S), jnp.asarray(t), jnp.asarray(l))
+    first = int(jnp.argmax(logits[0]))
+    hist = np.zeros(S + 1, np.int32)
+    hist[: len(prompt) + 1] = prompt + [first]
+    z = jnp.int32(0)
+    st = SpecState(jnp.int32(first), jnp.int32(-1), jnp.asarray(hist), jnp.int32(len(prompt) + 1), jnp.bool_(False),
+                   jnp.int32(29), jax.random.key(0), z, z, z)
+    out = [first]
+    while not bool(st.done):
+        cache = _poison(cache)
+        dcache = None if dcache is None else _poison(dcache)
+        rows, st, cache, dcache = speculative_loop(cfg, params, cache, st, sp, jnp.asarray([-1], jnp.int32), drafter,
+                                                   dparams, dcache, k, 1)
+        out += [int(x) for x in np.asarray(rows).ravel() if x >= 0]
+    assert out == want
+    assert int(st.accepted) < int(st.drafted)
+
+
+@pytest.mark.parametrize("k", [1, 4])
 @pytest.mark.parametrize("prompt", [REPEATING, PLAIN], ids=["repeating", "plain"])
 def test_greedy_equals_plain_greedy(tiny, prompt, k):
     cfg, params = tiny
@@ -59,22 +165,18 @@ def test_greedy_equals_plain_greedy(tiny, prompt, k):
         assert stats.accepted > 0
 
 
-def test_drafts_cut_by_the_token_limit_and_the_cache_end(tiny):
-    cfg, params = tiny
-    for n in (1, 2, 5, 11):   # budgets that end inside a draft
-        assert _speculative(cfg, params, REPEATING, n, 128, 4) == _greedy(cfg, params, REPEATING, n, 128)
-    # A 32-position cache: generation stops when it is full, drafts shortened to fit.
-    assert _speculative(cfg, params, REPEATING, 40, 32, 6) == _greedy(cfg, params, REPEATING, 40, 32)
-
-
 def test_generate_and_its_checks(tiny_path):
     model = rjax.load(tiny_path, progress=False)
     plain = rjax.generate(model, "abcabcabcabc", raw=True, max_new_tokens=24)
     spec = rjax.generate(model, "abcabcabcabc", raw=True, max_new_tokens=24, speculative="ngram", draft_tokens=3)
     assert spec.tokens == plain.tokens and spec.text == plain.text and spec.finish_reason == plain.finish_reason
     assert spec.speculative["drafted"] >= spec.speculative["accepted"] >= 0
-    with pytest.raises(ValueError, match="speculative must be one of"):
+    with pytest.raises((ValueError, FileNotFoundError)):
         rjax.generate(model, "x", speculative="medusa")
+    with pytest.raises(ValueError, match="self:q4_0"):
+        rjax.generate(model, "x", raw=True, speculative="self:q2_k")
+    self_draft = rjax.generate(model, "abcabcabcabc", raw=True, max_new_tokens=24, speculative="self:q4_0")
+    assert self_draft.tokens == plain.tokens and self_draft.speculative["accepted"] > 0
     with pytest.raises(ValueError, match="draft_tokens"):
         rjax.generate(model, "x", speculative="ngram", draft_tokens=0)
     with pytest.raises(ValueError, match="one prompt"):
@@ -117,3 +219,110 @@ def test_default_model_greedy_equal(smollm2):
         plain = rjax.generate(smollm2, text, max_new_tokens=40)
         spec = rjax.generate(smollm2, text, max_new_tokens=40, speculative="ngram", draft_tokens=4)
         assert spec.tokens == plain.tokens, text
+
+
+def _small_model(seed, V=4, d=32, base: Params | None = None, noise=0.0):
+    """A one-layer dense llama of vocabulary V with random weights (or `base` plus noise): cheap
+    enough to sample tens of thousands of sequences at once."""
+    cfg = ModelConfig(arch="llama", n_layers=1, d_model=d, d_ff=64, n_heads=2, n_kv_heads=1, head_dim=16,
+                      vocab_size=V, context_length=64, rms_eps=1e-5, rope_theta=10000.0, tie_embeddings=False)
+    keys = iter(jax.random.split(jax.random.key(seed), 16))
+
+    def w(*shape, scale=1.0):
+        return jax.random.normal(next(keys), shape) * scale / np.sqrt(shape[-1])
+
+    if base is None:
+        layer = LayerParams(jnp.ones(d), w(32, d), w(16, d), w(16, d), w(d, 32), jnp.ones(d), w(64, d), w(64, d),
+                            w(d, 64))
+        return cfg, Params(w(V, d, scale=np.sqrt(d)), (layer,), jnp.ones(d), w(V, d, scale=2.0))
+    return cfg, jax.tree.map(lambda x: x + noise * jax.random.normal(next(keys), x.shape) * jnp.std(x)
+                             if x.ndim == 2 else x, base)
+
+
+def _exact_joint(cfg, params, prompt, n, sp):
+    """p(t1..tn | prompt) under filtered sampling, for every sequence of n tokens: [V] * n."""
+    V = cfg.vocab_size
+    seqs = np.array(np.meshgrid(*[np.arange(V)] * (n - 1), indexing="ij")).reshape(n - 1, -1).T
+    tokens = jnp.asarray(np.concatenate([np.tile(prompt, (len(seqs), 1)), seqs], axis=1), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    logits, _ = forward(cfg, params, init_cache(cfg, len(seqs), 16), tokens, pos)
+    rows = logits[:, len(prompt) - 1:].reshape(-1, V)
+    probs = np.asarray(jax.nn.softmax(rjax.sampling.filtered_logits(
+        rows, jax.tree.map(lambda a: jnp.broadcast_to(a[:1], (rows.shape[0],)), sp))), np.float64)
+    probs = probs.reshape(len(seqs), n, V)
+    joint = np.ones([V] * n)
+    for idx in np.ndindex(*joint.shape):
+        row = int(np.ravel_multi_index(idx[:-1], [V] * (n - 1))) if n > 1 else 0
+        joint[idx] = np.prod([probs[row, i, idx[i]] for i in range(n)])
+    return joint
+
+
+def _speculative_samples(cfg, params, prompt, n, sp, drafter, dparams, k, n_runs):
+    """n_runs independent speculative generations (one key each), vmapped into one program.
+    -> [n_runs, n] tokens."""
+    S = 16
+    dcfg = drafter.cfg if isinstance(drafter, ModelDrafter) else None
+
+    def one(key):
+        t = jnp.asarray([prompt], jnp.int32)
+        pos = jnp.arange(len(prompt))[None]
+        logits, cache = forward(cfg, params, init_cache(cfg, 1, S), t, pos)
+        cache = dataclasses.replace(cache, lengths=jnp.asarray([len(prompt)], jnp.int32))
+        dcache = None
+        if dcfg is not None:
+            _, dcache = forward(dcfg, dparams, init_cache(dcfg, 1, S), t, pos)
+            dcache = dataclasses.replace(dcache, lengths=jnp.asarray([len(prompt)], jnp.int32))
+        k0, k1 = jax.random.split(key)
+        first = sample(logits[:, -1], k0, sp)[0]
+        hist = jnp.zeros(S + 1, jnp.int32).at[: len(prompt)].set(jnp.asarray(prompt)).at[len(prompt)].set(first)
+        z = jnp.int32(0)
+        st = SpecState(first, jnp.int32(-1), hist, jnp.int32(len(prompt) + 1), jnp.bool_(False), jnp.int32(n - 1), k1,
+                       z, z, z)
+        rows, st, _, _ = speculative_rounds(cfg, params, cache, st, sp, jnp.asarray([-1], jnp.int32), drafter,
+                                            dparams, dcache, k, n)
+        flat = rows.reshape(-1)
+        order = jnp.argsort(flat < 0, stable=True)   # emitted tokens first, in order
+        return jnp.concatenate([first[None], flat[order][: n - 1]]), st.drafted, st.accepted
+
+    return jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(7), n_runs))
+
+
+@pytest.mark.parametrize("drafter_kind, temperature, top_k, top_p", [
+    ("ngram", 1.0, 0, 1.0), ("model", 1.0, 0, 1.0), ("model", 0.8, 3, 0.9)])
+def test_sampled_sequences_are_distributed_as_plain_sampling(drafter_kind, temperature, top_k, top_p):
+    """Many seeds of a vocabulary-4 model: the joint frequencies of the first 5 generated tokens
+    (1,024 sequences) match the exact plain-sampling probabilities (chi-square), with drafts
+    accepted and rejected along the way."""
+    from scipy import stats as scipy_stats
+
+    cfg, params = _small_model(0)
+    prompt, n, N = [0, 1, 2, 3, 0, 1], 5, 20_000
+    sp = SamplingParams.make(1, temperature, top_k, top_p)
+    if drafter_kind == "ngram":
+        drafter, dparams = NgramDrafter(), None
+    else:
+        dcfg, dparams = _small_model(1, base=params, noise=0.5)
+        drafter = ModelDrafter(dcfg)
+    seqs, drafted, accepted = _speculative_samples(cfg, params, prompt, n, sp, drafter, dparams, 3, N)
+    seqs = np.asarray(seqs)
+    assert (seqs >= 0).all()
+    drafted, accepted = int(np.sum(drafted)), int(np.sum(accepted))
+    assert 0.1 * drafted < accepted < 0.95 * drafted, (accepted, drafted)   # both outcomes exercised
+    want = _exact_joint(cfg, params, prompt, n, sp).ravel() * N
+    got = np.bincount(np.ravel_multi_index(seqs.T, [cfg.vocab_size] * n), minlength=want.size)
+    assert got[want == 0].sum() == 0     # nothing outside top-k / top-p
+    big = want >= 5                      # chi-square cells; the rare ones pooled
+    obs = np.append(got[big], got[~big & (want > 0)].sum())
+    exp = np.append(want[big], want[~big & (want > 0)].sum())
+    p = scipy_stats.chisquare(obs[exp > 0], exp[exp > 0] * obs.sum() / exp.sum()).pvalue
+    assert p > 1e-4, p
+
+
+def test_draft_model_of_another_vocabulary_is_refused(tiny_path, tmp_path):
+    from rjax.synth import write_synthetic
+
+    model = rjax.load(tiny_path, progress=False)
+    other = write_synthetic(tmp_path / "v1024.gguf", "smollm2-135m", "q8_0", seed=1, n_layers=1, vocab_size=1024,
+                            tokenizer_from="builtin")
+    with pytest.raises(ValueError, match="draft model v1024.gguf has a vocabulary of 1,024 tokens, the target 512"):
+        rjax.generate(model, "x", raw=True, speculative=str(other))

@@ -30,13 +30,16 @@ class Model:
 
 
 def load(model: str | os.PathLike, *, progress: bool = True, home: str | os.PathLike | None = None,
-         fuse: bool | None = None, gpu_layout: bool | None = None) -> Model:
+         fuse: bool | None = None, gpu_layout: bool | None = None, requantize: str | None = None) -> Model:
     """Load a catalog name (pulled if missing), a `.gguf` file, or a Hugging Face directory.
 
     A file or directory that cannot be used raises `ModelFileError`, whose message names the file
     and the problem; a damaged file never loads as something else.
 
-    `fuse` and `gpu_layout`: see `for_backend`; both default to on for a GPU backend."""
+    `fuse` and `gpu_layout`: see `for_backend`; both default to on for a GPU backend.
+    `requantize` ("q8_0" or "q4_0"): every 2-D weight requantized to that type on the device
+    (`gguf_blocks.requantize`) before the layout step, e.g. a lower-bit copy of a model to draft
+    for it in speculative decoding."""
     from rjax.catalog import CatalogError, resolve_model
     from rjax.tokenizer import Tokenizer
 
@@ -59,6 +62,14 @@ def load(model: str | os.PathLike, *, progress: bool = True, home: str | os.Path
     if tokenizer.vocab_size > cfg.vocab_size:  # ids past the embedding would index nothing
         raise ModelFileError(f"{path}: the tokenizer has {tokenizer.vocab_size:,} tokens, but the embedding has "
                              f"{cfg.vocab_size:,} rows")
+    if requantize is not None:
+        from gguf_blocks.formats import TensorFormatError
+        from gguf_blocks.requantize import requantize_tree
+
+        try:
+            params = requantize_tree(params, str(requantize).upper())
+        except TensorFormatError as e:
+            raise ValueError(f"requantize={requantize!r}: {e}") from None
     return Model(cfg, for_backend(params, fuse=fuse, gpu_layout=gpu_layout), tokenizer, path)
 
 
