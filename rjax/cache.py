@@ -7,6 +7,14 @@ one stacked array would be copied for the kernel at every layer of every step). 
 counts the valid positions of slot s. Writes go through `write`, which scatters new entries
 at their absolute positions and drops padding (position -1), so no write can land in another
 slot or past the end. Jitted callers donate the cache and XLA updates it in place.
+
+KV dtypes (`KV_DTYPES`, chosen at `init_cache`; static, as the arrays' dtypes are): "bf16" keeps
+K and V unquantized in the compute dtype (bfloat16 on a GPU, float32 on the CPU); "int8" stores
+int8 values with one float32 scale per (token, head), computed when the token is written;
+"fp8" stores e4m3 values with one float32 scale per (layer, KV head) (1.0 unless given: the
+values are written as x / scale, saturated at +-448). The scales are pytree fields beside the
+values (`k_scale`, `v_scale`), and `attend` hands both to the attention kernels, which
+dequantize in registers (pallas_kernels/attention/kv_quant.py).
 """
 from __future__ import annotations
 
@@ -15,9 +23,27 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention import attention, rope_attention
+from pallas_kernels.attention import attention, kind_of, quantize_fp8, quantize_int8, rope_attention
 from pallas_kernels.kv_append import rope_append, write_positions
 from rjax.config import ModelConfig
+
+KV_DTYPES = ("bf16", "int8", "fp8")
+_STORAGE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+
+
+def check_kv_dtype(kv_dtype: str | None) -> str:
+    """The KV dtype name (None: "bf16"), or ValueError naming the choices."""
+    kv_dtype = "bf16" if kv_dtype is None else kv_dtype
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    return kv_dtype
+
+
+def quantize_entries(x, kind: str, head_scale):
+    """New entries x [B, T, Hkv, D] -> (stored values, their int8 scales [B, T, Hkv] or None)."""
+    if kind == "int8":
+        return quantize_int8(x)
+    return quantize_fp8(x, head_scale, head_axis=2), None
 
 
 @jax.tree_util.register_dataclass
@@ -30,6 +56,12 @@ class KVCache:
     # the split programs that have finished (it merges their partials in the last one).
     # Carried here so that a step need not make fresh zeros for every layer. None: it does.
     arrivals: jax.Array | None = None
+    # Quantized K/V (int8, fp8) only: per layer, int8 [n_slots, n_kv_heads, max_len] float32 (one
+    # per entry), fp8 [n_kv_heads] float32 (one per head); None for a float cache.
+    k_scale: tuple[jax.Array, ...] | None = None
+    v_scale: tuple[jax.Array, ...] | None = None
+    # The dtype attention computes in, for a quantized cache (a float cache computes in its own).
+    compute_dtype: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     # Whether positions live in pages (a block table per slot) rather than contiguous rows.
     paged = False
@@ -44,20 +76,54 @@ class KVCache:
 
     @property
     def dtype(self):
+        """The compute dtype (of the activations attention takes and returns)."""
+        return jnp.dtype(self.compute_dtype) if self.compute_dtype else self.k[0].dtype
+
+    @property
+    def storage_dtype(self):
+        """The dtype K and V are stored in."""
         return self.k[0].dtype
 
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    @property
+    def kv_dtype(self) -> str:
+        """"int8", "fp8", or "bf16" for an unquantized cache (in the compute dtype)."""
+        return kind_of(self.storage_dtype) or "bf16"
+
     def write(self, layer: int, k_new, v_new, pos, slots):
-        """k_new, v_new [B, T, Hkv, D] at positions pos [B, T] (-1: skip) of cache rows `slots`."""
+        """k_new, v_new [B, T, Hkv, D] at positions pos [B, T] (-1: skip) of cache rows `slots`;
+        quantized here for an int8 or fp8 cache."""
         rows = jnp.arange(pos.shape[0]) if slots is None else slots
-        k = write_positions(self.k[layer], k_new, pos, rows)
-        v = write_positions(self.v[layer], v_new, pos, rows)
-        return dataclasses.replace(self, k=_replace(self.k, layer, k), v=_replace(self.v, layer, v))
+        if not self.quantized:
+            k = write_positions(self.k[layer], k_new, pos, rows)
+            v = write_positions(self.v[layer], v_new, pos, rows)
+            return dataclasses.replace(self, k=_replace(self.k, layer, k), v=_replace(self.v, layer, v))
+        kind = self.kv_dtype
+        (kq, ks), (vq, vs) = (quantize_entries(x, kind, s[layer]) for x, s in
+                              ((k_new, self.k_scale), (v_new, self.v_scale)))
+        k = write_positions(self.k[layer], kq, pos, rows)
+        v = write_positions(self.v[layer], vq, pos, rows)
+        k_scale, v_scale = self.k_scale, self.v_scale
+        if kind == "int8":
+            k_scale = _replace(k_scale, layer, write_positions(k_scale[layer], ks, pos, rows))
+            v_scale = _replace(v_scale, layer, write_positions(v_scale[layer], vs, pos, rows))
+        return dataclasses.replace(self, k=_replace(self.k, layer, k), v=_replace(self.v, layer, v),
+                                   k_scale=k_scale, v_scale=v_scale)
+
+    def _unquantized(self, what: str):
+        if self.quantized:
+            raise ValueError(f"KVCache.{what}: the fused rotate-and-append kernels write float caches only; "
+                             f"a {self.kv_dtype} cache is written by `write` (the plan picks attention='xla')")
 
     def rope_write(self, layer: int, parts, bias, pos, slots, inv_freq, *, n_heads: int, pairing: str, dtype):
         """The fused QKV product as partial sums parts [S, B, T, (Hq + 2 Hkv) D] (plus bias or
         None), summed and rounded to `dtype`: queries and keys rotated for positions pos [B, T],
         keys and values written as `write` does; one kernel at decode (pallas_kernels.kv_append).
         -> (q [B, T, Hq, D], cache)."""
+        self._unquantized("rope_write")
         rows = jnp.arange(pos.shape[0]) if slots is None else slots
         q, k, v = rope_append(parts, bias, pos, self.k[layer], self.v[layer], inv_freq, rows, n_heads=n_heads,
                               pairing=pairing, dtype=dtype)
@@ -69,6 +135,7 @@ class KVCache:
         [S, B, 1, (Hq + 2 Hkv) D], pos [B, 1]), as one kernel on the GPU
         (pallas_kernels.attention.rope_attention). -> (attention output [B, 1, Hq, D], or with
         quantize_out possibly a QuantizedX [B, 1] of it, cache)."""
+        self._unquantized("rope_write_attend")
         out, k, v, arrivals = rope_attention(parts[:, :, 0], bias, pos[:, 0], self.k[layer], self.v[layer], inv_freq,
                                              n_heads=n_heads, pairing=pairing, dtype=dtype, scale=scale,
                                              window=window, arrivals=self.arrivals, quantize_out=quantize_out)
@@ -77,11 +144,16 @@ class KVCache:
 
     def attend(self, layer: int, q, pos, slots, *, scale: float, window: int | None):
         k, v = self.k[layer], self.v[layer]
+        ks = vs = None
+        if self.quantized:
+            ks, vs = self.k_scale[layer], self.v_scale[layer]
         if slots is not None:
             k, v = k[slots], v[slots]
+            if ks is not None and ks.ndim > 1:
+                ks, vs = ks[slots], vs[slots]
         # Visible length: everything up to the newest query position of each sequence.
         kv_len = jnp.max(pos, axis=1) + 1
-        return attention(q, k, v, pos, kv_len, scale=scale, window=window)
+        return attention(q, k, v, pos, kv_len, scale=scale, window=window, k_scale=ks, v_scale=vs)
 
     def advance(self, slots, n_new):
         """lengths[slots] += n_new (n_new [B] int32)."""
@@ -90,48 +162,93 @@ class KVCache:
         return dataclasses.replace(self, lengths=self.lengths.at[slots].add(n_new))
 
     def row(self, slot):
-        """Slot `slot`'s K and V, each [L, Hkv, max_len, D]."""
+        """Slot `slot`'s K and V as stored, each [L, Hkv, max_len, D]."""
         return jnp.stack([k[slot] for k in self.k]), jnp.stack([v[slot] for v in self.v])
 
-    def set_row(self, slot, k, v, length):
-        """Slot `slot` holds k, v [L, Hkv, max_len, D] and `length` positions."""
-        return dataclasses.replace(self, k=tuple(c.at[slot].set(x) for c, x in zip(self.k, k)),
-                                   v=tuple(c.at[slot].set(x) for c, x in zip(self.v, v)),
-                                   lengths=self.lengths.at[slot].set(length))
+    def row_scales(self, slot):
+        """Slot `slot`'s int8 scales, each [L, Hkv, max_len]; None, None for float and fp8 caches
+        (fp8 scales belong to the cache's heads, not to a slot)."""
+        if not self.quantized or self.k_scale[0].ndim == 1:
+            return None, None
+        return jnp.stack([s[slot] for s in self.k_scale]), jnp.stack([s[slot] for s in self.v_scale])
+
+    def set_row(self, slot, k, v, length, k_scale=None, v_scale=None):
+        """Slot `slot` holds k, v [L, Hkv, max_len, D] as stored (with their int8 scales [L, Hkv,
+        max_len]) and `length` positions."""
+        out = dataclasses.replace(self, k=tuple(c.at[slot].set(x) for c, x in zip(self.k, k)),
+                                  v=tuple(c.at[slot].set(x) for c, x in zip(self.v, v)),
+                                  lengths=self.lengths.at[slot].set(length))
+        if k_scale is not None:
+            out = dataclasses.replace(out, k_scale=tuple(c.at[slot].set(x) for c, x in zip(self.k_scale, k_scale)),
+                                      v_scale=tuple(c.at[slot].set(x) for c, x in zip(self.v_scale, v_scale)))
+        return out
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PrefixSnapshot:
-    """One sequence's KV: k, v [L, Hkv, max_len, D] (positions past `length` are whatever the
-    slot held there), and `length` (int32 scalar) valid positions. A pytree of fixed shapes, so
-    `snapshot` and `restore` jit once per cache shape whatever the length."""
+    """One sequence's KV: k, v [L, Hkv, max_len, D] as the cache stores them (positions past
+    `length` are whatever the slot held there), `length` (int32 scalar) valid positions, and for
+    an int8 cache the scales [L, Hkv, max_len]. A pytree of fixed shapes, so `snapshot` and
+    `restore` jit once per cache shape whatever the length."""
     k: jax.Array
     v: jax.Array
     length: jax.Array
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
 
 
 @jax.jit
 def snapshot(cache, slot) -> PrefixSnapshot:
     """The KV of slot `slot` (a traced int is fine) of a contiguous or paged cache."""
     k, v = cache.row(slot)
-    return PrefixSnapshot(k, v, cache.lengths[slot])
+    return PrefixSnapshot(k, v, cache.lengths[slot], *cache.row_scales(slot))
 
 
 @jax.jit
 def restore(cache, slot, snap: PrefixSnapshot):
-    """`cache` with slot `slot` holding `snap` (the cache's own shape and dtype). A paged slot
-    must own the pages for snap.length positions: restore fills them and writes nothing else."""
-    return cache.set_row(slot, snap.k.astype(cache.dtype), snap.v.astype(cache.dtype), snap.length)
+    """`cache` with slot `slot` holding `snap` (the cache's own shape; a float snapshot is cast to
+    a float cache's dtype, a quantized one must come from a cache of the same KV dtype and, for
+    fp8, head scales). A paged slot must own the pages for snap.length positions: restore fills
+    them and writes nothing else."""
+    if not cache.quantized:
+        return cache.set_row(slot, snap.k.astype(cache.dtype), snap.v.astype(cache.dtype), snap.length)
+    if snap.k.dtype != cache.storage_dtype or (snap.k_scale is None) != (cache.kv_dtype != "int8"):
+        raise ValueError(f"restore: a snapshot of {snap.k.dtype} values into a {cache.kv_dtype} cache")
+    return cache.set_row(slot, snap.k, snap.v, snap.length, snap.k_scale, snap.v_scale)
 
 
 def _replace(arrays: tuple, i: int, new) -> tuple:
     return arrays[:i] + (new,) + arrays[i + 1:]
 
 
-def init_cache(cfg: ModelConfig, n_slots: int, max_len: int, dtype=jnp.float32) -> KVCache:
+def fp8_head_scales(cfg: ModelConfig, fp8_scales=None) -> tuple[jax.Array, jax.Array]:
+    """The fp8 scales of K and V, each [L, Hkv] float32: `fp8_scales` (k, v), else ones."""
+    shape = (cfg.n_layers, cfg.n_kv_heads)
+    if fp8_scales is None:
+        return jnp.ones(shape, jnp.float32), jnp.ones(shape, jnp.float32)
+    k, v = (jnp.broadcast_to(jnp.asarray(s, jnp.float32), shape) for s in fp8_scales)
+    return k, v
+
+
+def init_cache(cfg: ModelConfig, n_slots: int, max_len: int, dtype=jnp.float32, kv_dtype: str | None = None,
+               fp8_scales=None) -> KVCache:
+    """An empty cache of n_slots x max_len positions; attention computes in `dtype`, and K/V are
+    stored as `kv_dtype` (see the module docstring; None or "bf16": in `dtype`). fp8_scales:
+    (k, v) scales per layer and KV head, broadcast to [L, Hkv] (fp8 only; default 1.0)."""
     if max_len > cfg.context_length:
         raise ValueError(f"cache length {max_len} exceeds the model's context length {cfg.context_length}")
+    kv_dtype = check_kv_dtype(kv_dtype)
     shape = (n_slots, cfg.n_kv_heads, max_len, cfg.head_dim)
-    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))  # noqa: E731
-    return KVCache(zeros(), zeros(), jnp.zeros((n_slots,), jnp.int32), jnp.zeros(shape[:2], jnp.int32))
+    store = _STORAGE.get(kv_dtype, dtype)
+    zeros = lambda sh, dt: tuple(jnp.zeros(sh, dt) for _ in range(cfg.n_layers))  # noqa: E731
+    common = (zeros(shape, store), zeros(shape, store), jnp.zeros((n_slots,), jnp.int32),
+              jnp.zeros(shape[:2], jnp.int32))
+    if kv_dtype == "bf16":
+        return KVCache(*common)
+    if kv_dtype == "int8":
+        ks, vs = zeros(shape[:3], jnp.float32), zeros(shape[:3], jnp.float32)
+    else:
+        k, v = fp8_head_scales(cfg, fp8_scales)
+        ks, vs = tuple(k), tuple(v)
+    return KVCache(*common, k_scale=ks, v_scale=vs, compute_dtype=jnp.dtype(dtype).name)

@@ -113,7 +113,8 @@ def embed(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
 def plan_of(cfg: ModelConfig, params: Params, cache, tokens: jax.Array, slots, dtype, tuning: Tuning = TUNING) -> Plan:
     """The plan for this call's shapes, cache kind and backend."""
     B, T = tokens.shape
-    return plan_for(cfg, params, B, T, dtype, paged=cache.paged, slots=slots is not None, tuning=tuning)
+    return plan_for(cfg, params, B, T, dtype, paged=cache.paged, slots=slots is not None, tuning=tuning,
+                    kv_quantized=cache.quantized)
 
 
 def hidden_states(cfg: ModelConfig, params: Params, cache, tokens: jax.Array, pos: jax.Array,

@@ -3,7 +3,10 @@
 Layout: k, v [n_layers, n_pages, n_kv_heads, page_size, head_dim]; `block_tables[s, i]` is the
 page holding positions i * page_size .. (i + 1) * page_size - 1 of slot s, or -1 where slot s
 owns no page yet; `lengths[s]` counts the valid positions of slot s. The pytree has the same
-`write` / `attend` / `advance` methods as the contiguous `KVCache`, so the model runs on either.
+`write` / `attend` / `advance` methods as the contiguous `KVCache`, so the model runs on either,
+and the same KV dtypes (rjax.cache.KV_DTYPES): an int8 pool has scales [L, n_pages, Hkv,
+page_size] beside its values (a page carries its own scales, so a shared prefix page needs
+nothing of the slot that wrote it), an fp8 pool scales [L, Hkv].
 
 Which pages a slot owns is decided on the host by `rjax.pages.PageAllocator` (free list,
 reservations, the prefix cache) and copied into the device table by the pure `set_block_tables`. On the device a write whose position has no page in the slot's table is
@@ -17,7 +20,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention import paged_attention
+from pallas_kernels.attention import kind_of, paged_attention
+from rjax.cache import _STORAGE, check_kv_dtype, fp8_head_scales, quantize_entries
 from rjax.config import ModelConfig
 
 NO_PAGE = -1
@@ -30,6 +34,11 @@ class PagedKVCache:
     v: jax.Array
     block_tables: jax.Array  # [n_slots, max_pages] int32, NO_PAGE where unallocated
     lengths: jax.Array       # [n_slots] int32
+    # Quantized K/V only: int8 [L, n_pages, Hkv, page_size] float32 (per entry), fp8 [L, Hkv].
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
+    # The dtype attention computes in, for a quantized cache (a float cache computes in its own).
+    compute_dtype: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     # Whether positions live in pages (a block table per slot) rather than contiguous rows.
     paged = True
@@ -57,7 +66,20 @@ class PagedKVCache:
 
     @property
     def dtype(self):
+        """The compute dtype (of the activations attention takes and returns)."""
+        return jnp.dtype(self.compute_dtype) if self.compute_dtype else self.k.dtype
+
+    @property
+    def storage_dtype(self):
         return self.k.dtype
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    @property
+    def kv_dtype(self) -> str:
+        return kind_of(self.k.dtype) or "bf16"
 
     def _tables(self, slots):
         return self.block_tables if slots is None else self.block_tables[slots]
@@ -71,9 +93,20 @@ class PagedKVCache:
         page = jnp.take_along_axis(tables, col, axis=1, mode="fill", fill_value=NO_PAGE)
         page = jnp.where(page >= 0, page, self.n_pages)
         off = jnp.where(pos >= 0, pos % ps, 0)
-        k = self.k.at[layer, page, :, off].set(k_new.astype(self.k.dtype), mode="drop")
-        v = self.v.at[layer, page, :, off].set(v_new.astype(self.v.dtype), mode="drop")
-        return dataclasses.replace(self, k=k, v=v)
+        if not self.quantized:
+            k = self.k.at[layer, page, :, off].set(k_new.astype(self.k.dtype), mode="drop")
+            v = self.v.at[layer, page, :, off].set(v_new.astype(self.v.dtype), mode="drop")
+            return dataclasses.replace(self, k=k, v=v)
+        kind = self.kv_dtype
+        (kq, ks), (vq, vs) = (quantize_entries(x, kind, s[layer]) for x, s in
+                              ((k_new, self.k_scale), (v_new, self.v_scale)))
+        k = self.k.at[layer, page, :, off].set(kq, mode="drop")
+        v = self.v.at[layer, page, :, off].set(vq, mode="drop")
+        k_scale, v_scale = self.k_scale, self.v_scale
+        if kind == "int8":
+            k_scale = k_scale.at[layer, page, :, off].set(ks, mode="drop")
+            v_scale = v_scale.at[layer, page, :, off].set(vs, mode="drop")
+        return dataclasses.replace(self, k=k, v=v, k_scale=k_scale, v_scale=v_scale)
 
     def attend(self, layer: int, q, pos, slots, *, scale: float, window: int | None):
         # Visible length: everything up to the newest query position of each sequence.
@@ -85,7 +118,14 @@ class PagedKVCache:
         tables = jnp.where(tables >= 0, tables + layer * P, NO_PAGE)
         k = self.k.reshape(L * P, *self.k.shape[2:])
         v = self.v.reshape(L * P, *self.v.shape[2:])
-        return paged_attention(q, k, v, tables, pos, kv_len, scale=scale, window=window)
+        ks = vs = None
+        if self.quantized:
+            if self.kv_dtype == "int8":
+                ks = self.k_scale.reshape(L * P, *self.k_scale.shape[2:])
+                vs = self.v_scale.reshape(L * P, *self.v_scale.shape[2:])
+            else:
+                ks, vs = self.k_scale[layer], self.v_scale[layer]
+        return paged_attention(q, k, v, tables, pos, kv_len, scale=scale, window=window, k_scale=ks, v_scale=vs)
 
     def advance(self, slots, n_new):
         """lengths[slots] += n_new (n_new [B] int32)."""
@@ -104,9 +144,19 @@ class PagedKVCache:
 
         return gather(self.k), gather(self.v)
 
-    def set_row(self, slot, k, v, length):
-        """Slot `slot` holds k, v [L, Hkv, max_len, D] and `length` positions: written into the
-        pages its table names (positions without a page are dropped; no other page is touched)."""
+    def row_scales(self, slot):
+        """Slot `slot`'s int8 scales, each [L, Hkv, max_len] (zeros where it owns no page); None,
+        None for float and fp8 caches."""
+        if self.kv_dtype != "int8":
+            return None, None
+        k, v = PagedKVCache.row(dataclasses.replace(self, k=self.k_scale[..., None], v=self.v_scale[..., None]),
+                                slot)
+        return k[..., 0], v[..., 0]
+
+    def set_row(self, slot, k, v, length, k_scale=None, v_scale=None):
+        """Slot `slot` holds k, v [L, Hkv, max_len, D] as stored (with int8 scales [L, Hkv,
+        max_len]) and `length` positions: written into the pages its table names (positions
+        without a page are dropped; no other page is touched)."""
         table = self.block_tables[slot]
         page = jnp.where(table >= 0, table, self.n_pages)
 
@@ -115,8 +165,12 @@ class PagedKVCache:
             pages = x.reshape(L, H, self.max_pages, self.page_size, D).transpose(0, 2, 1, 3, 4)
             return pool.at[:, page].set(pages, mode="drop")
 
-        return dataclasses.replace(self, k=scatter(self.k, k), v=scatter(self.v, v),
-                                   lengths=self.lengths.at[slot].set(length))
+        out = dataclasses.replace(self, k=scatter(self.k, k), v=scatter(self.v, v),
+                                  lengths=self.lengths.at[slot].set(length))
+        if k_scale is not None:
+            out = dataclasses.replace(out, k_scale=scatter(self.k_scale[..., None], k_scale[..., None])[..., 0],
+                                      v_scale=scatter(self.v_scale[..., None], v_scale[..., None])[..., 0])
+        return out
 
     def reset(self, slots):
         """Empty slots `slots` [B]: length 0 and no pages (indices >= n_slots are ignored)."""
@@ -126,9 +180,11 @@ class PagedKVCache:
 
 
 def init_paged_cache(cfg: ModelConfig, n_slots: int, n_pages: int, page_size: int, max_len: int,
-                     dtype=jnp.float32) -> PagedKVCache:
+                     dtype=jnp.float32, kv_dtype: str | None = None, fp8_scales=None) -> PagedKVCache:
     """An empty paged cache: n_pages pages of page_size positions; each slot may grow to max_len
-    positions (a multiple of page_size) when the pool has pages for it."""
+    positions (a multiple of page_size) when the pool has pages for it. Attention computes in
+    `dtype`; K/V are stored as `kv_dtype` (rjax.cache.init_cache)."""
+    kv_dtype = check_kv_dtype(kv_dtype)
     if max_len > cfg.context_length:
         raise ValueError(f"cache length {max_len} exceeds the model's context length {cfg.context_length}")
     if page_size < 1 or page_size & (page_size - 1):
@@ -138,9 +194,16 @@ def init_paged_cache(cfg: ModelConfig, n_slots: int, n_pages: int, page_size: in
     if n_slots < 1 or n_pages < 1:
         raise ValueError(f"a paged cache needs at least one slot and one page (got {n_slots} slots, {n_pages} pages)")
     shape = (cfg.n_layers, n_pages, cfg.n_kv_heads, page_size, cfg.head_dim)
-    return PagedKVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
-                        jnp.full((n_slots, max_len // page_size), NO_PAGE, jnp.int32),
-                        jnp.zeros((n_slots,), jnp.int32))
+    store = _STORAGE.get(kv_dtype, dtype)
+    common = (jnp.zeros(shape, store), jnp.zeros(shape, store),
+              jnp.full((n_slots, max_len // page_size), NO_PAGE, jnp.int32), jnp.zeros((n_slots,), jnp.int32))
+    if kv_dtype == "bf16":
+        return PagedKVCache(*common)
+    if kv_dtype == "int8":
+        ks, vs = jnp.zeros(shape[:4], jnp.float32), jnp.zeros(shape[:4], jnp.float32)
+    else:
+        ks, vs = fp8_head_scales(cfg, fp8_scales)
+    return PagedKVCache(*common, k_scale=ks, v_scale=vs, compute_dtype=jnp.dtype(dtype).name)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))

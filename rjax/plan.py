@@ -110,12 +110,16 @@ def _kernels(ws, rows, dtype, kw) -> str:
 
 
 def plan_for(cfg: ModelConfig, params, batch: int, tokens: int, dtype, *, paged: bool = False, slots: bool = False,
-             gpu: bool | None = None, implementation: str | None = None, tuning: Tuning = TUNING) -> Plan:
+             gpu: bool | None = None, implementation: str | None = None, tuning: Tuning = TUNING,
+             kv_quantized: bool = False) -> Plan:
     """The plan of a forward pass of `batch` sequences x `tokens` tokens in `dtype` over `params`
     (their types and shapes only), on a paged or contiguous cache, with cache rows given
     (`slots`) or rows 0..batch-1. `gpu`: plan for a GPU backend (default: the current one);
     `implementation`: what runs the planned kernels (default: "pallas" on a GPU plan, else
-    "reference"; "interpret" or "reference" run a GPU plan on a CPU, for tests)."""
+    "reference"; "interpret" or "reference" run a GPU plan on a CPU, for tests). kv_quantized:
+    the cache stores int8 or fp8 K/V, which its own `write` quantizes, so the kernels that
+    rotate and append in one pass are not planned (attention "xla": the attention kernel still
+    reads the quantized cache)."""
     gpu = jax.default_backend() == "gpu" if gpu is None else gpu
     implementation = implementation or ("pallas" if gpu else "reference")
     dtype = jnp.dtype(dtype)
@@ -124,7 +128,7 @@ def plan_for(cfg: ModelConfig, params, batch: int, tokens: int, dtype, *, paged:
     layers = params.layers
     plans = []
     for i, p in enumerate(layers):
-        contiguous_fused = p.wqkv is not None and p.q_norm is None and not paged
+        contiguous_fused = p.wqkv is not None and p.q_norm is None and not paged and not kv_quantized
         if not contiguous_fused:
             attention = "xla"
         elif not slots and gpu and tokens == 1 and batch <= tuning.fused_rope_max_rows:
@@ -147,7 +151,7 @@ def plan_for(cfg: ModelConfig, params, batch: int, tokens: int, dtype, *, paged:
             nxt = layers[i + 1]
             consumers = _qkv_weights(nxt)
             out_norm = _norm_into(p.w_down, p.post_ffn_norm, consumers, rows, dtype, kw)
-            if out_norm == "pending" and (nxt.q_norm is not None or paged):
+            if out_norm == "pending" and (nxt.q_norm is not None or paged or kv_quantized):
                 out_norm = "norm"  # the next attention needs q/k/v whole: its product cannot apply the norm
         else:
             out_norm = "norm"

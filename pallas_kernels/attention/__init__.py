@@ -1,7 +1,9 @@
 """Attention over a KV cache: Pallas GPU kernels for prefill and decode, each beside a pure-JAX reference.
 
 `attention` (contiguous cache [B, Hkv, S, D]) and `paged_attention` (page pool [P, Hkv, page_size, D]
-plus block tables) are the entry points the model calls; semantics are in reference.py.
+plus block tables) are the entry points the model calls; semantics are in reference.py. Both take
+a quantized cache too (int8 per entry or fp8 per head, with k_scale and v_scale; kv_quant.py),
+read by the decode kernel and the Triton prefill kernel.
 `rope_attention` is a one-token decode step from the QKV product on: kv_append's rotation and
 K/V append, then the attention, as one kernel (`decode_rope_attention`; the model's plan says
 for how many sequences).
@@ -23,13 +25,14 @@ import jax.numpy as jnp
 from .decode import decode_attention, decode_rope_attention, paged_decode_attention
 from .prefill import paged_prefill_attention, prefill_attention
 from .prefill_mgpu import mgpu_prefill_attention, supports as mgpu_prefill_supports
+from .kv_quant import dequantize, kind_of, quantize_fp8, quantize_int8
 from .reference import attention_reference, paged_attention_reference
 
 __all__ = [
     "attention", "paged_attention", "attention_reference", "paged_attention_reference",
     "prefill_attention", "mgpu_prefill_attention", "paged_prefill_attention", "decode_attention",
     "paged_decode_attention", "decode_rope_attention", "rope_attention",
-    "MAX_DECODE_TOKENS",
+    "MAX_DECODE_TOKENS", "kind_of", "quantize_int8", "quantize_fp8", "dequantize",
 ]
 
 MAX_DECODE_TOKENS = 8  # query tokens per sequence up to which the decode kernel is used
@@ -44,18 +47,22 @@ def _resolve(implementation):
     return implementation
 
 
-def attention(q, k, v, q_pos, kv_len, *, scale: float, window: int | None = None, implementation=None):
+def attention(q, k, v, q_pos, kv_len, *, scale: float, window: int | None = None, implementation=None,
+              k_scale=None, v_scale=None):
     """q [B, T, Hq, D] over the contiguous cache k, v [B, Hkv, S, D]; returns [B, T, Hq, D]."""
     impl = _resolve(implementation)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
     if impl == "reference":
-        return attention_reference(q, k, v, q_pos, kv_len, scale=scale, window=window)
+        return attention_reference(q, k, v, q_pos, kv_len, scale=scale, window=window, **scales)
     if q.shape[1] <= MAX_DECODE_TOKENS:
         kernel = decode_attention
-    elif mgpu_prefill_supports(q, k):
+    elif k_scale is None and mgpu_prefill_supports(q, k):
         kernel = mgpu_prefill_attention
     else:
         kernel = prefill_attention
-    return kernel(q, k, v, q_pos, kv_len, scale=scale, window=window, interpret=impl == "interpret")
+    if k_scale is None:
+        scales = {}
+    return kernel(q, k, v, q_pos, kv_len, scale=scale, window=window, interpret=impl == "interpret", **scales)
 
 
 def rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, *, n_heads: int, pairing: str, dtype,
@@ -82,12 +89,13 @@ def rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, *, n_heads: int
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, q_pos, kv_len, *, scale: float, window: int | None = None,
-                    implementation=None):
+                    implementation=None, k_scale=None, v_scale=None):
     """q [B, T, Hq, D] over the paged cache k_pages, v_pages [P, Hkv, page_size, D]; returns [B, T, Hq, D]."""
     impl = _resolve(implementation)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
     if impl == "reference":
         return paged_attention_reference(q, k_pages, v_pages, block_tables, q_pos, kv_len, scale=scale,
-                                         window=window)
+                                         window=window, **scales)
     kernel = paged_prefill_attention if q.shape[1] > MAX_DECODE_TOKENS else paged_decode_attention
     return kernel(q, k_pages, v_pages, block_tables, q_pos, kv_len, scale=scale, window=window,
-                  interpret=impl == "interpret")
+                  interpret=impl == "interpret", **(scales if k_scale is not None else {}))

@@ -12,6 +12,9 @@ K/V at memory bandwidth:
   writes the output, so the step is one launch; with several tokens a small XLA step merges them.
 - Key blocks no row can see (beyond kv_len, outside the window) are skipped; masks are applied only
   on edge blocks.
+- A quantized cache (int8 per entry, fp8 per head; kv_quant.py) is read as it is stored: each
+  block is cast to the query's dtype in registers and its scales multiply the scores and the
+  probabilities that weight V, so the step reads 1 byte per cached value plus the scales.
 - `decode_rope_attention` runs kv_append's pass (the QKV product's partial sums summed, q and k
   rotated, k and v written into the cache) as the prologue of the same programs, so a decode
   step spends one launch per layer on both: each program builds its group's rotated query rows
@@ -38,7 +41,7 @@ from pallas_kernels.int8_activations import kernel as q8
 from pallas_kernels.kv_append.kernel import ProductRows, split_view
 
 from . import flash
-from .kv_blocks import CacheLayout, check_block_k, fit_block_k, load_block
+from .kv_blocks import CacheLayout, check_block_k, fit_block_k, load_block, load_scales
 from .reference import check_shapes
 
 NUM_SMS_H100 = 132
@@ -90,11 +93,15 @@ def merges_in_kernel(batch: int, kv_heads: int, num_keys: int, block_k: int, num
 
 def _kernel(kv_len_ref, row_pos_ref, q_ref, k_ref, v_ref, *rest, layout: CacheLayout, scale: float,
             window: int | None, block_k: int, num_splits: int, group: int | None, interpret: bool,
-            quantize_out: bool = False):
+            quantize_out: bool = False, quant: str | None = None):
     """group: None, q_ref holds the padded query rows of this program and row_pos_ref their
     positions; else (one query token) q_ref is the token's [Hq, D] heads, of which this KV head's
     `group` rows are read (rows past them masked), and row_pos_ref the token's position.
-    rest: the page table (paged layout), the arrival counts' input (merged), then the outputs."""
+    rest: the K and V scales (quant: "entry" or "head"), the page table (paged layout), the
+    arrival counts' input (merged), then the outputs."""
+    scales = None
+    if quant is not None:
+        scales, rest = (rest[0], rest[1], quant), rest[2:]
     table_ref = rest[0] if layout.paged else None
     if group is None:
         pos, q = row_pos_ref[...], q_ref[...]
@@ -104,7 +111,7 @@ def _kernel(kv_len_ref, row_pos_ref, q_ref, k_ref, v_ref, *rest, layout: CacheLa
         q = pltriton.load(q_ref.at[pl.ds(pl.program_id(1) * group, rows), :], mask=(r < group)[:, None], other=0)
     _attend(kv_len_ref[()], pos, q, k_ref, v_ref, table_ref, rest[-_n_outputs(group, num_splits, quantize_out):],
             layout=layout, scale=scale, window=window, block_k=block_k, num_splits=num_splits, group=group,
-            interpret=interpret, quantize_out=quantize_out)
+            interpret=interpret, quantize_out=quantize_out, scales=scales)
 
 
 def _rope_append_kernel(kv_len_ref, pos_ref, inv_ref, parts_ref, *refs, has_bias: bool, n_heads: int, n_parts: int,
@@ -173,16 +180,18 @@ def _group_rows(group: int):
 
 def _attend(kv_len, pos, q, k_ref, v_ref, table_ref, out_refs, *, layout: CacheLayout, scale: float,
             window: int | None, block_k: int, num_splits: int, group: int | None, interpret: bool,
-            new_key=None, quantize_out: bool = False):
+            new_key=None, quantize_out: bool = False, scales=None):
     """The program's attention over its split of the cache, written to `out_refs` (see _kernel).
 
     pos [R]: the query rows' positions (-1: padding); q [R, D], or its two rotation halves with
     k_ref in the halves view (see _rope_append_kernel). new_key: (fold, k, v), a key and value at
-    the rows' position that the cache does not hold yet, folded in where `fold` is true."""
+    the rows' position that the cache does not hold yet, folded in where `fold` is true.
+    scales: (k scale ref, v scale ref, "entry" | "head") for a quantized cache, else None."""
     split, kv_head = pl.program_id(0), pl.program_id(1)
     halves = isinstance(q, tuple)
     rows = (q[0] if halves else q).shape[0]
     qk_scale = scale * flash.LOG2E
+    head_scales = (scales[0][()], scales[1][()]) if scales is not None and scales[2] == "head" else None
 
     def step(block, state, masked):
         start = block * block_k
@@ -193,7 +202,14 @@ def _attend(kv_len, pos, q, k_ref, v_ref, table_ref, out_refs, *, layout: CacheL
             k = load_block(k_ref, table_ref, start, block_k, layout, bounds_check=masked)
         v = load_block(v_ref, table_ref, start, block_k, layout, bounds_check=masked)
         mask = flash.visibility(pos, start, block_k, kv_len, window) if masked else None
-        return flash.attend_block(state, q, k, v, qk_scale=qk_scale, mask=mask)
+        if scales is None:
+            return flash.attend_block(state, q, k, v, qk_scale=qk_scale, mask=mask)
+        if head_scales is None:
+            ks, vs = (load_scales(r, table_ref, start, block_k, layout, bounds_check=masked) for r in scales[:2])
+        else:
+            ks, vs = head_scales
+        return flash.attend_block(state, q, k.astype(q.dtype), v.astype(q.dtype), qk_scale=qk_scale, mask=mask,
+                                  k_scale=ks, v_scale=vs)
 
     ranges, first, per_split = _split_range(pos, kv_len, block_k, window, num_splits, split)
     state = flash.init_state(rows, v_ref.shape[-1])
@@ -269,9 +285,27 @@ class RopeAppend(NamedTuple):
     pairing: str
 
 
+def _scale_specs(k_scale, layout: CacheLayout):
+    """(quant kind, block specs) of a quantized cache's scales for the (split, KV head, sequence)
+    grid: per entry, the program's row (contiguous [B, Hkv, S]) or its head's pages (paged
+    [P, Hkv, page_size]); per head [Hkv], the program's scalar."""
+    if k_scale is None:
+        return None, []
+    if k_scale.ndim == 1:
+        spec = pl.BlockSpec((None,), lambda s, h, b: (h,))
+        return "head", [spec, spec]
+    if layout.paged:
+        spec = pl.BlockSpec((k_scale.shape[0], None, layout.page_size), lambda s, h, b: (0, h, 0))
+    else:
+        spec = pl.BlockSpec((None, None, k_scale.shape[2]), lambda s, h, b: (b, h, 0))
+    return "entry", [spec, spec]
+
+
 def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, block_k, num_splits,
-          num_warps, num_stages, interpret, rope: RopeAppend | None = None, arrivals=None, quantize_out=False):
+          num_warps, num_stages, interpret, rope: RopeAppend | None = None, arrivals=None, quantize_out=False,
+          k_scale=None, v_scale=None):
     """q: the queries [B, T, Hq, D], or with `rope` their shape and dtype (a ShapeDtypeStruct).
+    k_scale, v_scale: a quantized cache's scales (kv_quant.py), else None.
     arrivals: None or [B, Hkv] int32 zeros for the in-kernel merge (see below); with `rope`,
     returned after the caches (zeros again; as given when no merge ran). quantize_out: where the
     splits are merged in the kernel (`merges_in_kernel`), the output comes as a QuantizedX
@@ -332,8 +366,12 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
         k_spec = pl.BlockSpec((None, None, k.shape[2], 2, D // 2), lambda s, h, b: (b, h, 0, 0, 0))
     attend_kw = dict(layout=layout, scale=float(scale), window=window, block_k=block_k, num_splits=num_splits,
                      group=group, interpret=interpret, quantize_out=quantize_out)
+    quant, scale_specs = _scale_specs(k_scale, layout)
+    scale_args = [] if quant is None else [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
     if rope is None:
-        kernel = functools.partial(_kernel, **attend_kw)
+        kernel = functools.partial(_kernel, **attend_kw, quant=quant)
+    elif quant is not None:
+        raise ValueError("decode_rope_attention: a quantized cache is written by the cache's own write, not here")
     else:
         kernel = functools.partial(_rope_append_kernel, has_bias=rope.bias is not None, n_heads=Hq,
                                    n_parts=rope.parts.shape[0], pairing=rope.pairing, q_dtype=q.dtype, **attend_kw)
@@ -377,7 +415,7 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
         out_shape = [*o_shapes, *part_shapes, jax.ShapeDtypeStruct((B, Hkv), jnp.int32)]
         extra_specs = [*extra_specs, count_spec]
         extra_args = [*extra_args, jnp.zeros((B, Hkv), jnp.int32) if arrivals is None else arrivals]
-        aliases[1 + len(q_args) + 2 + len(extra_args) - 1] = n_out - 1
+        aliases[1 + len(q_args) + 2 + len(scale_args) + len(extra_args) - 1] = n_out - 1
     if rope is not None:
         # The caches come back as outputs aliased to them (updated in place).
         n_in = 1 + len(q_args)
@@ -387,14 +425,15 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
     outs = pl.pallas_call(
         kernel,
         grid=(num_splits, Hkv, B),
-        in_specs=[pl.BlockSpec((None,), lambda s, h, b: (b,)), *q_specs, k_spec, kv_spec, *extra_specs],
+        in_specs=[pl.BlockSpec((None,), lambda s, h, b: (b,)), *q_specs, k_spec, kv_spec, *scale_specs,
+                  *extra_specs],
         out_specs=out_specs,
         out_shape=out_shape,
         input_output_aliases=aliases,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="rjax_decode_attention" if rope is None else "rjax_decode_rope_attention",
-    )(kv_len, *q_args, k_arg, v, *extra_args)
+    )(kv_len, *q_args, k_arg, v, *scale_args, *extra_args)
     caches = ()
     if rope is not None:
         caches, outs = (outs[-2].reshape(k.shape), outs[-1], outs[n_out - 1] if n_out >= 5 else arrivals), outs[:-2]
@@ -422,12 +461,14 @@ _STATIC = ("scale", "window", "block_k", "num_splits", "num_warps", "num_stages"
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def decode_attention(q, k, v, q_pos, kv_len, *, scale: float, window: int | None = None,
                      block_k: int | None = None, num_splits: int | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None, interpret: bool = False):
-    """Attention of q [B, T, Hq, D] (T small) over the contiguous cache k, v [B, Hkv, S, D]."""
-    check_shapes(q, k, v, q_pos, kv_len)
+                     num_stages: int | None = None, interpret: bool = False, k_scale=None, v_scale=None):
+    """Attention of q [B, T, Hq, D] (T small) over the contiguous cache k, v [B, Hkv, S, D]
+    (float, or int8 / fp8 with k_scale, v_scale: see kv_quant.py)."""
+    check_shapes(q, k, v, q_pos, kv_len, k_scale=k_scale, v_scale=v_scale)
     layout = CacheLayout(num_keys=k.shape[2])
     return _call(q, k, v, None, q_pos, kv_len, layout, scale=scale, window=window, num_splits=num_splits,
-                 interpret=interpret, **_tiles(q.shape[-1], block_k, num_warps, num_stages))
+                 interpret=interpret, k_scale=k_scale, v_scale=v_scale,
+                 **_tiles(q.shape[-1], block_k, num_warps, num_stages))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("n_heads", "pairing", "dtype", "quantize_out"))
@@ -463,9 +504,11 @@ def decode_rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, *, n_hea
 def paged_decode_attention(q, k_pages, v_pages, block_tables, q_pos, kv_len, *, scale: float,
                            window: int | None = None, block_k: int | None = None, num_splits: int | None = None,
                            num_warps: int | None = None, num_stages: int | None = None,
-                           interpret: bool = False):
-    """Attention of q [B, T, Hq, D] (T small) over the paged cache k_pages, v_pages [P, Hkv, page_size, D]."""
-    check_shapes(q, k_pages, v_pages, q_pos, kv_len, k_name="k_pages", v_name="v_pages")
+                           interpret: bool = False, k_scale=None, v_scale=None):
+    """Attention of q [B, T, Hq, D] (T small) over the paged cache k_pages, v_pages [P, Hkv, page_size, D]
+    (float, or int8 / fp8 with k_scale, v_scale [P, Hkv, page_size] or [Hkv]: see kv_quant.py)."""
+    check_shapes(q, k_pages, v_pages, q_pos, kv_len, k_name="k_pages", v_name="v_pages", k_scale=k_scale,
+                 v_scale=v_scale)
     P, _, page_size, D = k_pages.shape
     if block_tables.ndim != 2 or block_tables.shape[0] != q.shape[0]:
         raise ValueError(f"paged_decode_attention: block_tables must be [B={q.shape[0]}, max_pages], "
@@ -477,4 +520,4 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, q_pos, kv_len, *, 
         # 103 us vs 109 us at B=8, ctx 8k, page_size 64 on the H100.
         tiles["block_k"] = page_size
     return _call(q, k_pages, v_pages, block_tables, q_pos, kv_len, layout, scale=scale, window=window,
-                 num_splits=num_splits, interpret=interpret, **tiles)
+                 num_splits=num_splits, interpret=interpret, k_scale=k_scale, v_scale=v_scale, **tiles)

@@ -80,9 +80,11 @@ def scores(q, k):
     return functools.reduce(jnp.add, out)
 
 
-def attend_block(state, q, k, v, *, qk_scale: float, mask=None):
+def attend_block(state, q, k, v, *, qk_scale: float, mask=None, k_scale=None, v_scale=None):
     """Fold keys k [bk, D] / values v [bk, D] into state for queries q [R, D]; mask [R, bk] bool or None.
-    q and k may be tuples of column pieces (see `scores`).
+    q and k may be tuples of column pieces (see `scores`). A quantized block comes cast to the
+    compute dtype with its float32 scales (kv_quant.py): k_scale, v_scale [bk] per key, or
+    scalars per head; they scale the raw scores and the probabilities that weight V.
 
     The running max m is kept in scaled units, so the scale meets each raw score once, inside the
     exponent's argument (one fused multiply-add per score instead of a multiply and a subtract).
@@ -90,6 +92,8 @@ def attend_block(state, q, k, v, *, qk_scale: float, mask=None):
     """
     acc, m, l = state
     s = scores(q, k)
+    if k_scale is not None:
+        s = s * (k_scale[None, :] if k_scale.ndim else k_scale)
     if mask is None:
         m_new = jnp.maximum(m, jnp.max(s, axis=1) * qk_scale)
         p = jnp.exp2(s * qk_scale - m_new[:, None])
@@ -101,6 +105,8 @@ def attend_block(state, q, k, v, *, qk_scale: float, mask=None):
         p = jnp.exp2(s - m_new[:, None])
     alpha = jnp.exp2(m - m_new)
     l = l * alpha + jnp.sum(p, axis=1)
+    if v_scale is not None:
+        p = p * (v_scale[None, :] if v_scale.ndim else v_scale)
     pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_precision(v),
                          preferred_element_type=jnp.float32)
     acc = acc * alpha[:, None] + pv

@@ -83,3 +83,26 @@ def load_block(ref, table_ref, start, block_k: int, layout: CacheLayout, *, boun
     pages = pltriton.load(table_ref.at[jnp.minimum(slots, max_pages - 1)])
     pages = jnp.clip(pages, 0, last_page)
     return ref[pages, lax.rem(r, jnp.int32(ps)), :]
+
+
+def load_scales(ref, table_ref, start, block_k: int, layout: CacheLayout, *, bounds_check: bool):
+    """The [block_k] float32 per-entry scales of positions start .. start + block_k - 1, from a
+    scale ref laid out as the cache without its head dim: [S] contiguous, [P, page_size] paged."""
+    if not layout.paged:
+        rows = pl.ds(start, block_k)
+        if bounds_check and layout.num_keys % block_k:
+            inside = (start + jnp.arange(block_k, dtype=jnp.int32)) < layout.num_keys
+            return pltriton.load(ref.at[rows], mask=inside, other=0)
+        return ref[rows]
+    ps, last_page = layout.page_size, layout.num_pages - 1
+    max_pages = layout.num_keys // ps
+    if ps >= block_k:
+        slot = jnp.minimum(lax.div(start, jnp.int32(ps)), max_pages - 1)
+        page = jnp.clip(table_ref[slot], 0, last_page)
+        return ref[page, pl.ds(lax.rem(start, jnp.int32(ps)), block_k)]
+    first = lax.div(start, jnp.int32(ps))
+    r = jnp.arange(block_k, dtype=jnp.int32)
+    slots = first + lax.div(r, jnp.int32(ps))
+    pages = pltriton.load(table_ref.at[jnp.minimum(slots, max_pages - 1)])
+    pages = jnp.clip(pages, 0, last_page)
+    return ref[pages, lax.rem(r, jnp.int32(ps))]

@@ -12,7 +12,9 @@ GPU kernel in prefill_mgpu.py instead (1.00x cuDNN against this kernel's 0.84x a
 docs/kernels.md). This kernel stays the general path: the paged cache (per-block page
 gathers are plain pointer loads in Triton), float32 inputs, head dims or cache lengths the Mosaic
 kernel does not tile, and other GPUs; it also runs under `interpret=True` on the CPU, which the
-tests rely on. Triton emits Hopper wgmma for the 16-bit products.
+tests rely on. Triton emits Hopper wgmma for the 16-bit products. It is also the prefill of a
+quantized cache (int8 per entry, fp8 per head; kv_quant.py): each block is cast to the query's
+dtype in registers and its scales multiply the scores and the probabilities that weight V.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from . import flash
-from .kv_blocks import CacheLayout, check_block_k, fit_block_k, load_block
+from .kv_blocks import CacheLayout, check_block_k, fit_block_k, load_block, load_scales
 from .reference import check_shapes
 
 
@@ -41,7 +43,12 @@ def default_tiles(head_dim: int) -> dict:
 
 
 def _kernel(kv_len_ref, q_pos_ref, q_ref, k_ref, v_ref, *rest, layout: CacheLayout, scale: float,
-            window: int | None, block_q: int, block_k: int, num_q_tiles: int, num_queries: int):
+            window: int | None, block_q: int, block_k: int, num_q_tiles: int, num_queries: int,
+            quant: str | None = None):
+    """rest: the K and V scales (quant "entry" or "head"), the page table (paged), the output."""
+    scales = None
+    if quant is not None:
+        scales, rest = rest[:2], rest[2:]
     *table_ref, o_ref = rest
     table_ref = table_ref[0] if table_ref else None
     tile = num_q_tiles - 1 - pl.program_id(1)  # heaviest tiles first
@@ -55,13 +62,21 @@ def _kernel(kv_len_ref, q_pos_ref, q_ref, k_ref, v_ref, *rest, layout: CacheLayo
         q = q_ref[...]
     kv_len = kv_len_ref[()]
     qk_scale = scale * flash.LOG2E
+    head_scales = (scales[0][()], scales[1][()]) if quant == "head" else None
 
     def step(block, state, masked):
         start = block * block_k
         k = load_block(k_ref, table_ref, start, block_k, layout, bounds_check=masked)
         v = load_block(v_ref, table_ref, start, block_k, layout, bounds_check=masked)
         mask = flash.visibility(pos, start, block_k, kv_len, window) if masked else None
-        return flash.attend_block(state, q, k, v, qk_scale=qk_scale, mask=mask)
+        if quant is None:
+            return flash.attend_block(state, q, k, v, qk_scale=qk_scale, mask=mask)
+        if head_scales is None:
+            ks, vs = (load_scales(r, table_ref, start, block_k, layout, bounds_check=masked) for r in scales)
+        else:
+            ks, vs = head_scales
+        return flash.attend_block(state, q, k.astype(q.dtype), v.astype(q.dtype), qk_scale=qk_scale, mask=mask,
+                                  k_scale=ks, v_scale=vs)
 
     ranges = flash.block_ranges(pos, kv_len, block_k, window)
     state = flash.walk_blocks(ranges, flash.init_state(block_q, q.shape[-1]), step)
@@ -73,7 +88,7 @@ def _kernel(kv_len_ref, q_pos_ref, q_ref, k_ref, v_ref, *rest, layout: CacheLayo
 
 
 def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, block_q, block_k,
-          num_warps, num_stages, interpret):
+          num_warps, num_stages, interpret, k_scale=None, v_scale=None):
     B, T, Hq, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
@@ -95,9 +110,19 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
     else:
         kv_spec = pl.BlockSpec((None, None, k.shape[2], D), lambda h, i, b: (b, h // G, 0, 0))
         extra_specs, extra_args = [], []
+    quant, scale_specs, scale_args = None, [], []
+    if k_scale is not None:
+        if k_scale.ndim == 1:
+            quant, spec = "head", pl.BlockSpec((None,), lambda h, i, b: (h // G,))
+        elif layout.paged:
+            quant, spec = "entry", pl.BlockSpec((k_scale.shape[0], None, layout.page_size),
+                                                lambda h, i, b: (0, h // G, 0))
+        else:
+            quant, spec = "entry", pl.BlockSpec((None, None, k_scale.shape[2]), lambda h, i, b: (b, h // G, 0))
+        scale_specs, scale_args = [spec, spec], [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
     kernel = functools.partial(
         _kernel, layout=layout, scale=float(scale), window=window, block_q=block_q, block_k=block_k,
-        num_q_tiles=num_q_tiles, num_queries=T)
+        num_q_tiles=num_q_tiles, num_queries=T, quant=quant)
     return pl.pallas_call(
         kernel,
         grid=(Hq, num_q_tiles, B),
@@ -107,6 +132,7 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
             pl.BlockSpec((None, block_q, None, D), q_map),
             kv_spec,
             kv_spec,
+            *scale_specs,
             *extra_specs,
         ],
         out_specs=pl.BlockSpec((None, block_q, None, D), q_map),
@@ -114,7 +140,7 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="rjax_prefill_attention",
-    )(kv_len, q_pos.astype(jnp.int32), q, k, v, *extra_args)
+    )(kv_len, q_pos.astype(jnp.int32), q, k, v, *scale_args, *extra_args)
 
 
 def _tiles(D, block_q, block_k, num_warps, num_stages):
@@ -130,21 +156,24 @@ _STATIC = ("scale", "window", "block_q", "block_k", "num_warps", "num_stages", "
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def prefill_attention(q, k, v, q_pos, kv_len, *, scale: float, window: int | None = None,
                       block_q: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                      num_stages: int | None = None, interpret: bool = False):
-    """Attention of q [B, T, Hq, D] over the contiguous cache k, v [B, Hkv, S, D] (see reference.py)."""
-    check_shapes(q, k, v, q_pos, kv_len)
+                      num_stages: int | None = None, interpret: bool = False, k_scale=None, v_scale=None):
+    """Attention of q [B, T, Hq, D] over the contiguous cache k, v [B, Hkv, S, D] (see reference.py;
+    int8 / fp8 with k_scale, v_scale: kv_quant.py)."""
+    check_shapes(q, k, v, q_pos, kv_len, k_scale=k_scale, v_scale=v_scale)
     layout = CacheLayout(num_keys=k.shape[2])
     return _call(q, k, v, None, q_pos, kv_len, layout, scale=scale, window=window, interpret=interpret,
-                 **_tiles(q.shape[-1], block_q, block_k, num_warps, num_stages))
+                 k_scale=k_scale, v_scale=v_scale, **_tiles(q.shape[-1], block_q, block_k, num_warps, num_stages))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def paged_prefill_attention(q, k_pages, v_pages, block_tables, q_pos, kv_len, *, scale: float,
                             window: int | None = None, block_q: int | None = None, block_k: int | None = None,
                             num_warps: int | None = None, num_stages: int | None = None,
-                            interpret: bool = False):
-    """Attention of q [B, T, Hq, D] over the paged cache k_pages, v_pages [P, Hkv, page_size, D]."""
-    check_shapes(q, k_pages, v_pages, q_pos, kv_len, k_name="k_pages", v_name="v_pages")
+                            interpret: bool = False, k_scale=None, v_scale=None):
+    """Attention of q [B, T, Hq, D] over the paged cache k_pages, v_pages [P, Hkv, page_size, D]
+    (int8 / fp8 with k_scale, v_scale [P, Hkv, page_size] or [Hkv]: kv_quant.py)."""
+    check_shapes(q, k_pages, v_pages, q_pos, kv_len, k_name="k_pages", v_name="v_pages", k_scale=k_scale,
+                 v_scale=v_scale)
     P, _, page_size, D = k_pages.shape
     if block_tables.ndim != 2 or block_tables.shape[0] != q.shape[0]:
         raise ValueError(f"paged_prefill_attention: block_tables must be [B={q.shape[0]}, max_pages], "
@@ -152,4 +181,4 @@ def paged_prefill_attention(q, k_pages, v_pages, block_tables, q_pos, kv_len, *,
     layout = CacheLayout(num_keys=block_tables.shape[1] * page_size, page_size=page_size, num_pages=P)
     tiles = _tiles(D, block_q, block_k, num_warps, num_stages)
     return _call(q, k_pages, v_pages, block_tables, q_pos, kv_len, layout, scale=scale, window=window,
-                 interpret=interpret, **tiles)
+                 interpret=interpret, k_scale=k_scale, v_scale=v_scale, **tiles)

@@ -1,0 +1,307 @@
+"""Quantized KV caches (int8 per entry, fp8 e4m3 per head) on the CPU: the formats' error, the
+attention reference and the Pallas kernels (interpret mode) on quantized K/V, the contiguous and
+paged caches that store them, and (slow) the default model and gemma3-270m decoding over an
+int8 cache against the float32 cache.
+
+Error bounds, and why:
+- Quantization, per value: int8 |x - x^| <= max|row| / 254 (half a step of max|row| / 127);
+  fp8 |x - x^| <= 2^-4 |x| for |x| / scale >= 2^-6 (3 mantissa bits: half an ulp is at most
+  2^-4 of the value), else <= 2^-10 scale (the subnormal step 2^-9, halved).
+- Attention on quantized K/V against the float32 reference, relative Frobenius norm, on rows of
+  standard normal values (D = 64, max|row| about 2.5 sigma): int8's step is about 0.02 sigma,
+  an error of about 0.6% of sigma per value (uniform: step / sqrt(12)); it perturbs the scores
+  and V by that much, measured 0.8%: bound 2e-2. fp8's relative error per value is up to 2^-4,
+  about 2.5% RMS over the mantissas; measured 3.8%: bound 8e-2.
+- A kernel against the reference on the same quantized K/V: the dequantization is exact (int8
+  and e4m3 values are exact in float32, the scales are applied to float32 scores and weights),
+  so only the summation order differs: 1e-5, as for the float kernels (test_attention.py).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.attention import (
+    attention_reference, decode_attention, paged_attention_reference, paged_decode_attention,
+    paged_prefill_attention, prefill_attention,
+)
+from pallas_kernels.attention.kv_quant import FP8_MAX, dequantize, quantize_fp8, quantize_int8
+from rjax import engine
+from rjax.cache import check_kv_dtype, init_cache, restore, snapshot
+from rjax.paged_cache import init_paged_cache, set_block_tables
+
+QUANT_TOL = {"int8": 2e-2, "fp8": 8e-2}
+KERNEL_TOL = 1e-5
+
+
+def rel_err(out, ref):
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+    assert np.isfinite(out).all(), "output has NaN/inf"
+    return np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+def quantize(x, kind, head_scale=None):
+    """A contiguous or paged cache array x [N, Hkv, S, D] -> (values, scale) in `kind`."""
+    if kind == "int8":
+        return quantize_int8(x)
+    scale = jnp.asarray(head_scale if head_scale is not None else np.linspace(0.5, 2.0, x.shape[1]), jnp.float32)
+    return quantize_fp8(x, scale, head_axis=1), scale
+
+
+def case(seed, B, T, Hq, Hkv, S, D, pos_start):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((B, T, Hq, D)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, Hkv, S, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, Hkv, S, D)), jnp.float32)
+    pos = jnp.asarray(np.asarray(pos_start)[:, None] + np.arange(T)[None, :], jnp.int32)
+    return q, k, v, pos, pos[:, -1] + 1
+
+
+def paginate(x, page_size, seed):
+    """[B, Hkv, S, ...] -> a shuffled pool [P, Hkv, page_size, ...] (7 spare pages) and tables."""
+    B, Hkv, S = x.shape[:3]
+    n = S // page_size
+    order = np.random.default_rng(seed).permutation(B * n + 7)[: B * n].reshape(B, n)
+    pool = jnp.zeros((B * n + 7, Hkv, page_size) + x.shape[3:], x.dtype)
+    pages = x.reshape(B, Hkv, n, page_size, *x.shape[3:]).swapaxes(1, 2).reshape(B * n, Hkv, page_size,
+                                                                                *x.shape[3:])
+    return pool.at[order.reshape(-1)].set(pages), jnp.asarray(order, jnp.int32)
+
+
+# ---- the formats ----------------------------------------------------------------------------------
+
+def test_int8_error_is_at_most_half_a_step_of_the_row():
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 3, 50, 64)) * 3, jnp.float32)
+    x = x.at[0, 0, 0].set(0.0)  # an all-zero row: scale 0, values 0, no NaN
+    q, s = quantize_int8(x)
+    assert q.dtype == jnp.int8 and s.shape == x.shape[:-1]
+    err = np.abs(np.asarray(dequantize(q, s)) - np.asarray(x))
+    bound = np.abs(np.asarray(x)).max(-1, keepdims=True) / 254
+    assert (err <= bound * (1 + 1e-6) + 1e-12).all()
+    assert float(jnp.abs(dequantize(q, s)[0, 0, 0]).max()) == 0.0
+    assert int(jnp.abs(q).max()) == 127
+
+
+def test_fp8_error_relative_above_the_subnormals_and_saturates():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 4, 40, 64)) * np.exp(rng.uniform(-6, 4, (2, 4, 40, 1)))
+    x = jnp.asarray(x, jnp.float32)
+    scale = jnp.asarray([0.25, 1.0, 2.0, 8.0], jnp.float32)
+    q = quantize_fp8(x, scale, head_axis=1)
+    assert q.dtype == jnp.float8_e4m3fn
+    x_, xq = np.asarray(x), np.asarray(dequantize(q, scale))
+    s = np.asarray(scale)[None, :, None, None]
+    normal = np.abs(x_) / s >= 2.0 ** -6
+    inside = np.abs(x_) / s <= FP8_MAX
+    err = np.abs(xq - x_)
+    assert (err[normal & inside] <= 2.0 ** -4 * np.abs(x_)[normal & inside] * (1 + 1e-6)).all()
+    assert (err[~normal] <= 2.0 ** -10 * np.broadcast_to(s, x_.shape)[~normal] * (1 + 1e-6)).all()
+    np.testing.assert_array_equal(np.abs(xq[~inside]), np.broadcast_to(s * FP8_MAX, x_.shape)[~inside])
+
+
+# ---- attention: reference and kernels -------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("T", [1, 4, 40])
+def test_reference_on_quantized_kv_against_float(kind, T):
+    q, k, v, pos, kv_len = case(2, B=2, T=T, Hq=6, Hkv=2, S=256, D=64, pos_start=[180, 60])
+    ref = attention_reference(q, k, v, pos, kv_len, scale=0.125)
+    (kq, ks), (vq, vs) = quantize(k, kind), quantize(v, kind)
+    out = attention_reference(q, kq, vq, pos, kv_len, scale=0.125, k_scale=ks, v_scale=vs)
+    err = rel_err(out, ref)
+    print(f"{kind} T={T}: relative error against the float32 cache {err:.2e}")
+    assert err < QUANT_TOL[kind]
+    # ... and it is the float reference on the dequantized cache.
+    deq = attention_reference(q, dequantize(kq, ks), dequantize(vq, vs), pos, kv_len, scale=0.125)
+    assert rel_err(out, deq) < 1e-6
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("T,splits,window", [(1, None, None), (1, 1, None), (1, 3, 50), (3, None, None)])
+def test_decode_kernel_on_quantized_kv(kind, T, splits, window):
+    q, k, v, pos, kv_len = case(3, B=2, T=T, Hq=4, Hkv=2, S=384, D=64, pos_start=[300, 17])
+    (kq, ks), (vq, vs) = quantize(k, kind), quantize(v, kind)
+    ref = attention_reference(q, kq, vq, pos, kv_len, scale=0.125, window=window, k_scale=ks, v_scale=vs)
+    out = decode_attention(q, kq, vq, pos, kv_len, scale=0.125, window=window, num_splits=splits, interpret=True,
+                           k_scale=ks, v_scale=vs)
+    assert rel_err(out, ref) < KERNEL_TOL
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("window", [None, 70])
+def test_prefill_kernel_on_quantized_kv(kind, window):
+    q, k, v, pos, kv_len = case(4, B=2, T=40, Hq=4, Hkv=2, S=256, D=64, pos_start=[150, 0])
+    (kq, ks), (vq, vs) = quantize(k, kind), quantize(v, kind)
+    ref = attention_reference(q, kq, vq, pos, kv_len, scale=0.125, window=window, k_scale=ks, v_scale=vs)
+    out = prefill_attention(q, kq, vq, pos, kv_len, scale=0.125, window=window, interpret=True, k_scale=ks,
+                            v_scale=vs)
+    assert rel_err(out, ref) < KERNEL_TOL
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("T,page_size,block_k", [(1, 16, 32), (1, 64, None), (2, 32, None), (24, 16, 32)])
+def test_paged_kernels_on_quantized_kv(kind, T, page_size, block_k):
+    q, k, v, pos, kv_len = case(5, B=2, T=T, Hq=4, Hkv=2, S=256, D=64, pos_start=[200, 31])
+    (kq, ks), (vq, vs) = quantize(k, kind), quantize(v, kind)
+    k_pool, tables = paginate(kq, page_size, 7)
+    v_pool, _ = paginate(vq, page_size, 7)
+    if kind == "int8":
+        ks, _ = paginate(ks, page_size, 7)
+        vs, _ = paginate(vs, page_size, 7)
+    ref = attention_reference(q, kq, vq, pos, kv_len, scale=0.125, k_scale=quantize(k, kind)[1],
+                              v_scale=quantize(v, kind)[1])
+    paged_ref = paged_attention_reference(q, k_pool, v_pool, tables, pos, kv_len, scale=0.125, k_scale=ks,
+                                          v_scale=vs)
+    assert rel_err(paged_ref, ref) < 1e-6
+    kernel = paged_prefill_attention if T > 8 else paged_decode_attention
+    out = kernel(q, k_pool, v_pool, tables, pos, kv_len, scale=0.125, block_k=block_k, interpret=True, k_scale=ks,
+                 v_scale=vs)
+    assert rel_err(out, ref) < KERNEL_TOL
+
+
+def test_scale_errors_name_the_argument():
+    q, k, v, pos, kv_len = case(6, B=1, T=1, Hq=2, Hkv=1, S=32, D=16, pos_start=[5])
+    kq, ks = quantize_int8(k)
+    with pytest.raises(ValueError, match="int8 k cache needs its scale"):
+        attention_reference(q, kq, quantize_int8(v)[0], pos, kv_len, scale=1.0)
+    with pytest.raises(ValueError, match="int8 v scale must have shape"):
+        attention_reference(q, kq, quantize_int8(v)[0], pos, kv_len, scale=1.0, k_scale=ks, v_scale=ks[0])
+    with pytest.raises(ValueError, match="scale given for a float32 cache"):
+        attention_reference(q, k, v, pos, kv_len, scale=1.0, k_scale=ks, v_scale=ks)
+    with pytest.raises(ValueError, match="kv_dtype must be one of"):
+        check_kv_dtype("int4")
+
+
+@pytest.mark.parametrize("S", [32768, 131072])
+def test_long_context_decode_int8(S):
+    """One token at the last of S positions (a real 32k / 128k cache), int8 against float32, and
+    the decode kernel against the reference on the same int8 cache."""
+    q, k, v, pos, kv_len = case(8, B=1, T=1, Hq=2, Hkv=1, S=S, D=64, pos_start=[S - 1])
+    # Keys that matter far back: a spike at position 3 the query attends to strongly.
+    k = k.at[0, 0, 3].set(q[0, 0, 0] * 2.0)
+    ref = attention_reference(q, k, v, pos, kv_len, scale=0.125)
+    (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)
+    out = attention_reference(q, kq, vq, pos, kv_len, scale=0.125, k_scale=ks, v_scale=vs)
+    assert rel_err(out, ref) < QUANT_TOL["int8"]
+    kern = decode_attention(q, kq, vq, pos, kv_len, scale=0.125, interpret=True, k_scale=ks, v_scale=vs,
+                            block_k=4096 if S > 32768 else 1024, num_splits=4)
+    assert rel_err(kern, out) < KERNEL_TOL
+
+
+def test_long_prefill_reference_needs_no_full_score_matrix():
+    """A 32k-position prompt chunk of 2,048 queries: the reference attends in query chunks
+    ([chunk, S] scores, never [T, S] at once) and gives what one pass over all queries gives."""
+    from pallas_kernels.attention import reference
+
+    S, T = 32768, 2048
+    assert reference.query_chunk(T, S) * S <= 1 << 22 and reference.query_chunk(T, S) < T
+    q, k, v, pos, kv_len = case(9, B=1, T=T, Hq=2, Hkv=1, S=S, D=32, pos_start=[S - T])
+    (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)
+    out = attention_reference(q, kq, vq, pos, kv_len, scale=0.2, k_scale=ks, v_scale=vs)
+    rows = np.r_[0:4, T - 4:T]
+    whole = reference._attend(q[:, rows], dequantize(kq, ks), dequantize(vq, vs), pos[:, rows], kv_len, 0.2, None)
+    assert rel_err(out[:, rows], whole) < 1e-6
+    assert rel_err(out, attention_reference(q, k, v, pos, kv_len, scale=0.2)) < QUANT_TOL["int8"]
+
+
+# ---- the caches --------------------------------------------------------------------------------------
+
+def _cache(cfg, paged, kv_dtype, n_slots=3, max_len=64):
+    if not paged:
+        return init_cache(cfg, n_slots, max_len, kv_dtype=kv_dtype)
+    cache = init_paged_cache(cfg, n_slots, n_pages=n_slots * max_len // 8, page_size=8, max_len=max_len,
+                             kv_dtype=kv_dtype)
+    pages = np.random.default_rng(0).permutation(cache.n_pages).reshape(n_slots, -1).astype(np.int32)
+    return set_block_tables(cache, jnp.arange(n_slots), jnp.asarray(pages))
+
+
+def _run(cfg, params, cache, prompts, n_steps, feed=None):
+    """Prefill `prompts` into slots 0.., then n_steps decode steps fed the greedy tokens (or those
+    of `feed`, another run's logits, so that two runs see the same tokens); -> (logits per step,
+    cache)."""
+    tokens, lengths = engine.pad_prompts(prompts)
+    logits, cache = engine.prefill(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
+                                   jnp.arange(len(prompts), dtype=jnp.int32))
+    out = [logits]
+    active = jnp.arange(cache.n_slots) < len(prompts)
+    for i in range(n_steps):
+        prev = (feed or out)[i]
+        ids = jnp.zeros(cache.n_slots, jnp.int32).at[: len(prompts)].set(jnp.argmax(prev, -1)[: len(prompts)])
+        logits, cache = engine.decode_step(cfg, params, cache, ids, active)
+        out.append(logits[: len(prompts)])
+    return out, cache
+
+
+PROMPTS = [[7, 3, 99, 41, 5, 18, 250, 6, 77, 12, 9], [300, 2, 2, 8, 501, 44]]
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_cache_stores_quantized_and_attends_close_to_float(tiny, paged, kv_dtype):
+    cfg, params = tiny
+    cache = _cache(cfg, paged, kv_dtype)
+    assert cache.quantized and cache.kv_dtype == kv_dtype and cache.dtype == jnp.float32
+    assert cache.storage_dtype == {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kv_dtype]
+    ref, ref_cache = _run(cfg, params, _cache(cfg, paged, None), PROMPTS, 4)
+    got, cache = _run(cfg, params, cache, PROMPTS, 4, feed=ref)
+    errs = [rel_err(a, b) for a, b in zip(got, ref)]
+    print(f"{kv_dtype} {'paged' if paged else 'contiguous'}: logits' relative error per step {np.round(errs, 4)}")
+    # Two layers of attention error reach the logits (measured int8 1.1-1.2%, fp8 5-6%).
+    assert max(errs) < QUANT_TOL[kv_dtype] * 1.5
+    # What is stored is the float cache's K quantized when written.
+    k, _ = cache.row(0)
+    k_ref, _ = ref_cache.row(0)
+    n = len(PROMPTS[0]) + 4
+    ks, _ = cache.row_scales(0)
+    if kv_dtype == "int8":
+        deq = np.asarray(k[:, :, :n], np.float32) * np.asarray(ks[:, :, :n])[..., None]
+        step = np.abs(np.asarray(k_ref[:, :, :n])).max(-1, keepdims=True) / 127
+        # The float cache's keys differ by the earlier layers' quantized attention: compare loosely.
+        assert np.abs(deq - np.asarray(k_ref[:, :, :n])).max() < 0.05 * np.abs(np.asarray(k_ref[:, :, :n])).max()
+        assert (np.abs(np.asarray(k[0, :, :n], np.float32) * np.asarray(ks[0, :, :n])[..., None]
+                       - np.asarray(k_ref[0, :, :n])) <= step[0] / 2 * (1 + 1e-5) + 1e-7).all()
+    else:
+        assert ks is None
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_snapshot_round_trip_of_a_quantized_slot_is_exact(tiny, paged, kv_dtype):
+    cfg, params = tiny
+    _, cache = _run(cfg, params, _cache(cfg, paged, kv_dtype), PROMPTS[:1], 2)
+    snap = snapshot(cache, 0)
+    assert snap.k.dtype == cache.storage_dtype and (snap.k_scale is not None) == (kv_dtype == "int8")
+    moved = restore(cache, 2, snap)
+    again = snapshot(moved, 2)
+    n = int(snap.length)
+    np.testing.assert_array_equal(np.asarray(again.k[:, :, :n], np.float32), np.asarray(snap.k[:, :, :n], np.float32))
+    np.testing.assert_array_equal(np.asarray(again.v[:, :, :n], np.float32), np.asarray(snap.v[:, :, :n], np.float32))
+    if kv_dtype == "int8":
+        np.testing.assert_array_equal(np.asarray(again.k_scale[:, :, :n]), np.asarray(snap.k_scale[:, :, :n]))
+    # The restored slot continues exactly as the original.
+    a, _ = _greedy(cfg, params, cache, 0, 5)
+    b, _ = _greedy(cfg, params, moved, 2, 5)
+    assert a == b
+
+
+def _greedy(cfg, params, cache, slot, n):
+    out, tok = [], 65
+    for _ in range(n):
+        logits, cache = engine.decode_step(cfg, params, cache, jnp.zeros(cache.n_slots, jnp.int32).at[slot].set(tok),
+                                           jnp.zeros(cache.n_slots, bool).at[slot].set(True))
+        tok = int(jnp.argmax(logits[slot]))
+        out.append(tok)
+    return out, cache
+
+
+def test_quantized_cache_plans_no_fused_append(tiny):
+    from rjax.model import plan_of
+
+    cfg, params = tiny
+    for kv_dtype in ("int8", "fp8"):
+        plan = plan_of(cfg, params, init_cache(cfg, 1, 32, kv_dtype=kv_dtype), jnp.zeros((1, 1), jnp.int32), None,
+                       jnp.float32)
+        assert all(lp.attention == "xla" for lp in plan.layers)
