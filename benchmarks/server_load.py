@@ -121,10 +121,9 @@ def run_server(name: str, cmd: list[str], url: str, a, prompts) -> dict:
     proc = start(cmd, url, a.start_timeout)
     try:
         out = {}
-        warm = prompts[: 2]
-        asyncio.run(level(url, "m", warm, 4, 2, a.time_limit))
-        for c in a.concurrency:
-            out[str(c)] = r = asyncio.run(level(url, "m", prompts[: a.requests], a.gen, c, a.time_limit))
+        asyncio.run(level(url, "m", prompts[0][:2], 4, 2, a.time_limit))
+        for c, level_prompts in zip(a.concurrency, prompts[1:]):
+            out[str(c)] = r = asyncio.run(level(url, "m", level_prompts, a.gen, c, a.time_limit))
             say(f"{name} c={c}: {r['output_tokens_per_s']:.0f} tok/s, TTFT p50 {r['ttft_p50_s'] * 1e3:.0f} ms "
                 f"p99 {r['ttft_p99_s'] * 1e3:.0f} ms ({r['requests']} requests)")
         return out
@@ -140,7 +139,8 @@ def soak(cmd, url, a, prompts) -> dict:
             if n % 100 == 0:
                 samples.append((n, rss_bytes(proc.pid)))
                 say(f"soak {n}: rss {samples[-1][1] / 2**20:.1f} MiB")
-        many = [prompts[i % len(prompts)] for i in range(a.soak)]
+        pool = [p for level_prompts in prompts for p in level_prompts]
+        many = [pool[i % len(pool)] for i in range(a.soak)]
         r = asyncio.run(level(url, "m", many, a.gen, 8, float("inf"), on_done=sample))
     finally:
         stop(proc)
@@ -168,7 +168,10 @@ def main(argv=None) -> int:
     a.concurrency = [int(c) for c in a.concurrency.split(",")]
     rng = np.random.default_rng(0)
     lo, hi = (int(v) for v in a.token_range.split(","))   # default: away from a vocabulary's special tokens
-    prompts = [[int(t) for t in rng.integers(lo, hi, a.prompt)] for _ in range(max(a.requests, 64))]
+    # Disjoint prompt sets (warm-up, then one per level), the same for both servers: no level reuses
+    # a prompt another has sent, so neither server's prompt cache serves a repeat.
+    prompts = [[[int(t) for t in rng.integers(lo, hi, a.prompt)] for _ in range(a.requests)]
+               for _ in range(len(a.concurrency) + 1)]
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     rjax_cmd = [sys.executable, "-m", "rjax.cli", "serve", "-m", a.model, "--port", str(port), "--slots",

@@ -157,13 +157,14 @@ class ServingEngine:
         variant with `logprobs`, and every prefill shape of
         `prefill_shapes(prompt_lengths)`) concurrently, before any request: a server pays its
         compile time at start-up rather than on its first requests. -> rjax.precompile.CompileReport."""
-        c, n = self.config, self.config.n_slots
+        c = self.config
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         u32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.uint32)  # noqa: E731
         f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-        programs = [Program(f"decode B={n} N={c.steps_per_dispatch}{' logprobs' if lp else ''}", decode_dispatch,
-                            (self.cfg, self.params, self.cache, self.slots, c.steps_per_dispatch, lp))
-                    for lp in ((False, True) if logprobs else (False,))]
+        programs = [Program(f"decode B={b} N={c.steps_per_dispatch}{' logprobs' if lp else ''}", decode_dispatch,
+                            (self.cfg, self.params, self.cache, self.slots, c.steps_per_dispatch, lp,
+                             i32(b) if c.paged else None))
+                    for b in c.decode_buckets for lp in ((False, True) if logprobs else (False,))]
         for p, t in self.prefill_shapes(prompt_lengths):
             programs.append(Program(f"prefill P={p} T={t}", prefill_into_slots, (
                 self.cfg, self.params, self.cache, self.slots, i32(p, t), i32(p), i32(p),
@@ -428,8 +429,13 @@ class ServingEngine:
                      if self.pages.grow(s, min(r.length + c.steps_per_dispatch, r.length_limit))]
             self._sync_block_tables(grown)
         want_lp = any(r.logprobs for r in self._running.values())
+        rows = None
+        if c.paged:
+            running = sorted(self._running)
+            pad = [c.n_slots] * (c.decode_bucket(len(running)) - len(running))
+            rows = _put(np.array(running + pad, np.int32))
         out, lp, self.slots, self.cache = decode_dispatch(self.cfg, self.params, self.cache, self.slots,
-                                                          c.steps_per_dispatch, want_lp)
+                                                          c.steps_per_dispatch, want_lp, rows)
         out = np.asarray(out)
         done = np.asarray(self.slots.state.done)
         lp = jax.tree.map(np.asarray, lp) if want_lp else None

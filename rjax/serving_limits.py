@@ -73,6 +73,17 @@ class ServingConfig:
         return max(b for b in PROMPT_BUCKETS if b <= self.max_prefill_tokens)
 
     @property
+    def decode_buckets(self) -> tuple[int, ...]:
+        """Running-slot counts a paged decode dispatch is padded to (one program each): a decode
+        step costs the bucket's batch, not n_slots. Powers of 4 below n_slots, then n_slots."""
+        if not self.paged:
+            return (self.n_slots,)
+        return tuple(4 ** i for i in range(8) if 4 ** i < self.n_slots) + (self.n_slots,)
+
+    def decode_bucket(self, n_running: int) -> int:
+        return next(b for b in self.decode_buckets if b >= n_running)
+
+    @property
     def max_prefill_prompts(self) -> int:
         return self.prefill_buckets[-1]
 

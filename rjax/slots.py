@@ -24,7 +24,7 @@ from rjax import engine
 from rjax.config import ModelConfig
 from rjax.engine import DecodeState
 from rjax.model import Params
-from rjax.paged_cache import PagedKVCache
+from rjax.paged_cache import NO_PAGE, PagedKVCache
 from rjax.sampling import SamplingParams, sample
 
 # Top log-probabilities a request may ask for per token (OpenAI's top_logprobs limit).
@@ -125,14 +125,8 @@ def prefill_into_slots(cfg: ModelConfig, params: Params, cache, slots: SlotBatch
     return first, top_logprobs(logits, first), slots, cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "n_steps", "logprobs"), donate_argnames=("cache", "slots"),
-                   compiler_options=engine.DECODE_LOOP_COMPILER_OPTIONS)
-def decode_dispatch(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, n_steps: int, logprobs: bool = False):
-    """Up to n_steps decode steps over every slot in one XLA program (`engine.decode_loop` with a
-    random stream per slot), stopping early when every slot is done. With `logprobs` (static:
-    a second program) also each step's TopLogprobs [n_slots, n_steps, ...].
-    -> (tokens [n_slots, n_steps] int32, -1 where nothing was generated; TopLogprobs or None;
-    slots; cache)."""
+def _decode_steps(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, n_steps: int, logprobs: bool):
+    """The decode loop over every row of `cache` and `slots` (see `decode_dispatch`)."""
     B = slots.state.last_token.shape[0]
     out0 = jnp.full((B, n_steps), -1, jnp.int32)
     k = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
@@ -159,6 +153,56 @@ def decode_dispatch(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, n
 
     _, out, lp, state, cache = jax.lax.while_loop(cond, body, (jnp.int32(0), out0, lp0, slots.state, cache))
     return out, lp, dataclasses.replace(slots, state=state), cache
+
+
+def _take_rows(slots: SlotBatch, cache: PagedKVCache, rows):
+    """The slots `rows` [R] (padding: n_slots) as a batch of R: their decode state, and a view of
+    the paged cache with their block tables and lengths over the same page pool (no K/V copy).
+    A padding row is done, owns no page and holds nothing."""
+    n = slots.state.last_token.shape[0]
+    pad = rows >= n
+    idx = jnp.minimum(rows, n - 1)
+    sub = jax.tree.map(lambda a: a[idx], slots)
+    sub = dataclasses.replace(sub, state=dataclasses.replace(sub.state, done=sub.state.done | pad))
+    view = dataclasses.replace(cache, block_tables=jnp.where(pad[:, None], NO_PAGE, cache.block_tables[idx]),
+                               lengths=jnp.where(pad, 0, cache.lengths[idx]))
+    return sub, view
+
+
+def _put_rows(full, rows, part):
+    """full[rows] = part along the leading axis; padding rows (>= the row count) are dropped."""
+    return jax.tree.map(lambda f, p: f.at[rows].set(p, mode="drop"), full, part)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "n_steps", "logprobs"), donate_argnames=("cache", "slots"),
+                   compiler_options=engine.DECODE_LOOP_COMPILER_OPTIONS)
+def decode_dispatch(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, n_steps: int, logprobs: bool = False,
+                    rows=None):
+    """Up to n_steps decode steps in one XLA program (`engine.decode_loop` with a random stream
+    per slot), stopping early when every slot is done. With `logprobs` (static: a second
+    program) also each step's TopLogprobs [n_slots, n_steps, ...].
+
+    rows: None to run every slot; or, for a paged cache, the slots to run [R] (padded with
+    n_slots), so that a decode step costs a batch of R however many slots the engine has (one
+    program per R). A paged slot's K/V lives in the shared pool, so running a subset takes only
+    their block tables and lengths.
+    -> (tokens [n_slots, n_steps] int32, -1 where nothing was generated; TopLogprobs or None;
+    slots; cache)."""
+    if rows is None:
+        return _decode_steps(cfg, params, cache, slots, n_steps, logprobs)
+    if not isinstance(cache, PagedKVCache):
+        raise ValueError("decode_dispatch runs a subset of rows only over a paged cache")
+    sub, view = _take_rows(slots, cache, rows)
+    out, lp, sub, view = _decode_steps(cfg, params, view, sub, n_steps, logprobs)
+    B = slots.state.last_token.shape[0]
+    out = jnp.full((B, n_steps), -1, jnp.int32).at[rows].set(out, mode="drop")
+    if logprobs:
+        lp = _put_rows(jax.tree.map(lambda a: jnp.zeros((B,) + a.shape[1:], a.dtype), lp), rows, lp)
+    # The view's pool is the cache's pool, written in place; only lengths and state go back.
+    cache = dataclasses.replace(view, block_tables=cache.block_tables,
+                                lengths=cache.lengths.at[rows].set(view.lengths, mode="drop"))
+    slots = dataclasses.replace(slots, state=_put_rows(slots.state, rows, sub.state))
+    return out, lp, slots, cache
 
 
 @functools.partial(jax.jit, donate_argnames=("slots",))

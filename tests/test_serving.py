@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -157,8 +158,8 @@ def test_settings_slots_and_lengths_are_data_not_recompilations(tiny):
     geometry has run once (a warm-up here, so the test does not depend on test order)."""
     cfg, params = tiny
     warm = ServingEngine(cfg, params, CONFIG)
-    for p in _prompts(1, 3, cfg.vocab_size):
-        warm.submit(p, max_new_tokens=5)
+    for i, p in enumerate(_prompts(1, 8, cfg.vocab_size)):  # running counts 8 down to 1: every decode bucket
+        warm.submit(p, max_new_tokens=2 + 2 * i)
     _drain(warm)
     before = (slots.prefill_into_slots._cache_size(), slots.decode_dispatch._cache_size())
     eng = ServingEngine(cfg, params, CONFIG)
@@ -342,3 +343,41 @@ def test_real_model_batched_equals_alone(smollm2):
     for p, r in zip(prompts, batch):
         single = rjax.generate(smollm2, p, max_new_tokens=8)
         assert r.tokens == single.tokens, p
+
+
+def test_decoding_a_bucket_of_slots_equals_decoding_all(tiny):
+    """decode_dispatch over rows [R] of a paged cache (padded with n_slots) gives those slots the
+    tokens, lengths and state a dispatch over every slot gives them, and leaves the others as
+    they were: the engine runs only its running slots, in a batch of CONFIG.decode_bucket."""
+    cfg, params = tiny
+    assert CONFIG.decode_buckets == (1, 4, 8) and CONFIG.decode_bucket(2) == 4
+
+    def started():
+        eng = ServingEngine(cfg, params, CONFIG)
+        for i, p in enumerate(_prompts(5, 5, cfg.vocab_size)):
+            eng.submit(p, max_new_tokens=9, temperature=0.5 * (i % 2), seed=i)
+        eng.step()  # prefill: five running slots, three free
+        return eng
+
+    full, sub = started(), started()
+    running = sorted(full._running)
+    keep = running[1:4:2]  # two of them, padded to a bucket of 4
+    rows = jnp.asarray(keep + [CONFIG.n_slots] * 2, jnp.int32)
+    for s in set(running) - set(keep):
+        full.slots = slots.stop_slots(full.slots, jnp.asarray([s], jnp.int32))
+    for e in (full, sub):
+        for s in e._running:
+            e.pages.grow(s, e._running[s].length + CONFIG.steps_per_dispatch)
+        e._sync_block_tables(list(e._running))
+    before = np.asarray(sub.cache.lengths)
+    out_f, _, slots_f, cache_f = slots.decode_dispatch(cfg, params, full.cache, full.slots, 4)
+    out_s, _, slots_s, cache_s = slots.decode_dispatch(cfg, params, sub.cache, sub.slots, 4, False, rows)
+    out_f, out_s = np.asarray(out_f), np.asarray(out_s)
+    others = [s for s in range(CONFIG.n_slots) if s not in keep]
+    assert (out_s[keep] == out_f[keep]).all() and (out_s[keep] >= 0).all() and (out_s[others] == -1).all()
+    lengths = np.asarray(cache_s.lengths)
+    assert (lengths[keep] == np.asarray(cache_f.lengths)[keep]).all() and (lengths[others] == before[others]).all()
+    for a, b in zip(jax.tree.leaves(slots_f.state), jax.tree.leaves(slots_s.state)):
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        assert (np.asarray(a)[keep] == np.asarray(b)[keep]).all()
