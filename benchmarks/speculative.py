@@ -1,0 +1,268 @@
+"""Speculative decoding against plain decoding at batch 1, both measured in this run.
+
+    python benchmarks/speculative.py --out "$OUT" --model PATH_TO_SMOLLM2_GGUF
+
+(a) Prompt lookup (`speculative="ngram"`) on the real default model (smollm2-135m-instruct,
+    --model: a catalog name or a .gguf path) with prompts that quote a given text or code and
+    edit it (built in below): greedy, the same tokens as plain decoding (checked), tokens/s of
+    both, acceptance, and per round the verify cost (a forward pass of K + 1 positions,
+    timed alone) and what the round cost beyond it.
+(b) A synthetic llama-8b Q8_0 target (written under --workdir) drafted by its own weights
+    requantized to Q4_0 on load (`speculative="self:q4_0"`): acceptance, tokens/s of both, the
+    draft step's and the verification's cost, the speedup the measured acceptance would give
+    at those costs (expected tokens per round E = (1 - a^(K+1)) / (1 - a) over K draft steps
+    and one verification, against a plain step each), and where a round's time goes.
+
+Costs are timed as programs of many passes (a loop of 32 forward passes over a cache at the
+prompt's length, on the device), so they hold no host round trips. Tokens/s are the warm
+second of two identical calls (the first compiles), decode time being the call's wall time
+less its time to the first token. Writes <out>/speculative.json after each part and prints a
+table last. --skip-8b runs (a) alone.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import rjax  # noqa: E402
+from rjax import engine  # noqa: E402
+from rjax.cache import init_cache  # noqa: E402
+from rjax.generation import activation_dtype  # noqa: E402
+from rjax.model import forward  # noqa: E402
+
+CODE = '''def moving_average(values, window):
+    """Return the moving averages of values over a sliding window."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    result = []
+    total = 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            result.append(total / window)
+    return result
+
+
+def normalize(values):
+    """Scale values so that they sum to one."""
+    total = sum(values)
+    if total == 0:
+        raise ValueError("values sum to zero")
+    return [value / total for value in values]
+'''
+
+TEXT = ("The library opens at nine in the morning on weekdays and at ten on Saturdays. It is closed on Sundays "
+        "and on public holidays. Visitors can borrow up to six books at a time for three weeks, and a loan can be "
+        "renewed twice unless another reader has reserved the book. Late returns cost twenty cents per book per "
+        "day. The reading room on the second floor is reserved for quiet study, and the group rooms on the ground "
+        "floor can be booked for up to two hours.")
+
+# Prompts that quote a text or code and ask for it back, edited: most of the reply repeats it.
+PROMPTS = {
+    "code_rename": f"Here is some Python code:\n\n{CODE}\nRewrite the whole code with the variable `values` renamed "
+                   f"to `xs`. Output only the code.",
+    "code_docstrings": f"{CODE}\nRepeat this code exactly, but add a type hint to every function argument.",
+    "text_edit": f"Here is a notice:\n\n{TEXT}\n\nRewrite the notice with the opening hours changed to eight in "
+                 f"the morning. Keep everything else the same.",
+}
+
+
+def say(msg: str) -> None:
+    print(f"[speculative {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def timed_generate(model, prompt, **kw):
+    """The warm second of two identical calls -> (result, decode tokens/s by wall time)."""
+    rjax.generate(model, prompt, **kw)
+    t0 = time.perf_counter()
+    r = rjax.generate(model, prompt, **kw)
+    wall = time.perf_counter() - t0
+    decode_s = wall - r.ttft_s
+    return r, (len(r.tokens) - 1) / decode_s if decode_s > 0 else 0.0
+
+
+def forward_cost(cfg, params, T: int, held: int, max_len: int, passes: int = 32) -> float:
+    """Seconds per forward pass of T positions after `held` cached ones (batch 1), timed as one
+    program of `passes` passes."""
+    dtype = activation_dtype()
+
+    @functools.partial(jax.jit, donate_argnums=(1,), compiler_options=engine.DECODE_LOOP_COMPILER_OPTIONS)
+    def loop(params, cache, tokens):
+        pos = held + jnp.arange(T, dtype=jnp.int32)[None]
+
+        def body(i, carry):
+            acc, cache = carry
+            logits, cache = forward(cfg, params, cache, tokens, pos, None, dtype)
+            return acc + logits[0, -1, 0], cache
+
+        return jax.lax.fori_loop(0, passes, body, (jnp.float32(0), cache))
+
+    tokens = jnp.ones((1, T), jnp.int32)
+    acc, cache = loop(params, init_cache(cfg, 1, max_len, dtype), tokens)   # compiles
+    acc.block_until_ready()
+    t0 = time.perf_counter()
+    acc, cache = loop(params, cache, tokens)
+    acc.block_until_ready()
+    return (time.perf_counter() - t0) / passes
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens per round when each draft is accepted with probability alpha, independently."""
+    return k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def part_ngram(a, out: dict) -> None:
+    say(f"(a) prompt lookup on {a.model}")
+    t0 = time.perf_counter()
+    model = rjax.load(a.model, progress=False)
+    rows = []
+    for name, prompt in PROMPTS.items():
+        kw = dict(max_new_tokens=a.max_new_tokens)
+        plain, plain_tps = timed_generate(model, prompt, steps_per_dispatch=32, **kw)
+        n_prompt = len(plain.prompt_tokens)
+        row = dict(prompt=name, prompt_tokens=n_prompt, generated=len(plain.tokens), plain_tokens_per_s=plain_tps,
+                   by_k={})
+        S = len(plain.prompt_tokens) + a.max_new_tokens
+        step_s = forward_cost(model.config, model.params, 1, n_prompt, engine.prompt_bucket(S))
+        row["plain_step_s"] = step_s
+        for k in a.ngram_k:
+            spec, tps = timed_generate(model, prompt, speculative="ngram", draft_tokens=k, steps_per_dispatch=8, **kw)
+            s = spec.speculative
+            verify_s = forward_cost(model.config, model.params, k + 1, n_prompt, engine.prompt_bucket(S))
+            round_s = (len(spec.tokens) - 1) / tps / max(s["steps"], 1) if tps else None
+            row["by_k"][k] = dict(
+                tokens_per_s=tps, speedup=tps / plain_tps if plain_tps else None, same_tokens=spec.tokens == plain.tokens,
+                steps=s["steps"], drafted=s["drafted"], accepted=s["accepted"],
+                acceptance=s["accepted"] / s["drafted"] if s["drafted"] else 0.0,
+                tokens_per_round=(len(spec.tokens) - 1) / max(s["steps"], 1),
+                verify_s=verify_s, round_s=round_s,
+                lookup_and_overhead_s=None if round_s is None else round_s - verify_s)
+            r = row["by_k"][k]
+            say(f"  {name} K={k}: {tps:,.0f} tok/s vs plain {plain_tps:,.0f} ({r['speedup']:.2f}x), "
+                f"accepted {s['accepted']}/{s['drafted']}, {r['tokens_per_round']:.2f} tokens/round, "
+                f"same tokens: {r['same_tokens']}")
+        rows.append(row)
+    out["ngram"] = dict(model=str(model.source), rows=rows, seconds=time.perf_counter() - t0)
+
+
+def part_draft_model(a, out: dict) -> None:
+    from rjax.synth import write_synthetic
+
+    t0 = time.perf_counter()
+    layers = "" if a.target_layers is None else f"-{a.target_layers}l"
+    path = Path(a.workdir) / f"{a.target_shape}{layers}-q8_0.gguf"
+    if not path.exists():
+        say(f"(b) writing the synthetic {a.target_shape} Q8_0 to {path}")
+        write_synthetic(path, a.target_shape, "q8_0", seed=0, n_layers=a.target_layers, tokenizer_from="builtin")
+    write_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    target = rjax.load(path, progress=False)
+    load_s = time.perf_counter() - t1
+    t1 = time.perf_counter()
+    draft = rjax.load(path, progress=False, requantize="q4_0")
+    jax.block_until_ready(draft.params)
+    draft_load_s = time.perf_counter() - t1
+    say(f"(b) loaded the target in {load_s:.1f} s and its Q4_0 copy in {draft_load_s:.1f} s")
+    prompt = "The history of the city begins with a small settlement by the river, " * 4
+    kw = dict(raw=True, max_new_tokens=a.max_new_tokens)
+    plain, plain_tps = timed_generate(target, prompt, steps_per_dispatch=32, **kw)
+    n_prompt = len(plain.prompt_tokens)
+    S = engine.prompt_bucket(n_prompt + a.max_new_tokens)
+    target_step_s = forward_cost(target.config, target.params, 1, n_prompt, S)
+    draft_step_s = forward_cost(draft.config, draft.params, 1, n_prompt, S)
+    res = dict(target=str(path), prompt_tokens=n_prompt, generated=len(plain.tokens), plain_tokens_per_s=plain_tps,
+               target_step_s=target_step_s, draft_step_s=draft_step_s, write_s=write_s, load_s=load_s,
+               draft_load_s=draft_load_s, by_k={})
+    for k in a.draft_k:
+        spec, tps = timed_generate(target, prompt, speculative=draft, draft_tokens=k, steps_per_dispatch=8, **kw)
+        s = spec.speculative
+        verify_s = forward_cost(target.config, target.params, k + 1, n_prompt, S)
+        alpha = s["accepted"] / s["drafted"] if s["drafted"] else 0.0
+        model_round_s = k * draft_step_s + verify_s
+        round_s = (len(spec.tokens) - 1) / tps / max(s["steps"], 1) if tps else None
+        res["by_k"][k] = dict(
+            tokens_per_s=tps, speedup=tps / plain_tps if plain_tps else None, same_tokens=spec.tokens == plain.tokens,
+            steps=s["steps"], drafted=s["drafted"], accepted=s["accepted"], acceptance=alpha,
+            tokens_per_round=(len(spec.tokens) - 1) / max(s["steps"], 1), verify_s=verify_s,
+            draft_s_per_round=k * draft_step_s, round_s=round_s,
+            other_s_per_round=None if round_s is None else round_s - model_round_s,
+            predicted_speedup=expected_tokens(alpha, k) * target_step_s / model_round_s)
+        r = res["by_k"][k]
+        say(f"  K={k}: {tps:,.0f} tok/s vs plain {plain_tps:,.0f} ({r['speedup']:.2f}x), acceptance {alpha:.2f}, "
+            f"predicted {r['predicted_speedup']:.2f}x; per round: draft {k * draft_step_s * 1e3:.2f} ms, verify "
+            f"{verify_s * 1e3:.2f} ms, measured {round_s * 1e3 if round_s else 0:.2f} ms")
+    res["seconds"] = time.perf_counter() - t0
+    out["draft_model"] = res
+
+
+def table(out: dict) -> str:
+    lines = []
+    if "ngram" in out:
+        lines += ["(a) prompt lookup, default model, batch 1, greedy",
+                  f"{'prompt':16} {'K':>2} {'plain t/s':>9} {'spec t/s':>9} {'speedup':>7} {'accept':>6} "
+                  f"{'tok/rnd':>7} {'verify ms':>9} {'round ms':>8} {'same':>4}"]
+        for row in out["ngram"]["rows"]:
+            for k, r in row["by_k"].items():
+                lines.append(f"{row['prompt']:16} {k:>2} {row['plain_tokens_per_s']:>9,.0f} {r['tokens_per_s']:>9,.0f} "
+                             f"{r['speedup']:>6.2f}x {r['acceptance']:>6.2f} {r['tokens_per_round']:>7.2f} "
+                             f"{r['verify_s'] * 1e3:>9.3f} {(r['round_s'] or 0) * 1e3:>8.3f} {str(r['same_tokens']):>4}")
+    if "draft_model" in out:
+        d = out["draft_model"]
+        lines += ["", f"(b) {Path(d['target']).stem} drafted by its own Q4_0 copy, batch 1, greedy "
+                      f"(target step {d['target_step_s'] * 1e3:.2f} ms, draft step {d['draft_step_s'] * 1e3:.2f} ms)",
+                  f"{'K':>2} {'plain t/s':>9} {'spec t/s':>9} {'speedup':>7} {'predicted':>9} {'accept':>6} "
+                  f"{'draft ms':>8} {'verify ms':>9} {'other ms':>8} {'same':>4}"]
+        for k, r in d["by_k"].items():
+            lines.append(f"{k:>2} {d['plain_tokens_per_s']:>9,.0f} {r['tokens_per_s']:>9,.0f} {r['speedup']:>6.2f}x "
+                         f"{r['predicted_speedup']:>8.2f}x {r['acceptance']:>6.2f} {r['draft_s_per_round'] * 1e3:>8.2f} "
+                         f"{r['verify_s'] * 1e3:>9.2f} {(r['other_s_per_round'] or 0) * 1e3:>8.2f} "
+                         f"{str(r['same_tokens']):>4}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=".", help="directory for speculative.json")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="the default model: catalog name or .gguf path")
+    p.add_argument("--workdir", default="/tmp/rjax-speculative", help="where the synthetic llama-8b is written")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--ngram-k", default="4,8", help="draft tokens per round for prompt lookup (comma list)")
+    p.add_argument("--draft-k", default="4", help="draft tokens per round for the draft model (comma list)")
+    p.add_argument("--skip-8b", action="store_true", help="only part (a)")
+    p.add_argument("--target-shape", default="llama-8b", help="part (b)'s synthetic shape (rjax.synth.SHAPES)")
+    p.add_argument("--target-layers", type=int, default=None, help="part (b)'s layer count (default: the shape's)")
+    a = p.parse_args(argv)
+    a.ngram_k = [int(k) for k in a.ngram_k.split(",")]
+    a.draft_k = [int(k) for k in a.draft_k.split(",")]
+    os.makedirs(a.out, exist_ok=True)
+    dev = jax.devices()[0]
+    out: dict = dict(device=dev.device_kind, backend=jax.default_backend(), jax=jax.__version__,
+                     max_new_tokens=a.max_new_tokens)
+    say(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
+    dest = Path(a.out) / "speculative.json"
+    for part in (part_ngram,) + (() if a.skip_8b else (part_draft_model,)):
+        try:
+            part(a, out)
+        except Exception as e:  # keep what the other part measured
+            out.setdefault("errors", []).append(f"{part.__name__}: {type(e).__name__}: {e}")
+            say(f"{part.__name__} failed: {type(e).__name__}: {e}")
+        dest.write_text(json.dumps(out, indent=2, default=str))
+    print(table(out), flush=True)
+    return 1 if out.get("errors") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
