@@ -213,12 +213,27 @@ def test_greedy_acceptance_keeps_the_agreeing_prefix():
 
 
 @pytest.mark.slow
-def test_default_model_greedy_equal(smollm2):
-    """The real default model: a prompt that invites repetition and one that does not."""
-    for text in ("List the numbers from 1 to 20, separated by commas.", "Write a haiku about the sea."):
-        plain = rjax.generate(smollm2, text, max_new_tokens=40)
-        spec = rjax.generate(smollm2, text, max_new_tokens=40, speculative="ngram", draft_tokens=4)
-        assert spec.tokens == plain.tokens, text
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_real_models_greedy_equal(name, request):
+    """The default model and gemma3-270m, with prompt lookup and with the model's own weights
+    requantized to Q4_0 as its draft: a prompt that invites repetition and one that does not,
+    each token for token plain greedy's; replies that end at an end-of-sequence token inside a
+    round of drafts included."""
+    path = request.getfixturevalue(f"{name}_path")
+    model = request.getfixturevalue("smollm2") if name == "smollm2" else rjax.load(path, progress=False)
+    draft = rjax.load(path, progress=False, requantize="q4_0")
+    reasons, accepted = set(), {"ngram": 0, "draft": 0}
+    for text in ("List the numbers from 1 to 20, separated by commas.", "Say hello in one word."):
+        plain = rjax.generate(model, text, max_new_tokens=40)
+        reasons.add(plain.finish_reason)
+        for kind, speculative in (("ngram", "ngram"), ("draft", draft)):
+            spec = rjax.generate(model, text, max_new_tokens=40, speculative=speculative, draft_tokens=4)
+            assert spec.tokens == plain.tokens, (text, spec.speculative)
+            assert spec.finish_reason == plain.finish_reason
+            accepted[kind] += spec.speculative["accepted"]
+    assert min(accepted.values()) > 0, accepted
+    if name == "smollm2":   # its short reply ends at end-of-sequence inside a round of drafts
+        assert "stop" in reasons, reasons
 
 
 def _small_model(seed, V=4, d=32, base: Params | None = None, noise=0.0):
