@@ -51,6 +51,7 @@ from rjax.sampling import SamplingParams
 from rjax.serving_events import Completion, StreamEvent, TokenLogprob, token_logprob
 from rjax.serving_limits import ServingConfig, check_request, check_stop_ids
 from rjax.slots import decode_dispatch, free_slots, init_slots, prefill_into_slots, stop_slots
+from rjax.speculative import NgramDrafter, speculative_dispatch
 
 
 def _put(*host_arrays):
@@ -83,6 +84,8 @@ class _Request:
     prefilled: int = 0        # prompt positions in its slot so far (shared prefix pages included)
     hashes: list[bytes] | None = None   # content hashes of the prompt's full pages
     computing: list[bytes] = dataclasses.field(default_factory=list)  # those it computes, not yet indexed
+    drafted: int = 0          # speculative decoding: draft tokens proposed for it, and accepted
+    accepted: int = 0
 
 
 class ServingEngine:
@@ -126,6 +129,7 @@ class ServingEngine:
         self._computing: collections.Counter[bytes] = collections.Counter()
         self._ids = itertools.count()
         self._live_ids: set = set()                           # ids of queued and running requests
+        self._drafted = self._accepted = 0                    # speculative totals of finished requests
         self.kv_bytes = (config.pool_pages * config.page_size if config.paged else config.n_slots * config.max_len) \
             * kv_bytes_per_position(cfg, dtype)
 
@@ -165,6 +169,10 @@ class ServingEngine:
                             (self.cfg, self.params, self.cache, self.slots, c.steps_per_dispatch, lp,
                              i32(b) if c.paged else None))
                     for b in c.decode_buckets for lp in ((False, True) if logprobs else (False,))]
+        if c.speculative:
+            programs.append(Program(f"speculative K={c.draft_tokens} N={c.steps_per_dispatch}", speculative_dispatch,
+                                    (self.cfg, self.params, self.cache, self.slots, i32(c.n_slots, c.max_len + 1),
+                                     i32(c.n_slots), NgramDrafter(), c.draft_tokens, c.steps_per_dispatch)))
         for p, t in self.prefill_shapes(prompt_lengths):
             programs.append(Program(f"prefill P={p} T={t}", prefill_into_slots, (
                 self.cfg, self.params, self.cache, self.slots, i32(p, t), i32(p), i32(p),
@@ -424,6 +432,8 @@ class ServingEngine:
 
     def _decode(self) -> list[StreamEvent]:
         c = self.config
+        if c.speculative and not any(r.logprobs for r in self._running.values()):
+            return self._decode_speculative()
         if self.pages is not None:
             grown = [s for s, r in self._running.items()
                      if self.pages.grow(s, min(r.length + c.steps_per_dispatch, r.length_limit))]
@@ -452,6 +462,46 @@ class ServingEngine:
         self._release(finished)
         return events
 
+    def _decode_speculative(self) -> list[StreamEvent]:
+        """`_decode` by speculative rounds: every running slot drafts from its own tokens (held
+        here and sent along; a slot's history is the prompt and its tokens so far), one forward
+        pass per round verifies all slots' drafts, and each slot keeps what it accepted. A step
+        with a request that asked for log-probabilities decodes plainly instead (both keep the
+        same per-slot state, so requests move between them freely)."""
+        c, K = self.config, self.config.draft_tokens
+        if self.pages is not None:
+            grown = [s for s, r in self._running.items()
+                     if self.pages.grow(s, min(r.length + c.steps_per_dispatch * (K + 1), r.length_limit))]
+            self._sync_block_tables(grown)
+        hist = np.zeros((c.n_slots, c.max_len + 1), np.int32)
+        n_hist = np.zeros(c.n_slots, np.int32)
+        for s, r in self._running.items():
+            seq = r.prompt + r.tokens
+            hist[s, : len(seq)] = seq
+            n_hist[s] = len(seq)
+        out, drafted, accepted, self.slots, self.cache = speculative_dispatch(
+            self.cfg, self.params, self.cache, self.slots, *_put(hist, n_hist), NgramDrafter(), K,
+            c.steps_per_dispatch)
+        out, drafted, accepted = np.asarray(out), np.asarray(drafted), np.asarray(accepted)
+        done = np.asarray(self.slots.state.done)
+        now = time.perf_counter()
+        events, finished = [], []
+        for s, r in list(self._running.items()):
+            new = [int(t) for t in out[s] if t >= 0]
+            r.length += len(new)
+            r.drafted += int(drafted[s])
+            r.accepted += int(accepted[s])
+            events.append(self._add_tokens(r, new, None, bool(done[s]), now))
+            if done[s]:
+                finished.append(r)
+        self._release(finished)
+        return events
+
+    @property
+    def speculative_stats(self) -> dict:
+        """Draft tokens proposed and accepted, over the requests finished so far (speculative decoding)."""
+        return dict(drafted=self._drafted, accepted=self._accepted)
+
     def _add_tokens(self, r: _Request, new: list[int], entries: list[TokenLogprob] | None, finished: bool,
                     now: float) -> StreamEvent:
         r.tokens.extend(new)
@@ -470,9 +520,12 @@ class ServingEngine:
         decode_s = now - r.first_token_s
         rate = (len(r.tokens) - 1) / decode_s if decode_s > 0 and len(r.tokens) > 1 else 0.0
         ttft = r.first_token_s - r.submitted_s if r.first_token_s else 0.0
+        self._drafted += r.drafted
+        self._accepted += r.accepted
         return StreamEvent(r.request_id, new, True,
                            Completion(r.request_id, r.prompt, list(r.tokens), reason, ttft, rate,
-                                      list(r.token_logprobs) if r.logprobs else None), logprobs=entries)
+                                      list(r.token_logprobs) if r.logprobs else None, r.drafted, r.accepted),
+                           logprobs=entries)
 
     def _release(self, finished: list[_Request]) -> None:
         """Free the slots and pages of finished (or cancelled) requests; their full pages stay

@@ -29,6 +29,10 @@ class Completion:
     ttft_s: float             # from submit to the first token on the host (0 if it never had one)
     decode_tokens_per_s: float
     logprobs: list[TokenLogprob] | None = None  # one per token, for a request submitted with logprobs
+    # With speculative decoding (ServingConfig.speculative): the request's draft tokens proposed
+    # and, of those, accepted.
+    drafted: int = 0
+    accepted: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

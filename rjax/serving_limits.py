@@ -25,6 +25,12 @@ from rjax.memory import plan_memory
 from rjax.sampling import check_sampling
 
 
+# What the serving engine can draft with: prompt lookup (a draft model's own paged cache in the
+# engine is not built).
+SPECULATIVE = (None, "ngram")
+MAX_DRAFT_TOKENS = 16
+
+
 @dataclasses.dataclass(frozen=True)
 class ServingConfig:
     n_slots: int = 32
@@ -44,8 +50,18 @@ class ServingConfig:
     # Full pages of earlier sequences are kept and shared by later prompts that start with the
     # same tokens (paged caches only; see rjax.pages).
     prefix_cache: bool = True
+    # Speculative decoding: "ngram" drafts `draft_tokens` tokens per slot and round by prompt
+    # lookup, verified for every slot in one forward pass (rjax.speculative.speculative_dispatch,
+    # `steps_per_dispatch` rounds per dispatch); None decodes one token per step.
+    speculative: str | None = None
+    draft_tokens: int = 4
 
     def __post_init__(self):
+        if self.speculative not in SPECULATIVE:
+            raise ValueError(f"ServingConfig.speculative must be one of {SPECULATIVE}, got {self.speculative!r}")
+        if not is_int(self.draft_tokens) or not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"ServingConfig.draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], "
+                             f"got {self.draft_tokens!r}")
         for name in ("n_slots", "max_len", "steps_per_dispatch", "max_prefill_tokens", "max_stop_ids"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServingConfig.{name} must be >= 1, got {getattr(self, name)}")

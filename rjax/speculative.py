@@ -298,3 +298,75 @@ def draft_cache_for(drafter: ModelDrafter, max_len: int, dtype) -> KVCache:
         raise ValueError(f"speculative: the draft model's context of {drafter.cfg.context_length} tokens is shorter "
                          f"than the {max_len} positions this generation needs")
     return init_cache(drafter.cfg, 1, max_len, dtype)
+
+
+# -- many sequences: the serving engine's slots ------------------------------------------------
+
+def _slots_round(cfg, params, cache, state, sampling: SamplingParams, stop_ids, hist, n_hist, drafter: NgramDrafter,
+                 k: int):
+    """One round for every slot of `cache` at once: each active slot drafts by prompt lookup in
+    its own history, all drafts are verified in one forward pass of [n_slots, k + 1] positions,
+    each slot accepts by its own sampling settings and random stream, and each slot's length is
+    set to what it accepted. -> (emitted [n_slots, k + 1] (-1 padded), drafted [n_slots],
+    accepted [n_slots], state, cache, hist, n_hist)."""
+    S = cache.max_len
+    held = cache.lengths
+    active = ~state.done & (held < S)
+    room = jnp.where(active, jnp.clip(jnp.minimum(S - held - 1, state.remaining - 1), 0, k), 0)
+    drafts, found = jax.vmap(lambda h, n: drafter.lookup(h, n, k))(hist, n_hist)
+    n = jnp.minimum(found, room)
+    t = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    tokens = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
+    pos = jnp.where(active[:, None] & (t <= n[:, None]), held[:, None] + t, -1)
+    logits, cache = forward(cfg, params, cache, tokens, pos, None, cache.dtype)
+    pair = jax.vmap(jax.random.split)(state.key)
+    keys, subs = pair[:, 0], pair[:, 1]
+
+    def one(lg, d, nd, key, temperature, top_k, top_p):
+        return accept(lg, d, nd, key, SamplingParams(temperature[None], top_k[None], top_p[None]))
+
+    m, nxt = jax.vmap(one)(logits, drafts, n, subs, sampling.temperature, sampling.top_k, sampling.top_p)
+    ext = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
+    emitted = jnp.where(t < m[:, None], ext, nxt[:, None])
+    stop = jnp.any(emitted[:, :, None] == stop_ids[:, None, :], axis=-1) & (t <= m[:, None])
+    e = jnp.minimum(jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1) + 1, m + 1), state.remaining)
+    e = jnp.where(active, e, 0)
+    out = jnp.where(t < e[:, None], emitted, -1)
+    new_held = jnp.where(active, held + 1 + m, held)
+    cache = dataclasses.replace(cache, lengths=new_held)
+    cols = jnp.where(active[:, None] & (t <= m[:, None]), n_hist[:, None] + t, hist.shape[1])
+    hist = hist.at[jnp.arange(hist.shape[0])[:, None], cols].set(emitted, mode="drop")
+    n_hist = jnp.where(active, n_hist + 1 + m, n_hist)
+    remaining = state.remaining - e
+    done = state.done | (active & (jnp.any(stop & (t < e[:, None]), axis=1) | (remaining <= 0) | (new_held >= S)))
+    state = dataclasses.replace(state, last_token=jnp.where(active, nxt, state.last_token), done=done,
+                                remaining=remaining, key=jnp.where(active, keys, state.key))
+    return out, jnp.where(active, n, 0), jnp.where(active, m, 0), state, cache, hist, n_hist
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "k", "n_rounds"), donate_argnames=("cache", "slots"),
+                   compiler_options=engine.DECODE_LOOP_COMPILER_OPTIONS)
+def speculative_dispatch(cfg: ModelConfig, params: Params, cache, slots, hist, n_hist, drafter: NgramDrafter, k: int,
+                         n_rounds: int):
+    """Up to n_rounds speculative rounds over every slot of a serving engine (`rjax.slots.SlotBatch`
+    and its contiguous or paged cache) in one XLA program, stopping early when every slot is
+    done; the counterpart of `rjax.slots.decode_dispatch`. hist [n_slots, max_len + 1]: each
+    slot's prompt and generated tokens, n_hist [n_slots] of them (its cache length + 1). A paged
+    slot must own pages for every position it may write: up to n_rounds * (k + 1) past its
+    length, within its token budget.
+    -> (tokens [n_slots, n_rounds * (k + 1)] int32, -1 padded; drafted [n_slots]; accepted
+    [n_slots]; slots; cache)."""
+    B = n_hist.shape[0]
+    out0 = jnp.full((B, n_rounds, k + 1), -1, jnp.int32)
+    z = jnp.zeros(B, jnp.int32)
+
+    def body(carry):
+        i, out, drafted, accepted, state, cache, hist, n_hist = carry
+        row, n, m, state, cache, hist, n_hist = _slots_round(cfg, params, cache, state, slots.sampling,
+                                                             slots.stop_ids, hist, n_hist, drafter, k)
+        return i + 1, out.at[:, i].set(row), drafted + n, accepted + m, state, cache, hist, n_hist
+
+    carry = (jnp.int32(0), out0, z, z, slots.state, cache, hist, n_hist)
+    _, out, drafted, accepted, state, cache, _, _ = jax.lax.while_loop(
+        lambda c: (c[0] < n_rounds) & ~jnp.all(c[4].done), body, carry)
+    return out.reshape(B, -1), drafted, accepted, dataclasses.replace(slots, state=state), cache

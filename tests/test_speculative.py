@@ -341,3 +341,35 @@ def test_draft_model_of_another_vocabulary_is_refused(tiny_path, tmp_path):
                             tokenizer_from="builtin")
     with pytest.raises(ValueError, match="draft model v1024.gguf has a vocabulary of 1,024 tokens, the target 512"):
         rjax.generate(model, "x", raw=True, speculative=str(other))
+
+
+def test_speculative_serving_equals_plain_serving(tiny):
+    """A speculative serving engine (prompt lookup, drafts of all slots verified in one pass per
+    round) gives each request the tokens and finish reason a plain engine gives it: more requests
+    than slots, budgets ending inside drafts, a stop id reached inside a round; each completion
+    reports its own drafts and acceptances."""
+    from rjax.serving import ServingConfig, ServingEngine
+
+    cfg, params = tiny
+    want_plain = _greedy(cfg, params, REPEATING, 30, 128)
+    stop = next(t for t in want_plain[8:] if t not in want_plain[:8])
+    prompts = [(REPEATING, 30), (PLAIN, 17), (REPEATING[3:], 9), (PLAIN[::-1] * 2, 25), (REPEATING + PLAIN, 30),
+               (REPEATING[:7], 2)]
+    results = {}
+    for spec in (None, "ngram"):
+        config = ServingConfig(n_slots=3, max_len=128, page_size=16, steps_per_dispatch=4, speculative=spec,
+                               draft_tokens=4)
+        eng = ServingEngine(cfg, params, config, stop_ids=[stop])
+        ids = [eng.submit(p, max_new_tokens=n) for p, n in prompts]
+        done = {e.request_id: e.completion for e in eng.run() if e.finished}
+        results[spec] = [done[i] for i in ids]
+        totals = eng.speculative_stats
+    for plain, spec in zip(results[None], results["ngram"]):
+        assert spec.tokens == plain.tokens and spec.finish_reason == plain.finish_reason
+        assert 0 <= spec.accepted <= spec.drafted and plain.drafted == 0
+    assert "stop" in {c.finish_reason for c in results["ngram"]}
+    assert totals["accepted"] == sum(c.accepted for c in results["ngram"]) > 0
+    with pytest.raises(ValueError, match="ServingConfig.speculative"):
+        ServingConfig(speculative="self:q4_0")
+    with pytest.raises(ValueError, match="ServingConfig.draft_tokens"):
+        ServingConfig(speculative="ngram", draft_tokens=0)

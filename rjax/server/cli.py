@@ -11,7 +11,8 @@ PAGE_SIZE = 16
 
 
 def make_setup(model: str, *, model_id: str, slots: int, max_len: int | None, steps_per_dispatch: int,
-               chat_template: str | None, precompile: bool, prefix_cache: bool = True):
+               chat_template: str | None, precompile: bool, prefix_cache: bool = True,
+               speculative: str | None = None, draft_tokens: int = 4):
     """-> the EngineLoop's setup: loads the model and makes engines, on the loop's thread."""
     from rjax.server.loop import Setup
 
@@ -33,7 +34,8 @@ def make_setup(model: str, *, model_id: str, slots: int, max_len: int | None, st
         stop_ids = sorted(tok.eos_ids)
         config = ServingConfig(n_slots=slots, max_len=length, page_size=PAGE_SIZE if length % PAGE_SIZE == 0 else None,
                                steps_per_dispatch=steps_per_dispatch, max_stop_ids=max(8, len(stop_ids)),
-                               kv_dtype=jnp.dtype(activation_dtype()).name, prefix_cache=prefix_cache)
+                               kv_dtype=jnp.dtype(activation_dtype()).name, prefix_cache=prefix_cache,
+                               speculative=speculative, draft_tokens=draft_tokens)
         return Setup(tok, lambda: ServingEngine(m.config, m.params, config, stop_ids=stop_ids), model_id, precompile)
 
     return setup
@@ -57,7 +59,8 @@ def cmd_serve(a) -> int:
     metrics = Metrics()
     loop = EngineLoop(make_setup(a.model, model_id=a.served_model_name or Path(a.model).name, slots=a.slots,
                                  max_len=a.max_len, steps_per_dispatch=a.steps_per_dispatch, chat_template=template,
-                                 precompile=not a.no_precompile, prefix_cache=not a.no_prefix_cache),
+                                 precompile=not a.no_precompile, prefix_cache=not a.no_prefix_cache,
+                                 speculative=a.speculative, draft_tokens=a.draft_tokens),
                       max_queued=a.max_queued, metrics=metrics)
     app = create_app(loop, metrics, ServerSettings(api_key=a.api_key))
     uvicorn.run(app, host=a.host, port=a.port, log_level="info")
@@ -93,4 +96,9 @@ def register_cli(subparsers) -> None:
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="prefill every prompt whole (default: KV pages of earlier prompts with the same "
                         "prefix are shared)")
+    p.add_argument("--speculative", choices=("ngram",), default=None,
+                   help="speculative decoding: every slot drafts by prompt lookup, all slots' drafts verified in "
+                        "one pass (/metrics counts drafted and accepted tokens)")
+    p.add_argument("--draft-tokens", type=int, default=4, help="with --speculative: tokens drafted per round "
+                                                               "(default 4)")
     p.set_defaults(func=cmd_serve)

@@ -210,6 +210,8 @@ class EngineLoop:
                 self._finish_waiting(1)
             if m is not None:
                 m.requests_finished.labels(event.completion.finish_reason).inc()
+                m.speculative_drafted.inc(event.completion.drafted)
+                m.speculative_accepted.inc(event.completion.accepted)
         if not self._send(live.sink, event) and not event.finished:
             self.engine.cancel(event.request_id)  # nobody listens any more
 

@@ -26,6 +26,10 @@ class Metrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.kv_pages_in_use = Gauge("rjax_kv_pages_in_use", "KV-cache pages held by sequences", registry=r)
         self.kv_pages_total = Gauge("rjax_kv_pages_total", "KV-cache pages in the pool", registry=r)
+        self.speculative_drafted = Counter("rjax_speculative_drafted_tokens", "Draft tokens proposed (speculative "
+                                           "decoding), of finished sequences", registry=r)
+        self.speculative_accepted = Counter("rjax_speculative_accepted_tokens", "Draft tokens accepted (speculative "
+                                            "decoding), of finished sequences", registry=r)
         self.free_slots = Gauge("rjax_free_slots", "Slots free for a new sequence", registry=r)
         self.kv_pages_cached = Gauge("rjax_kv_pages_cached", "KV-cache pages kept for the prefix cache, held by "
                                      "no sequence", registry=r)
