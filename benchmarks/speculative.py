@@ -239,7 +239,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2-135m-instruct", help="the default model: catalog name or .gguf path")
     p.add_argument("--workdir", default="/tmp/rjax-speculative", help="where the synthetic llama-8b is written")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--ngram-k", default="4,8", help="draft tokens per round for prompt lookup (comma list)")
+    p.add_argument("--ngram-k", default="4,7", help="draft tokens per round for prompt lookup (comma list; up to 7 "
+                                                   "keeps the K + 1 verified positions on the decode attention kernel)")
     p.add_argument("--draft-k", default="4", help="draft tokens per round for the draft model (comma list)")
     p.add_argument("--skip-8b", action="store_true", help="only part (a)")
     p.add_argument("--target-shape", default="llama-8b", help="part (b)'s synthetic shape (rjax.synth.SHAPES)")
