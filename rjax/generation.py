@@ -302,9 +302,11 @@ DEFAULT_SERVING_SLOTS = 32
 
 def serve_ids(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256, temperature: float = 0.0,
               top_k: int = 0, top_p: float = 1.0, seed: int = 0, steps_per_dispatch: int = 8,
-              n_slots: int = DEFAULT_SERVING_SLOTS):
+              n_slots: int = DEFAULT_SERVING_SLOTS, speculative: str | None = None, draft_tokens: int = 4):
     """Tokenized prompts through the continuous-batching engine (`rjax.serving`) with up to
-    `n_slots` running at once; more wait for a free slot. -> list of `serving.Completion`."""
+    `n_slots` running at once; more wait for a free slot. speculative="ngram": prompt-lookup
+    drafts of `draft_tokens` tokens for every slot (ServingConfig.speculative).
+    -> list of `serving.Completion`."""
     if not checks.is_int(n_slots) or n_slots < 1:
         raise ValueError(f"n_slots must be an integer >= 1, got {n_slots!r}")
     prompts = check_request(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
@@ -314,12 +316,25 @@ def serve_ids(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens:
     stop_ids = sorted(tok.eos_ids)
     config = ServingConfig(n_slots=max(1, min(len(prompts), n_slots)), max_len=S, page_size=16 if S % 16 == 0 else None,
                            steps_per_dispatch=steps_per_dispatch, max_stop_ids=max(8, len(stop_ids)),
+                           speculative=speculative, draft_tokens=draft_tokens,
                            kv_dtype=jnp.dtype(activation_dtype()).name)
     eng = ServingEngine(cfg, model.params, config, stop_ids=stop_ids, seed=seed)
     ids = [eng.submit(p, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
            for p in prompts]
     done = {e.request_id: e.completion for e in eng.run() if e.finished}
     return [done[i] for i in ids]
+
+
+def _generate_list(model: Model, prompts, raw: bool, kw: dict) -> list[GenerationResult]:
+    if not isinstance(prompts, Sequence):
+        raise TypeError(f"prompt must be a str (or UTF-8 bytes) or a list of them, got {type(prompts).__name__}")
+    tok = model.tokenizer
+    ids = [encode_prompt(model, check_text(p, f"prompt {i}"), raw) for i, p in enumerate(prompts)]
+    spec = kw.get("speculative")
+    return [GenerationResult(c.prompt, c.tokens, tok.decode(_visible(tok, c.tokens)), c.finish_reason, c.ttft_s,
+                             c.decode_tokens_per_s,
+                             dict(drafted=c.drafted, accepted=c.accepted, drafter=spec) if spec else None)
+            for c in serve_ids(model, ids, **kw)] if ids else []
 
 
 def generate(model: Model, prompt: str | Sequence[str], *, raw: bool = False, speculative=None,
@@ -335,23 +350,23 @@ def generate(model: Model, prompt: str | Sequence[str], *, raw: bool = False, sp
     "self:q8_0" (the target requantized as its own draft model), a draft model with the
     target's tokenizer (catalog name, path, or a loaded Model). The same tokens as without for
     greedy decoding, the same distribution for sampling; the result's `speculative` reports
-    steps, drafted and accepted counts.
+    steps, drafted and accepted counts. A list of prompts takes "ngram" (the serving engine's
+    drafter), each result reporting its own drafted and accepted counts.
     """
     tok = model.tokenizer
     if speculative is not None:
         if not checks.is_int(draft_tokens) or not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got {draft_tokens!r}")
         if not isinstance(prompt, (str, bytes, bytearray)):
-            raise ValueError("speculative decoding runs on one prompt (a str), not a list")
+            if speculative != "ngram":
+                raise ValueError(f"speculative={speculative!r} for a list of prompts: a list runs through the serving "
+                                 f"engine, which drafts by prompt lookup only (speculative='ngram')")
+            return _generate_list(model, prompt, raw, dict(kw, speculative="ngram", draft_tokens=draft_tokens))
         ids = encode_prompt(model, prompt, raw)
         drafter, draft = load_drafter(model, speculative)
         return _speculative_generate(model, ids, drafter, draft, draft_tokens, **kw)
     if not isinstance(prompt, (str, bytes, bytearray)):
-        if not isinstance(prompt, Sequence):
-            raise TypeError(f"prompt must be a str (or UTF-8 bytes) or a list of them, got {type(prompt).__name__}")
-        ids = [encode_prompt(model, check_text(p, f"prompt {i}"), raw) for i, p in enumerate(prompt)]
-        return [GenerationResult(c.prompt, c.tokens, tok.decode(_visible(tok, c.tokens)), c.finish_reason, c.ttft_s,
-                                 c.decode_tokens_per_s) for c in serve_ids(model, ids, **kw)] if ids else []
+        return _generate_list(model, prompt, raw, kw)
     ids = encode_prompt(model, prompt, raw)
     stats: dict = {}
     generated: list[int] = []
