@@ -48,7 +48,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from rjax import engine
-from rjax.cache import init_cache
+from rjax.cache import KV_DTYPES, check_kv_dtype, init_cache
 from rjax.catalog import DEFAULT_MODEL, resolve_model
 from rjax.config import ModelConfig
 from rjax.generation import activation_dtype, cache_length
@@ -79,8 +79,10 @@ class BenchSettings:
     # Compile the run's programs before measuring, in this many threads (None: one per program
     # up to the CPU count; 0: each at its first call, one after another).
     compile_workers: int | None = None
+    kv_dtype: str = "bf16"         # how the KV cache stores K/V (rjax.cache.KV_DTYPES)
 
     def __post_init__(self):
+        check_kv_dtype(self.kv_dtype)
         if self.prompt_len < 1 or self.gen < 1 or self.repeats < 1:
             raise ValueError(f"prompt_len, gen and repeats must be >= 1 (got {self.prompt_len}, "
                              f"{self.gen}, {self.repeats})")
@@ -171,7 +173,8 @@ def run_bench(model: str | os.PathLike | tuple[ModelConfig, Params], settings: B
         cfg, params, source = load_for_bench(model, progress=progress)
     load_s = time.perf_counter() - t0
     dtype = activation_dtype()
-    itemsize = jnp.dtype(dtype).itemsize
+    # K/V bytes per cached value: int8 carries a float32 scale per head_dim values.
+    itemsize = {"int8": 1 + 4 / cfg.head_dim, "fp8": 1}.get(s.kv_dtype, jnp.dtype(dtype).itemsize)
     result["model"] = {
         "source": str(source) if source else None, "arch": cfg.arch, "n_layers": cfg.n_layers,
         "d_model": cfg.d_model, "d_ff": cfg.d_ff, "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads,
@@ -276,8 +279,8 @@ def _compile_ahead(cfg, params, s: BenchSettings, tasks, bucket, S, dtype, resul
     """Every program the run will call, compiled concurrently before it is timed (what a
     server's start-up costs); result["compile"]["ahead"]. A failure is recorded and the
     programs then compile at their first calls."""
-    programs = [prefill_program(cfg, params, b, bucket, S, dtype) if n is None else
-                decode_program(cfg, params, b, S, dtype, n, n_stop_ids=1) for b, n in tasks]
+    programs = [prefill_program(cfg, params, b, bucket, S, dtype, kv_dtype=s.kv_dtype) if n is None else
+                decode_program(cfg, params, b, S, dtype, n, n_stop_ids=1, kv_dtype=s.kv_dtype) for b, n in tasks]
     try:
         report = compile_programs(programs, s.compile_workers, progress=progress)
     except Exception as e:  # noqa: BLE001
@@ -296,7 +299,7 @@ def _bench_prefill(cfg, params, s: BenchSettings, b, S, dtype, rng, key, budget)
     sp = SamplingParams.make(b)
 
     def run():
-        cache = init_cache(cfg, b, S, dtype)
+        cache = init_cache(cfg, b, S, dtype, s.kv_dtype)
         jax.block_until_ready(cache)
         t0 = time.perf_counter()
         first, cache = engine.prefill_and_sample(cfg, params, cache, tokens, lengths, None, key, sp)
@@ -328,7 +331,7 @@ def _check_bucket_reuse(cfg, params, s: BenchSettings, b, S, dtype, rng, key) ->
         return {"prompt_len": alt, "checked": False}
     tokens, lengths = engine.pad_prompts(list(_random_prompts(rng, cfg.vocab_size, b, alt)))
     before = engine.prefill_and_sample._cache_size()
-    cache = init_cache(cfg, b, S, dtype)
+    cache = init_cache(cfg, b, S, dtype, s.kv_dtype)
     first, cache = engine.prefill_and_sample(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths), None,
                                              key, SamplingParams.make(b))
     np.asarray(first)
@@ -417,7 +420,8 @@ def cmd_bench(a) -> int:
     default_copy = (1 << 30) if jax.default_backend() != "cpu" else (64 << 20)
     settings = BenchSettings(prompt_len=a.prompt_len, gen=a.gen, batches=a.batch, steps_per_dispatch=a.steps_per_dispatch,
                              repeats=a.repeats, copy_bytes=int(a.copy_mib * 2**20) if a.copy_mib else default_copy,
-                             seed=a.seed, time_budget_s=a.time_budget, compile_workers=a.compile_workers)
+                             seed=a.seed, time_budget_s=a.time_budget, compile_workers=a.compile_workers,
+                             kv_dtype=a.kv_dtype)
     on_update = (lambda r: write_json(r, a.json)) if a.json else None
 
     def log(msg):
@@ -447,6 +451,8 @@ def register_cli(subparsers) -> None:
     p.add_argument("--copy-mib", type=float, default=None,
                    help="bandwidth probe array size in MiB (default 1024 on accelerators, 64 on CPU)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16",
+                   help="KV cache: bf16 (unquantized, in the activation dtype), int8 or fp8 (default bf16)")
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                    help="skip the remaining measurements after this long, counted from the end of loading "
                         "and compiling (they are listed as skipped)")

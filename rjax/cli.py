@@ -54,7 +54,7 @@ def cmd_generate(a) -> int:
     kw = _sampling_kwargs(a)
     if a.json or a.speculative:
         result = rjax.generate(model, a.prompt, raw=a.raw, speculative=a.speculative, draft_tokens=a.draft_tokens,
-                               **kw)
+                               kv_dtype=a.kv_dtype, **kw)
         if a.json:
             print(json.dumps(result.to_json()))
             return 0
@@ -65,7 +65,7 @@ def cmd_generate(a) -> int:
               f"decode {result.decode_tokens_per_s:.1f} tokens/s, finish: {result.finish_reason}]", file=sys.stderr)
         return 0
     stats: dict = {}
-    for chunk in rjax.stream(model, a.prompt, raw=a.raw, stats=stats, **kw):
+    for chunk in rjax.stream(model, a.prompt, raw=a.raw, stats=stats, kv_dtype=a.kv_dtype, **kw):
         sys.stdout.write(chunk)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "'self:q4_0' or 'self:q8_0' (the model requantized drafts for itself), or a draft model "
                         "with the same tokenizer (catalog name, .gguf file, Hugging Face directory)")
     p.add_argument("--draft-tokens", type=int, default=4, help="tokens drafted per verification (default 4)")
+    p.add_argument("--kv-dtype", choices=("bf16", "int8", "fp8"), default="bf16",
+                   help="KV cache: bf16 (unquantized, in the activation dtype: float32 on the CPU), int8 (one "
+                        "scale per token and head) or fp8 (e4m3, one scale per head) (default bf16)")
     p.add_argument("prompt")
     p.set_defaults(func=cmd_generate)
 

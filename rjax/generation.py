@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rjax import checks, engine
-from rjax.cache import KVCache, init_cache
+from rjax.cache import KVCache, check_kv_dtype, init_cache
 from rjax.precompile import compile_programs, decode_program, prefill_program
 from rjax.loaders import Model
 from rjax.engine import ContextLengthError, PromptTooLongError  # noqa: F401 (part of this module's API)
@@ -146,12 +146,14 @@ def check_request(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tok
 def stream_ids(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                steps_per_dispatch: int = 8, stats: dict | None = None,
-               cache: KVCache | None = None) -> Iterator[list[list[int]]]:
+               cache: KVCache | None = None, kv_dtype: str | None = None) -> Iterator[list[list[int]]]:
     """Generate for several tokenized prompts at once (one cache slot each), yielding the new
     token ids of every prompt after each device dispatch.
 
     `cache` (optional, one slot per prompt): continue sequences it already holds, the prompts
     being appended after each slot's length (a conversation's new turn over its cached prefix).
+    `kv_dtype`: how a fresh cache stores K/V, "bf16" (default: unquantized, in the activation
+    dtype), "int8" or "fp8" (rjax.cache.init_cache).
     `stats` (optional) receives timings (`compile_s`: lowering and compiling the prefill and
     decode programs, concurrently, before the first call; `ttft_s` then runs from the prefill
     call to the first token on the host), each prompt's finish reason and the final `cache`,
@@ -160,26 +162,29 @@ def stream_ids(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens
     The request is checked (`check_request`) when this is called, before the first step."""
     prompts = check_request(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                             top_p=top_p, seed=seed, steps_per_dispatch=steps_per_dispatch, cache=cache)
+    check_kv_dtype(kv_dtype)
     return _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, steps_per_dispatch, stats,
-                       cache)
+                       cache, kv_dtype)
 
 
-def _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, steps_per_dispatch, stats, cache):
+def _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, steps_per_dispatch, stats, cache,
+                kv_dtype=None):
     cfg, tok = model.config, model.tokenizer
     B = len(prompts)
     tokens, lengths = engine.pad_prompts(prompts)
     if cache is None:
         cache = init_cache(cfg, B, cache_length(int(lengths.max()) + max_new_tokens, cfg.context_length),
-                           activation_dtype())
+                           activation_dtype(), kv_dtype)
     S = cache.max_len
     end = np.asarray(cache.lengths) + lengths  # each slot's length after the prompt
     sp = SamplingParams.make(B, temperature, top_k, top_p)
     stop_ids = jnp.asarray(sorted(tok.eos_ids) or [-1], jnp.int32)
     key, sub = jax.random.split(jax.random.key(seed))
     # Both programs at once, before the first call (a no-op where they are compiled already).
-    compiled = compile_programs([prefill_program(cfg, model.params, B, tokens.shape[1], S, cache.dtype),
+    compiled = compile_programs([prefill_program(cfg, model.params, B, tokens.shape[1], S, cache.dtype,
+                                                 kv_dtype=cache.kv_dtype),
                                  decode_program(cfg, model.params, B, S, cache.dtype, steps_per_dispatch,
-                                                int(stop_ids.shape[0]))])
+                                                int(stop_ids.shape[0]), kv_dtype=cache.kv_dtype)])
 
     t0 = time.perf_counter()
     first, cache = engine.prefill_and_sample(cfg, model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
@@ -250,12 +255,12 @@ def load_drafter(model: Model, speculative) -> tuple[object, Model | None]:
 
 def _speculative_generate(model: Model, ids: list[int], drafter, draft: Model | None, draft_tokens: int, *,
                           max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                          seed: int = 0, steps_per_dispatch: int = 8) -> GenerationResult:
+                          seed: int = 0, steps_per_dispatch: int = 8, kv_dtype: str | None = None) -> GenerationResult:
     [ids] = check_request(model, [ids], max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                           top_p=top_p, seed=seed, steps_per_dispatch=steps_per_dispatch)
     cfg, tok = model.config, model.tokenizer
     S = cache_length(len(ids) + max_new_tokens, cfg.context_length)
-    cache = init_cache(cfg, 1, S, activation_dtype())
+    cache = init_cache(cfg, 1, S, activation_dtype(), kv_dtype)
     draft_cache = draft_cache_for(drafter, S, activation_dtype()) if draft is not None else None
     stats = SpeculativeStats()
     t0 = time.perf_counter()
@@ -302,7 +307,8 @@ DEFAULT_SERVING_SLOTS = 32
 
 def serve_ids(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256, temperature: float = 0.0,
               top_k: int = 0, top_p: float = 1.0, seed: int = 0, steps_per_dispatch: int = 8,
-              n_slots: int = DEFAULT_SERVING_SLOTS, speculative: str | None = None, draft_tokens: int = 4):
+              n_slots: int = DEFAULT_SERVING_SLOTS, speculative: str | None = None, draft_tokens: int = 4,
+              kv_dtype: str | None = None):
     """Tokenized prompts through the continuous-batching engine (`rjax.serving`) with up to
     `n_slots` running at once; more wait for a free slot. speculative="ngram": prompt-lookup
     drafts of `draft_tokens` tokens for every slot (ServingConfig.speculative).
@@ -317,7 +323,8 @@ def serve_ids(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens:
     config = ServingConfig(n_slots=max(1, min(len(prompts), n_slots)), max_len=S, page_size=16 if S % 16 == 0 else None,
                            steps_per_dispatch=steps_per_dispatch, max_stop_ids=max(8, len(stop_ids)),
                            speculative=speculative, draft_tokens=draft_tokens,
-                           kv_dtype=jnp.dtype(activation_dtype()).name)
+                           kv_dtype=jnp.dtype(activation_dtype()).name if check_kv_dtype(kv_dtype) == "bf16"
+                           else kv_dtype)
     eng = ServingEngine(cfg, model.params, config, stop_ids=stop_ids, seed=seed)
     ids = [eng.submit(p, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
            for p in prompts]
@@ -342,8 +349,9 @@ def generate(model: Model, prompt: str | Sequence[str], *, raw: bool = False, sp
     """Text in, text out. A list of prompts runs through the continuous-batching engine (up to
     `n_slots`, default 32, at once) and returns a list of results in prompt order.
 
-    Keyword arguments: max_new_tokens, temperature, top_k, top_p, seed, steps_per_dispatch
-    (and n_slots for a list). Returns GenerationResult (or a list of them) with token ids, text,
+    Keyword arguments: max_new_tokens, temperature, top_k, top_p, seed, steps_per_dispatch,
+    kv_dtype ("bf16", "int8", "fp8": how the KV cache stores keys and values; rjax.cache) (and
+    n_slots for a list). Returns GenerationResult (or a list of them) with token ids, text,
     finish reason and timings (for a list: each request's own time to first token and decode rate).
     speculative: one prompt decoded by drafts of `draft_tokens` tokens, each batch of drafts
     verified in one forward pass (`rjax.speculative`): "ngram" (prompt lookup), "self:q4_0" /

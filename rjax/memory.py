@@ -13,6 +13,7 @@ import dataclasses
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rjax.config import ModelConfig
@@ -53,9 +54,31 @@ def tree_bytes(tree) -> int:
     return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
+QUANTIZED_KV = ("int8", "fp8")
+
+
 def kv_bytes_per_position(cfg: ModelConfig, dtype) -> int:
-    """K and V bytes of one position of one sequence, over all layers."""
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * np.dtype(dtype).itemsize
+    """K and V bytes of one position of one sequence, over all layers. dtype: a float dtype (an
+    unquantized cache), or "int8" (a byte per value plus a float32 scale per token and head) or
+    "fp8" (a byte per value; its per-head scales are a constant few bytes)."""
+    per_head = {"int8": cfg.head_dim + 4, "fp8": cfg.head_dim}.get(_kv_name(dtype))
+    if per_head is None:
+        per_head = cfg.head_dim * _itemsize(dtype)
+    return 2 * cfg.n_layers * cfg.n_kv_heads * per_head
+
+
+def _kv_name(dtype):
+    return dtype if isinstance(dtype, str) and dtype in QUANTIZED_KV else None
+
+
+def _itemsize(dtype) -> int:
+    return 2 if isinstance(dtype, str) and dtype == "bf16" else np.dtype(jnp.dtype(dtype)).itemsize
+
+
+def _float_item(dtype) -> int:
+    """Bytes per value of the float K/V attention reads on the CPU: a quantized cache is
+    dequantized to float32 there."""
+    return 4 if _kv_name(dtype) else _itemsize(dtype)
 
 
 def workspace_bytes(cfg: ModelConfig, *, n_slots: int, max_len: int, prefill_tokens: int, prefill_prompts: int,
@@ -65,7 +88,7 @@ def workspace_bytes(cfg: ModelConfig, *, n_slots: int, max_len: int, prefill_tok
     logits plus the sorted copies sampling makes, and where attention runs as the pure-JAX
     reference (not on GPUs) the gathered cache and score matrices, plus a dequantized weight."""
     backend = backend or jax.default_backend()
-    item = np.dtype(dtype).itemsize
+    item = _float_item(dtype)
     per_token = 4 * (4 * cfg.d_model + 3 * cfg.d_ff + 2 * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim)
     logits = 6 * 4 * cfg.vocab_size
     decode = n_slots * (per_token + logits)
@@ -111,6 +134,7 @@ def plan_memory(cfg: ModelConfig, *, max_len: int, page_size: int | None = 16, n
                 device=None) -> MemoryPlan:
     """The slots and pages that fit, or MemoryFitError.
 
+    dtype: the KV dtype, a float dtype or "int8" / "fp8" (`kv_bytes_per_position`).
     max_len: positions per sequence. page_size None: a contiguous cache (every slot holds
     max_len positions). n_slots / n_pages: given, they are checked; None, the largest that fit
     are chosen (slots up to `max_slots`; with pages, enough slots that each can hold

@@ -50,12 +50,13 @@ def _abstract(make: Callable[[], Any]):
 
 
 def prefill_program(cfg: ModelConfig, params: Params, batch: int, bucket: int, cache_len: int, dtype,
-                    with_slots: bool = False) -> Program:
+                    with_slots: bool = False, kv_dtype: str | None = None) -> Program:
     """`engine.prefill_and_sample` for `batch` prompts padded to `bucket` tokens into a cache of
-    `cache_len` positions (`with_slots`: into given cache rows, as the server does)."""
+    `cache_len` positions (`with_slots`: into given cache rows, as the server does), K/V stored
+    as `kv_dtype` (rjax.cache.init_cache)."""
     if bucket not in engine.PROMPT_BUCKETS:
         raise ValueError(f"prompt bucket {bucket} is not one of engine.PROMPT_BUCKETS")
-    cache = _abstract(lambda: init_cache(cfg, batch, cache_len, dtype))
+    cache = _abstract(lambda: init_cache(cfg, batch, cache_len, dtype, kv_dtype))
     tokens = jax.ShapeDtypeStruct((batch, bucket), jnp.int32)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
     slots = jax.ShapeDtypeStruct((batch,), jnp.int32) if with_slots else None
@@ -66,13 +67,14 @@ def prefill_program(cfg: ModelConfig, params: Params, batch: int, bucket: int, c
 
 
 def decode_program(cfg: ModelConfig, params: Params, batch: int, cache_len: int, dtype, n_steps: int,
-                   n_stop_ids: int = 1) -> Program:
-    """`engine.decode_loop` of `n_steps` steps over `batch` slots of a `cache_len` cache, with a
-    stop set of `n_stop_ids` token ids."""
-    cache = _abstract(lambda: init_cache(cfg, batch, cache_len, dtype))
+                   n_stop_ids: int = 1, kv_dtype: str | None = None) -> Program:
+    """`engine.decode_loop` of `n_steps` steps over `batch` slots of a `cache_len` cache (K/V
+    stored as `kv_dtype`), with a stop set of `n_stop_ids` token ids."""
+    cache = _abstract(lambda: init_cache(cfg, batch, cache_len, dtype, kv_dtype))
     stop_ids = jax.ShapeDtypeStruct((n_stop_ids,), jnp.int32)
     state = _abstract(lambda: engine.initial_state(jnp.zeros((batch,), jnp.int32), 1, jnp.full((n_stop_ids,), -1),
-                                                   jax.random.key(0), init_cache(cfg, batch, cache_len, dtype)))
+                                                   jax.random.key(0), init_cache(cfg, batch, cache_len, dtype,
+                                                                                 kv_dtype)))
     sp = _abstract(lambda: SamplingParams.make(batch))
     return Program(f"decode B={batch} N={n_steps}", engine.decode_loop, (cfg, params, cache, state, sp, stop_ids, n_steps))
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from rjax.cache import init_cache
+from rjax.cache import check_kv_dtype, init_cache
 from rjax.catalog import add_model_argument
 from rjax.checks import check_token_ids
 from rjax.config import ModelConfig
@@ -57,26 +57,28 @@ def _target_logprobs(params: Params, h: jax.Array, targets: jax.Array) -> jax.Ar
 
 
 def token_logprobs(cfg: ModelConfig, params: Params, tokens: jax.Array, lengths: jax.Array,
-                   dtype=jnp.float32) -> jax.Array:
+                   dtype=jnp.float32, kv_dtype: str | None = None) -> jax.Array:
     """Log-probabilities of each next token: tokens [B, T] int32 (right-padded), lengths [B].
 
     -> [B, T-1] float32, out[b, t] = log p(tokens[b, t+1] | tokens[b, :t+1]) for t + 1 < lengths[b],
     0 past the end of a sequence. Positions start at 0 in every row. A fresh KV cache of T
     positions is built inside (T must not exceed the model's context length); `dtype` is the
-    activation dtype (float32 matches the float32 reference; bfloat16 suits accelerators).
-    Jitted (cfg and dtype static); callable under the caller's jit, vmap and grad.
+    activation dtype (float32 matches the float32 reference; bfloat16 suits accelerators);
+    `kv_dtype` how the cache stores K/V ("bf16": unquantized; "int8", "fp8": quantized when
+    written, so the positions attend to quantized keys and values, as decoding would).
+    Jitted (cfg, dtype and kv_dtype static); callable under the caller's jit, vmap and grad.
     """
     # One calling convention into the jitted function, so that however dtype is given (by
     # position, by keyword, by default, as a class or a dtype) the compiled program is shared.
-    return _token_logprobs(cfg, params, tokens, lengths, jnp.dtype(dtype))
+    return _token_logprobs(cfg, params, tokens, lengths, jnp.dtype(dtype), check_kv_dtype(kv_dtype))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4))
-def _token_logprobs(cfg, params, tokens, lengths, dtype):
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+def _token_logprobs(cfg, params, tokens, lengths, dtype, kv_dtype="bf16"):
     B, T = tokens.shape
     t = jnp.arange(T, dtype=jnp.int32)[None, :]
     pos = jnp.where(t < lengths[:, None], t, -1)
-    cache = init_cache(cfg, B, T, dtype)
+    cache = init_cache(cfg, B, T, dtype, kv_dtype)
     h, _ = hidden_states(cfg, params, cache, tokens, pos, None, dtype)
     lp = _target_logprobs(params, h[:, :-1], tokens[:, 1:])
     return jnp.where(t[:, 1:] < lengths[:, None], lp, 0.0)
@@ -278,7 +280,7 @@ def _ppl_stats(nll: np.ndarray) -> tuple[float, float, float]:
 
 
 def window_nll(cfg: ModelConfig, params: Params, windows: Sequence[Window], *, batch: int = 4,
-               dtype=None, progress: bool = True, desc: str = "perplexity") -> np.ndarray:
+               dtype=None, progress: bool = True, desc: str = "perplexity", kv_dtype: str | None = None) -> np.ndarray:
     """Negative log-likelihood of every scored token of every window, in order (float64).
 
     Windows run `batch` at a time, padded to the longest window, so a whole evaluation compiles
@@ -300,7 +302,7 @@ def window_nll(cfg: ModelConfig, params: Params, windows: Sequence[Window], *, b
             for r, w in enumerate(rows):
                 tokens[r, : len(w.tokens)] = w.tokens
             lengths = np.array([len(w.tokens) for w in rows], np.int32)
-            lp = np.asarray(token_logprobs(cfg, params, jnp.asarray(tokens), jnp.asarray(lengths), dtype))
+            lp = np.asarray(token_logprobs(cfg, params, jnp.asarray(tokens), jnp.asarray(lengths), dtype, kv_dtype))
             for r, w in enumerate(group):
                 nll = -lp[r, w.first_target - 1: len(w.tokens) - 1].astype(np.float64)
                 parts.append(nll)
@@ -315,19 +317,19 @@ def window_nll(cfg: ModelConfig, params: Params, windows: Sequence[Window], *, b
 
 def perplexity_of_ids(cfg: ModelConfig, params: Params, tokens: Sequence[int], *, ctx: int = 512,
                       stride: int | None = None, bos_id: int | None = None, batch: int = 4, dtype=None,
-                      progress: bool = True) -> PerplexityResult:
+                      progress: bool = True, kv_dtype: str | None = None) -> PerplexityResult:
     """Perplexity of a token list; see `perplexity` (bos_id: the BOS that replaces the first token
     of every llama.cpp chunk, None when the tokenizer adds no BOS)."""
     _check_fits(cfg, ctx, f"a perplexity window (ctx={ctx})")
     tokens = check_token_ids(tokens, cfg.vocab_size, "the text")
     windows = llama_cpp_windows(tokens, ctx, bos_id) if stride is None else strided_windows(tokens, ctx, stride)
-    nll = window_nll(cfg, params, windows, batch=batch, dtype=dtype, progress=progress)
+    nll = window_nll(cfg, params, windows, batch=batch, dtype=dtype, progress=progress, kv_dtype=kv_dtype)
     ppl, std, mean = _ppl_stats(nll)
     return PerplexityResult(ppl, std, mean, len(nll), len(tokens), len(windows), ctx, stride, nll)
 
 
 def perplexity(model, text: str, *, ctx: int = 512, stride: int | None = None, batch: int = 4,
-               progress: bool = True, dtype=None) -> PerplexityResult:
+               progress: bool = True, dtype=None, kv_dtype: str | None = None) -> PerplexityResult:
     """Perplexity of `text` under the model, with llama.cpp's numbers by default.
 
     The text is tokenized once, with BOS in front when the model's tokenizer adds one.
@@ -346,12 +348,14 @@ def perplexity(model, text: str, *, ctx: int = 512, stride: int | None = None, b
 
     `ppl` is exp(mean nll); `ppl_std` its uncertainty as llama.cpp prints it after "+/-":
     ppl · sqrt(var(nll) / (n - 1)). The progress bar shows the running estimate.
+
+    kv_dtype: the KV cache's storage, "bf16" (default: unquantized), "int8" or "fp8".
     """
     tok = model.tokenizer
     ids = tok.encode(check_text(text, "text"))
     bos = tok.bos_id if (tok.add_bos and tok.bos_id is not None) else None
     return perplexity_of_ids(model.config, model.params, ids, ctx=ctx, stride=stride, bos_id=bos,
-                             batch=batch, dtype=dtype, progress=progress)
+                             batch=batch, dtype=dtype, progress=progress, kv_dtype=kv_dtype)
 
 
 # --- command line -------------------------------------------------------------------------------
@@ -363,7 +367,8 @@ def cmd_perplexity(a) -> int:
         raise FileNotFoundError(f"perplexity: text file {str(path)!r} does not exist")
     text = path.read_text(encoding="utf-8")
     model = load(a.model, progress=not a.json)
-    r = perplexity(model, text, ctx=a.ctx, stride=a.stride, batch=a.batch, progress=not a.json)
+    r = perplexity(model, text, ctx=a.ctx, stride=a.stride, batch=a.batch, progress=not a.json,
+                   kv_dtype=a.kv_dtype)
     if a.json:
         print(json.dumps(r.to_json()))
         return 0
@@ -387,4 +392,6 @@ def register_cli(subparsers) -> None:
                    help="strided sliding window with this stride (default: llama.cpp's chunks)")
     p.add_argument("--batch", type=int, default=4, help="windows evaluated per forward pass (default 4)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--kv-dtype", choices=("bf16", "int8", "fp8"), default="bf16",
+                   help="KV cache: bf16 (unquantized, in the activation dtype), int8 or fp8 (default bf16)")
     p.set_defaults(func=cmd_perplexity)

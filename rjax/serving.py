@@ -108,14 +108,14 @@ class ServingEngine:
                     n_pages=config.pool_pages if config.paged else None, prefill_tokens=config.max_prefill_tokens,
                     prefill_prompts=config.max_prefill_prompts, dtype=config.kv_dtype, reserve_bytes=reserve_bytes,
                     available=available_bytes, budget_bytes=budget_bytes)
-        dtype = jnp.dtype(config.kv_dtype)
+        dtype = config.dtype
         if config.paged:
             self.cache = init_paged_cache(cfg, config.n_slots, config.pool_pages, config.page_size, config.max_len,
-                                          dtype)
+                                          dtype, kv_dtype=config.cache_kv_dtype)
             self.pages: PageAllocator | None = PageAllocator(config.pool_pages, config.n_slots, config.max_pages,
                                                              config.page_size, prefix_cache=config.prefix_cache)
         else:
-            self.cache = init_cache(cfg, config.n_slots, config.max_len, dtype)
+            self.cache = init_cache(cfg, config.n_slots, config.max_len, dtype, kv_dtype=config.cache_kv_dtype)
             self.pages = None
         self._seeds = np.random.default_rng(seed)  # seeds of the requests that bring none
         self.slots = init_slots(config.n_slots, config.max_stop_ids)
@@ -131,7 +131,7 @@ class ServingEngine:
         self._live_ids: set = set()                           # ids of queued and running requests
         self._drafted = self._accepted = 0                    # speculative totals of finished requests
         self.kv_bytes = (config.pool_pages * config.page_size if config.paged else config.n_slots * config.max_len) \
-            * kv_bytes_per_position(cfg, dtype)
+            * kv_bytes_per_position(cfg, config.kv_dtype)
 
     # -- compiling ahead --------------------------------------------------------------------
 

@@ -16,12 +16,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rjax.checks import check_token_ids, is_int
 from rjax.config import ModelConfig
 from rjax.engine import PROMPT_BUCKETS, ContextLengthError, PromptTooLongError
-from rjax.memory import plan_memory
+from rjax.memory import QUANTIZED_KV, plan_memory
 from rjax.sampling import check_sampling
 
 
@@ -46,7 +48,12 @@ class ServingConfig:
     # dispatches, so that it neither needs a program of its length nor stalls the others.
     max_prefill_tokens: int = 4096
     max_stop_ids: int = 8               # stop ids per request
+    # The KV cache: a float dtype name ("float32", "bfloat16"; "bf16" is taken for "bfloat16"),
+    # which is also the dtype the engine computes in, or "int8" / "fp8" (rjax.cache.KV_DTYPES),
+    # quantized when written, the engine computing in `activation_dtype` (None: bfloat16 on a
+    # GPU, float32 elsewhere).
     kv_dtype: str = "float32"
+    activation_dtype: str | None = None
     # Full pages of earlier sequences are kept and shared by later prompts that start with the
     # same tokens (paged caches only; see rjax.pages).
     prefix_cache: bool = True
@@ -57,6 +64,13 @@ class ServingConfig:
     draft_tokens: int = 4
 
     def __post_init__(self):
+        if self.kv_dtype == "bf16":
+            object.__setattr__(self, "kv_dtype", "bfloat16")
+        if self.kv_dtype not in QUANTIZED_KV and not _is_float(self.kv_dtype):
+            raise ValueError(f"ServingConfig.kv_dtype must be a float dtype name, 'bf16', 'int8' or 'fp8', "
+                             f"got {self.kv_dtype!r}")
+        if self.activation_dtype is not None and not _is_float(self.activation_dtype):
+            raise ValueError(f"ServingConfig.activation_dtype must be a float dtype name, got {self.activation_dtype!r}")
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"ServingConfig.speculative must be one of {SPECULATIVE}, got {self.speculative!r}")
         if not is_int(self.draft_tokens) or not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
@@ -100,6 +114,20 @@ class ServingConfig:
         return next(b for b in self.decode_buckets if b >= n_running)
 
     @property
+    def dtype(self):
+        """The dtype the engine computes in (and, unless quantized, stores K/V in)."""
+        if self.kv_dtype not in QUANTIZED_KV:
+            return jnp.dtype(self.kv_dtype)
+        if self.activation_dtype is not None:
+            return jnp.dtype(self.activation_dtype)
+        return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+
+    @property
+    def cache_kv_dtype(self) -> str:
+        """`kv_dtype` as rjax.cache.init_cache takes it ("bf16": unquantized, in `dtype`)."""
+        return self.kv_dtype if self.kv_dtype in QUANTIZED_KV else "bf16"
+
+    @property
     def max_prefill_prompts(self) -> int:
         return self.prefill_buckets[-1]
 
@@ -117,6 +145,14 @@ class ServingConfig:
     @property
     def pool_pages(self) -> int:
         return self.n_slots * self.max_pages if self.n_pages is None else self.n_pages
+
+
+def _is_float(name) -> bool:
+    try:
+        d = jnp.dtype(name)
+    except TypeError:
+        return False
+    return jnp.issubdtype(d, jnp.floating) and d.itemsize >= 2  # fp8 is a KV format, not a compute dtype
 
 
 def fit_config(cfg: ModelConfig, *, max_len: int, page_size: int | None = 16, n_slots: int | None = None,
