@@ -162,6 +162,34 @@ def test_paged_kernels_on_quantized_kv(kind, T, page_size, block_k):
     assert rel_err(out, ref) < KERNEL_TOL
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("name,T,splits", [("decode", 1, None), ("decode", 1, 2), ("decode", 2, None),
+                                           ("prefill", 32, None), ("paged_decode", 1, None),
+                                           ("paged_prefill", 32, None)])
+def test_quantized_kernels_lower_to_triton_for_h100(kind, name, T, splits):
+    """Each kernel on a quantized cache lowers for sm_90 (int8 and e4m3 loads and casts) without a GPU."""
+    import warnings
+    from unittest import mock
+
+    from jax._src.pallas.triton import gpu_info
+
+    h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+    S = jax.ShapeDtypeStruct
+    dt = jnp.int8 if kind == "int8" else jnp.float8_e4m3fn
+    paged = name.startswith("paged")
+    kv = S((40, 3, 16, 64), dt) if paged else S((1, 3, 640, 64), dt)
+    scale = S(kv.shape[:-1], jnp.float32) if kind == "int8" else S((3,), jnp.float32)
+    fn = {"decode": decode_attention, "prefill": prefill_attention, "paged_decode": paged_decode_attention,
+          "paged_prefill": paged_prefill_attention}[name]
+    args = (S((1, T, 9, 64), jnp.bfloat16), kv, kv) + ((S((1, 40), jnp.int32),) if paged else ())
+    args += (S((1, T), jnp.int32), S((1,), jnp.int32))
+    kw = dict(num_splits=splits) if splits else {}
+    with warnings.catch_warnings(), mock.patch.object(gpu_info, "get_gpu_info", lambda: h100):
+        warnings.simplefilter("ignore")
+        lowered = fn.trace(*args, scale=0.125, k_scale=scale, v_scale=scale, **kw).lower(lowering_platforms=("cuda",))
+    assert "__gpu$xla.gpu.triton" in lowered.as_text()
+
+
 def test_scale_errors_name_the_argument():
     q, k, v, pos, kv_len = case(6, B=1, T=1, Hq=2, Hkv=1, S=32, D=16, pos_start=[5])
     kq, ks = quantize_int8(k)
