@@ -17,7 +17,7 @@ Costs are timed as programs of many passes (a loop of 32 forward passes over a c
 prompt's length, on the device), so they hold no host round trips. Tokens/s are the warm
 second of two identical calls (the first compiles), decode time being the call's wall time
 less its time to the first token. Writes <out>/speculative.json after each part and prints a
-table last. --skip-8b runs (a) alone.
+table last. --skip-8b runs (a) alone, --skip-ngram (b) alone.
 """
 from __future__ import annotations
 
@@ -94,13 +94,13 @@ def timed_generate(model, prompt, **kw):
     return r, (len(r.tokens) - 1) / decode_s if decode_s > 0 else 0.0
 
 
-def forward_cost(cfg, params, T: int, held: int, max_len: int, passes: int = 32) -> float:
-    """Seconds per forward pass of T positions after `held` cached ones (batch 1), timed as one
-    program of `passes` passes."""
+@functools.cache
+def _cost_loop(cfg, T: int, passes: int):
+    """A program of `passes` forward passes of T positions (batch 1) after `held` cached ones."""
     dtype = activation_dtype()
 
     @functools.partial(jax.jit, donate_argnums=(1,), compiler_options=engine.DECODE_LOOP_COMPILER_OPTIONS)
-    def loop(params, cache, tokens):
+    def loop(params, cache, tokens, held):
         pos = held + jnp.arange(T, dtype=jnp.int32)[None]
 
         def body(i, carry):
@@ -110,11 +110,18 @@ def forward_cost(cfg, params, T: int, held: int, max_len: int, passes: int = 32)
 
         return jax.lax.fori_loop(0, passes, body, (jnp.float32(0), cache))
 
-    tokens = jnp.ones((1, T), jnp.int32)
-    acc, cache = loop(params, init_cache(cfg, 1, max_len, dtype), tokens)   # compiles
+    return loop
+
+
+def forward_cost(cfg, params, T: int, held: int, max_len: int, passes: int = 32) -> float:
+    """Seconds per forward pass of T positions after `held` cached ones (batch 1), timed as one
+    program of `passes` passes (its first call compiles it and is not timed)."""
+    loop = _cost_loop(cfg, T, passes)
+    tokens, held = jnp.ones((1, T), jnp.int32), jnp.int32(held)
+    acc, cache = loop(params, init_cache(cfg, 1, max_len, activation_dtype()), tokens, held)
     acc.block_until_ready()
     t0 = time.perf_counter()
-    acc, cache = loop(params, cache, tokens)
+    acc, cache = loop(params, cache, tokens, held)
     acc.block_until_ready()
     return (time.perf_counter() - t0) / passes
 
@@ -243,6 +250,7 @@ def main(argv=None) -> int:
                                                    "keeps the K + 1 verified positions on the decode attention kernel)")
     p.add_argument("--draft-k", default="4", help="draft tokens per round for the draft model (comma list)")
     p.add_argument("--skip-8b", action="store_true", help="only part (a)")
+    p.add_argument("--skip-ngram", action="store_true", help="only part (b)")
     p.add_argument("--target-shape", default="llama-8b", help="part (b)'s synthetic shape (rjax.synth.SHAPES)")
     p.add_argument("--target-layers", type=int, default=None, help="part (b)'s layer count (default: the shape's)")
     a = p.parse_args(argv)
@@ -254,7 +262,8 @@ def main(argv=None) -> int:
                      max_new_tokens=a.max_new_tokens)
     say(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
     dest = Path(a.out) / "speculative.json"
-    for part in (part_ngram,) + (() if a.skip_8b else (part_draft_model,)):
+    parts = (() if a.skip_ngram else (part_ngram,)) + (() if a.skip_8b else (part_draft_model,))
+    for part in parts:
         try:
             part(a, out)
         except Exception as e:  # keep what the other part measured

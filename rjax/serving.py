@@ -170,9 +170,10 @@ class ServingEngine:
                              i32(b) if c.paged else None))
                     for b in c.decode_buckets for lp in ((False, True) if logprobs else (False,))]
         if c.speculative:
-            programs.append(Program(f"speculative K={c.draft_tokens} N={c.steps_per_dispatch}", speculative_dispatch,
-                                    (self.cfg, self.params, self.cache, self.slots, i32(c.n_slots, c.max_len + 1),
-                                     i32(c.n_slots), NgramDrafter(), c.draft_tokens, c.steps_per_dispatch)))
+            programs += [Program(f"speculative B={b} K={c.draft_tokens} N={c.steps_per_dispatch}", speculative_dispatch,
+                                 (self.cfg, self.params, self.cache, self.slots, i32(b, c.max_len + 1), i32(b),
+                                  NgramDrafter(), c.draft_tokens, c.steps_per_dispatch, i32(b) if c.paged else None))
+                         for b in (c.decode_buckets if c.paged else (c.n_slots,))]
         for p, t in self.prefill_shapes(prompt_lengths):
             programs.append(Program(f"prefill P={p} T={t}", prefill_into_slots, (
                 self.cfg, self.params, self.cache, self.slots, i32(p, t), i32(p), i32(p),
@@ -473,15 +474,20 @@ class ServingEngine:
             grown = [s for s, r in self._running.items()
                      if self.pages.grow(s, min(r.length + c.steps_per_dispatch * (K + 1), r.length_limit))]
             self._sync_block_tables(grown)
-        hist = np.zeros((c.n_slots, c.max_len + 1), np.int32)
-        n_hist = np.zeros(c.n_slots, np.int32)
-        for s, r in self._running.items():
-            seq = r.prompt + r.tokens
-            hist[s, : len(seq)] = seq
-            n_hist[s] = len(seq)
+        # As _decode: a paged engine runs only its running slots, padded to a decode bucket.
+        order = sorted(self._running) if c.paged else list(range(c.n_slots))
+        B = c.decode_bucket(len(order)) if c.paged else c.n_slots
+        hist = np.zeros((B, c.max_len + 1), np.int32)
+        n_hist = np.zeros(B, np.int32)
+        for i, s in enumerate(order):
+            if s in self._running:
+                seq = self._running[s].prompt + self._running[s].tokens
+                hist[i, : len(seq)] = seq
+                n_hist[i] = len(seq)
+        rows = _put(np.array(order + [c.n_slots] * (B - len(order)), np.int32)) if c.paged else None
         out, drafted, accepted, self.slots, self.cache = speculative_dispatch(
             self.cfg, self.params, self.cache, self.slots, *_put(hist, n_hist), NgramDrafter(), K,
-            c.steps_per_dispatch)
+            c.steps_per_dispatch, rows)
         out, drafted, accepted = np.asarray(out), np.asarray(drafted), np.asarray(accepted)
         done = np.asarray(self.slots.state.done)
         now = time.perf_counter()

@@ -37,6 +37,7 @@ from rjax.cache import KVCache, init_cache
 from rjax.config import ModelConfig
 from rjax.model import Params, forward
 from rjax.sampling import SamplingParams, filtered_logits
+from rjax.slots import _put_rows, _take_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,15 +348,34 @@ def _slots_round(cfg, params, cache, state, sampling: SamplingParams, stop_ids, 
 @functools.partial(jax.jit, static_argnames=("cfg", "drafter", "k", "n_rounds"), donate_argnames=("cache", "slots"),
                    compiler_options=engine.DECODE_LOOP_COMPILER_OPTIONS)
 def speculative_dispatch(cfg: ModelConfig, params: Params, cache, slots, hist, n_hist, drafter: NgramDrafter, k: int,
-                         n_rounds: int):
-    """Up to n_rounds speculative rounds over every slot of a serving engine (`rjax.slots.SlotBatch`
+                         n_rounds: int, rows=None):
+    """Up to n_rounds speculative rounds over the slots of a serving engine (`rjax.slots.SlotBatch`
     and its contiguous or paged cache) in one XLA program, stopping early when every slot is
-    done; the counterpart of `rjax.slots.decode_dispatch`. hist [n_slots, max_len + 1]: each
-    slot's prompt and generated tokens, n_hist [n_slots] of them (its cache length + 1). A paged
-    slot must own pages for every position it may write: up to n_rounds * (k + 1) past its
-    length, within its token budget.
+    done; the counterpart of `rjax.slots.decode_dispatch`. rows: None for every slot, or (paged
+    cache) the slots to run [R], padded with n_slots, as decode_dispatch takes them. hist
+    [R, max_len + 1]: each row's prompt and generated tokens, n_hist [R] of them (its cache
+    length + 1). A paged slot must own pages for every position it may write: up to
+    n_rounds * (k + 1) past its length, within its token budget.
     -> (tokens [n_slots, n_rounds * (k + 1)] int32, -1 padded; drafted [n_slots]; accepted
     [n_slots]; slots; cache)."""
+    if rows is None:
+        return _dispatch_rows(cfg, params, cache, slots, hist, n_hist, drafter, k, n_rounds)
+    sub, view = _take_rows(slots, cache, rows)
+    out, drafted, accepted, sub, view = _dispatch_rows(cfg, params, view, sub, hist, n_hist, drafter, k, n_rounds)
+    n = slots.state.last_token.shape[0]
+
+    def scatter(x):
+        return jnp.zeros((n,) + x.shape[1:], x.dtype).at[rows].set(x, mode="drop")
+
+    out = jnp.full((n, out.shape[1]), -1, jnp.int32).at[rows].set(out, mode="drop")
+    # The view's pool is the cache's pool, written in place; only lengths and state go back.
+    cache = dataclasses.replace(view, block_tables=cache.block_tables,
+                                lengths=cache.lengths.at[rows].set(view.lengths, mode="drop"))
+    slots = dataclasses.replace(slots, state=_put_rows(slots.state, rows, sub.state))
+    return out, scatter(drafted), scatter(accepted), slots, cache
+
+
+def _dispatch_rows(cfg, params, cache, slots, hist, n_hist, drafter, k: int, n_rounds: int):
     B = n_hist.shape[0]
     out0 = jnp.full((B, n_rounds, k + 1), -1, jnp.int32)
     z = jnp.zeros(B, jnp.int32)

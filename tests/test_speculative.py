@@ -175,13 +175,20 @@ def test_generate_and_its_checks(tiny_path):
         rjax.generate(model, "x", speculative="medusa")
     with pytest.raises(ValueError, match="self:q4_0"):
         rjax.generate(model, "x", raw=True, speculative="self:q2_k")
-    self_draft = rjax.generate(model, "abcabcabcabc", raw=True, max_new_tokens=24, speculative="self:q4_0")
-    assert self_draft.tokens == plain.tokens and self_draft.speculative["accepted"] > 0
     with pytest.raises(ValueError, match="draft_tokens"):
         rjax.generate(model, "x", speculative="ngram", draft_tokens=0)
     with pytest.raises(ValueError, match="prompt lookup only"):
         rjax.generate(model, ["x", "y"], raw=True, speculative="self:q4_0")
-    # A list goes through the serving engine, drafting by prompt lookup in every slot.
+
+
+@pytest.mark.slow
+def test_generate_with_a_self_draft_and_a_list(tiny_path):
+    """rjax.generate's other spellings: the model requantized as its own draft, and a list of
+    prompts through the speculative serving engine."""
+    model = rjax.load(tiny_path, progress=False)
+    plain = rjax.generate(model, "abcabcabcabc", raw=True, max_new_tokens=24)
+    self_draft = rjax.generate(model, "abcabcabcabc", raw=True, max_new_tokens=24, speculative="self:q4_0")
+    assert self_draft.tokens == plain.tokens and self_draft.speculative["accepted"] > 0
     texts = ["abcabcabcabc", "xyzxyzxy"]
     plain_list = rjax.generate(model, texts, raw=True, max_new_tokens=12)
     spec_list = rjax.generate(model, texts, raw=True, max_new_tokens=12, speculative="ngram", draft_tokens=3)
