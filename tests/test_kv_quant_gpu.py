@@ -195,3 +195,21 @@ def test_engine_decodes_over_a_quantized_cache(tmp_path, kv_dtype):
           f"{(got.argmax(-1) == ref.argmax(-1)).mean():.3f}")
     assert rel.max() < (5e-2 if kv_dtype == "int8" else 1.5e-1)
     assert (got.argmax(-1) == ref.argmax(-1))[clear].all()
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_long_prompt_chunk_at_32k(kind):
+    """The last 2,048 positions of a 32k prompt prefilled over the cache (the entry point's prefill
+    kernel) against the reference, which attends in query chunks (no [T, S] score matrix)."""
+    B, T, Hq, Hkv, S, D = 1, 2048, 32, 8, 32768, 128
+    q, k, v = make(13, B, T, Hq, Hkv, S, D)
+    pos = jnp.asarray(S - T + np.arange(T)[None], jnp.int32)
+    kv_len = jnp.asarray([S], jnp.int32)
+    if kind == "bf16":
+        k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+        ks = vs = None
+    else:
+        (k, ks), (v, vs) = quantize_int8(k), quantize_int8(v)
+    ref = attention_reference(q, k, v, pos, kv_len, scale=D ** -0.5, k_scale=ks, v_scale=vs)
+    out = attention(q, k, v, pos, kv_len, scale=D ** -0.5, k_scale=ks, v_scale=vs)
+    assert rel_err(out, ref) < BF16_TOL

@@ -1,0 +1,304 @@
+"""Decode throughput with a bf16, int8 and fp8 KV cache at long contexts, against the copy roofline.
+
+    python benchmarks/kv_dtype.py --out "$OUT/kv_dtype.json" [--workdir /tmp/rjax-kv] [--budget 420]
+
+What it measures, in one run on one GPU:
+- `bandwidth`: the device's copy bandwidth (rjax.roofline.measure_bandwidth: the best of a
+  device-to-device copy and elementwise passes), the ceiling every fraction below is held to.
+- `attention`: the decode attention kernel alone (llama-8b's heads: 32 query, 8 KV, head dim
+  128; one query token; 32k keys; batch 1 and 16) per KV dtype: time per call (a chain of calls
+  in one program, so no dispatch gaps), the K/V bytes it must read (values and scales) over
+  that time, and that rate as a fraction of the copy bandwidth.
+- `decode`: engine.decode_loop tokens/s (32 steps per dispatch, the median of 3 timed
+  dispatches after a warm one) of synthetic llama-8b Q4_K (`rjax synth`) at batch 1 and 16 with
+  contexts 8k, 32k and 128k, and of gemma3-1b's shape (Q4_K) at 32k, per KV dtype. The cache is
+  allocated at the context length and every slot holds context - 128 positions when the timed
+  dispatches start: what a step reads does not depend on the values, so the cache is not
+  prefilled (a 128k prefill per configuration would take the whole budget). A configuration the
+  memory planner (rjax.memory.plan_memory) says does not fit is reported as such, with its bytes.
+- `largest_batch_32k`: per KV dtype, the most llama-8b sequences of 32k positions the planner
+  fits beside the weights (contiguous cache), and that batch's decode tokens/s.
+Each decode entry also has its step's bytes (weights + KV) over the step time as a fraction of
+the copy bandwidth.
+
+Every program is compiled up front, concurrently (rjax.precompile), then timed. The JSON at
+--out is rewritten after every measurement, so a run cut short keeps what it measured; the last
+thing printed is the table. --budget (seconds, after the programs are compiled) skips what is
+left when it runs out.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pallas_kernels.attention import decode_attention  # noqa: E402
+from rjax import engine  # noqa: E402
+from rjax.cache import KV_DTYPES, init_cache  # noqa: E402
+from rjax.memory import MemoryFitError, plan_memory  # noqa: E402
+from rjax.precompile import compile_programs, decode_program  # noqa: E402
+from rjax.roofline import decode_weight_bytes, kv_bytes_per_sequence, measure_bandwidth  # noqa: E402
+from rjax.sampling import SamplingParams  # noqa: E402
+
+STEPS = 32          # decode steps per dispatch
+REPEATS = 3         # timed dispatches per configuration
+HEADROOM = (REPEATS + 1) * STEPS + 8  # positions left free at the end of the cache: every dispatch's steps
+LLAMA = dict(shape="llama-8b", quant="q4_k", runs=[(8192, 1), (8192, 16), (32768, 1), (32768, 16), (131072, 1),
+                                                    (131072, 16)])
+GEMMA = dict(shape="gemma3-1b", quant="q4_k", runs=[(32768, 1), (32768, 16)])
+
+
+def say(msg: str) -> None:
+    print(f"[kv_dtype {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def kv_value_bytes(kv: str, head_dim: int, dtype) -> float:
+    """Bytes a step reads per cached K or V value (int8 carries a float32 scale per row)."""
+    return {"int8": 1 + 4 / head_dim, "fp8": 1.0}.get(kv, jnp.dtype(dtype).itemsize)
+
+
+# ---- the attention kernel alone -------------------------------------------------------------------
+
+def attention_kernel(kv: str, B: int, S: int, bw: float, Hq=32, Hkv=8, D=128, calls=50) -> dict:
+    key = jax.random.split(jax.random.key(B + S), 3)
+    q = jax.random.normal(key[0], (B, 1, Hq, D), jnp.bfloat16)
+    shape = (B, Hkv, S, D)
+    if kv == "bf16":
+        k = jax.random.normal(key[1], shape, jnp.bfloat16)
+        v = jax.random.normal(key[2], shape, jnp.bfloat16)
+        ks = vs = None
+    elif kv == "int8":
+        k = jax.random.randint(key[1], shape, -127, 128, jnp.int8)
+        v = jax.random.randint(key[2], shape, -127, 128, jnp.int8)
+        ks = vs = jnp.full(shape[:3], 0.02, jnp.float32)
+    else:
+        k = jax.random.normal(key[1], shape, jnp.float32).astype(jnp.float8_e4m3fn)
+        v = jax.random.normal(key[2], shape, jnp.float32).astype(jnp.float8_e4m3fn)
+        ks = vs = jnp.ones((Hkv,), jnp.float32)
+    pos = jnp.full((B, 1), S - 1, jnp.int32)
+    kv_len = jnp.full((B,), S, jnp.int32)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def chain(n, q, k, v, ks, vs):
+        # Each call's output feeds the next one's query: the calls run back to back, none elided.
+        def body(_, q):
+            out = decode_attention(q, k, v, pos, kv_len, scale=D ** -0.5, k_scale=ks, v_scale=vs)
+            return (q + out * 1e-3).astype(q.dtype)
+        return jax.lax.fori_loop(0, n, body, q)
+
+    chain(calls, q, k, v, ks, vs).block_until_ready()
+    times = []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        chain(calls, q, k, v, ks, vs).block_until_ready()
+        times.append((time.perf_counter() - t0) / calls)
+    t = float(np.median(times))
+    nbytes = 2 * B * Hkv * S * D * kv_value_bytes(kv, D, jnp.bfloat16)
+    return dict(kv_dtype=kv, batch=B, keys=S, heads=[Hq, Hkv, D], us_per_call=t * 1e6, kv_bytes=int(nbytes),
+                gb_per_s=nbytes / t / 1e9, copy_fraction=nbytes / t / bw)
+
+
+# ---- decode through the engine --------------------------------------------------------------------
+
+def fits(cfg, kv: str, B: int, ctx: int) -> tuple[bool, str]:
+    try:
+        plan_memory(cfg, max_len=ctx, page_size=None, n_slots=B, prefill_tokens=16, prefill_prompts=1,
+                    dtype=_planner_dtype(kv))
+        return True, ""
+    except MemoryFitError as e:
+        return False, str(e)
+
+
+def _planner_dtype(kv: str):
+    return "bfloat16" if kv == "bf16" else kv
+
+
+def largest_batch(cfg, kv: str, ctx: int) -> int:
+    try:
+        return plan_memory(cfg, max_len=ctx, page_size=None, n_slots=None, prefill_tokens=16, prefill_prompts=1,
+                           dtype=_planner_dtype(kv), max_slots=1024).n_slots
+    except MemoryFitError:
+        return 0
+
+
+def decode_run(cfg, params, kv: str, B: int, ctx: int, bw: float) -> dict:
+    cache = init_cache(cfg, B, ctx, jnp.bfloat16, kv)
+    start = ctx - HEADROOM
+    cache = dataclasses.replace(cache, lengths=jnp.full((B,), start, jnp.int32))
+    sp = SamplingParams.make(B)
+    stop = jnp.asarray([-1], jnp.int32)
+    first = jnp.zeros((B,), jnp.int32)
+    state = engine.initial_state(first, jnp.full((B,), HEADROOM, jnp.int32), stop, jax.random.key(0), cache)
+    t0 = time.perf_counter()
+    out, state, cache = engine.decode_loop(cfg, params, cache, state, sp, stop, STEPS)  # warm (compiled ahead)
+    np.asarray(out)
+    warm_s = time.perf_counter() - t0
+    times = []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        out, state, cache = engine.decode_loop(cfg, params, cache, state, sp, stop, STEPS)
+        out = np.asarray(out)
+        times.append(time.perf_counter() - t0)
+        if (out < 0).any():
+            raise RuntimeError(f"decode {kv} B={B} ctx={ctx}: a slot stopped early")
+    del cache, state
+    t = float(np.median(times)) / STEPS
+    value = kv_value_bytes(kv, cfg.head_dim, jnp.bfloat16)
+    kv_step = B * kv_bytes_per_sequence(cfg, start + STEPS, value)
+    step_bytes = decode_weight_bytes(cfg, params, B) + kv_step
+    return dict(kv_dtype=kv, batch=B, context=ctx, tokens_per_s=B / t, ms_per_step=t * 1e3,
+                kv_bytes_per_step=int(kv_step), step_bytes=int(step_bytes),
+                copy_fraction=step_bytes / t / bw,
+                warm_dispatch_s=warm_s)
+
+
+def bench_model(spec: dict, kvs, workdir: Path, bw: float, result: dict, write, deadline: float,
+                largest: bool) -> None:
+    import rjax
+    from rjax.synth import write_synthetic
+
+    name = spec["shape"]
+    path = workdir / f"{name}-{spec['quant']}.gguf"
+    t0 = time.perf_counter()
+    if not path.exists():
+        write_synthetic(path, name, spec["quant"], seed=0)
+    model = rjax.load(path, progress=False)
+    cfg, params = model.config, model.params
+    say(f"{name} {spec['quant']}: synthesized and loaded in {time.perf_counter() - t0:.0f} s")
+    entry = result.setdefault("models", {}).setdefault(name, {"quant": spec["quant"], "decode": [], "skipped": []})
+    runs = []
+    for ctx, B in spec["runs"]:
+        for kv in kvs:
+            ok, why = fits(cfg, kv, B, ctx)
+            if ok:
+                runs.append((kv, B, ctx))
+            else:
+                entry["skipped"].append(dict(kv_dtype=kv, batch=B, context=ctx, reason=why))
+    if largest:
+        entry["largest_batch_32k"] = {kv: largest_batch(cfg, kv, 32768) for kv in kvs}
+        say(f"{name}: largest batch at 32k (planner, contiguous cache): {entry['largest_batch_32k']}")
+        runs += [(kv, n, 32768) for kv, n in entry["largest_batch_32k"].items()
+                 if n and (kv, n, 32768) not in runs]
+    t0 = time.perf_counter()
+    programs = [dataclasses.replace(decode_program(cfg, params, B, ctx, jnp.bfloat16, STEPS, 1, kv_dtype=kv),
+                                    name=f"decode {kv} B={B} ctx={ctx}") for kv, B, ctx in runs]
+    report = compile_programs(programs, on_error="record")
+    entry["compile_s"] = time.perf_counter() - t0
+    say(f"{name}: compiled {len(runs)} decode programs in {entry['compile_s']:.0f} s"
+        + (f"; failed: {list(report.errors)}" if report.errors else ""))
+    write()
+    for kv, B, ctx in runs:
+        if time.perf_counter() > deadline:
+            entry["skipped"].append(dict(kv_dtype=kv, batch=B, context=ctx, reason="time budget"))
+            continue
+        try:
+            r = decode_run(cfg, params, kv, B, ctx, bw)
+        except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the others
+            r = dict(kv_dtype=kv, batch=B, context=ctx, error=f"{type(e).__name__}: {str(e)[:500]}")
+            say(f"{name} {kv} B={B} ctx={ctx}: FAILED {r['error']}")
+        else:
+            say(f"{name} {kv} B={B} ctx={ctx}: {r['tokens_per_s']:,.1f} tokens/s, {r['ms_per_step']:.2f} ms/step, "
+                f"{100 * r['copy_fraction']:.0f}% of copy")
+        entry["decode"].append(r)
+        write()
+    del model, params
+
+
+def table(result: dict) -> str:
+    lines = []
+    bw = result.get("bandwidth", {})
+    lines.append(f"copy bandwidth {bw.get('gb_per_s', 0):.0f} GB/s ({bw.get('probe')}) on {result['device']}")
+    if result.get("attention"):
+        lines.append("\ndecode attention kernel, llama-8b heads, 32k keys: us per call, GB/s of K/V, % of copy")
+        for a in result["attention"]:
+            lines.append(f"  {a['kv_dtype']:5} B={a['batch']:<3} {a['us_per_call']:9.1f} us {a['gb_per_s']:8.0f} GB/s "
+                         f"{100 * a['copy_fraction']:5.1f}%")
+    for name, m in result.get("models", {}).items():
+        lines.append(f"\n{name} {m['quant']}: decode tokens/s (batch x context), % of copy for weights + KV")
+        rows: dict = {}
+        for d in m["decode"]:
+            rows.setdefault((d["batch"], d["context"]), {})[d["kv_dtype"]] = d
+        for s in m["skipped"]:
+            rows.setdefault((s["batch"], s["context"]), {})[s["kv_dtype"]] = s
+        kvs = [k for k in KV_DTYPES]
+        lines.append("  batch  context  " + "  ".join(f"{k:>18}" for k in kvs))
+        for (b, c), cells in sorted(rows.items(), key=lambda x: (x[0][1], x[0][0])):
+            def cell(d):
+                if d is None:
+                    return "-"
+                if "tokens_per_s" in d:
+                    return f"{d['tokens_per_s']:,.1f} ({100 * d['copy_fraction']:.0f}%)"
+                return "no fit" if "does not fit" in d.get("reason", "") else d.get("reason", d.get("error", "?"))[:18]
+            lines.append(f"  {b:5}  {c:7}  " + "  ".join(f"{cell(cells.get(k)):>18}" for k in kvs))
+        if "largest_batch_32k" in m:
+            lines.append(f"  largest batch at 32k: {m['largest_batch_32k']}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="kv_dtype.json")
+    p.add_argument("--workdir", default="/tmp/rjax-kv-dtype", help="where the synthetic GGUFs are written")
+    p.add_argument("--budget", type=float, default=420.0, help="seconds of measuring before the rest is skipped")
+    p.add_argument("--kv-dtypes", default=",".join(KV_DTYPES))
+    p.add_argument("--skip-gemma", action="store_true")
+    a = p.parse_args()
+    kvs = [k for k in a.kv_dtypes.split(",") if k]
+    out, workdir = Path(a.out), Path(a.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    deadline = t_start + a.budget
+    dev = jax.devices()[0]
+    result: dict = {"device": dev.device_kind, "jax_version": jax.__version__, "steps_per_dispatch": STEPS,
+                    "kv_dtypes": kvs, "status": "running"}
+
+    def write():
+        result["elapsed_s"] = time.perf_counter() - t_start
+        out.write_text(json.dumps(result, indent=1))
+
+    bw = measure_bandwidth()
+    result["bandwidth"] = {k: bw[k] for k in ("gb_per_s", "probe", "probes", "nominal_gb_per_s")}
+    say(f"copy bandwidth {bw['gb_per_s']:.0f} GB/s ({bw['probe']})")
+    write()
+    result["attention"] = []
+    for B in (1, 16):
+        for kv in kvs:
+            try:
+                r = attention_kernel(kv, B, 32768, bw["bytes_per_s"])
+            except Exception as e:  # noqa: BLE001
+                r = dict(kv_dtype=kv, batch=B, error=f"{type(e).__name__}: {str(e)[:500]}")
+                say(f"attention {kv} B={B}: FAILED {r['error']}")
+            else:
+                say(f"attention {kv} B={B} 32k keys: {r['us_per_call']:.1f} us, {r['gb_per_s']:.0f} GB/s "
+                    f"({100 * r['copy_fraction']:.0f}% of copy)")
+            result["attention"].append(r)
+            write()
+    for spec, largest in ((LLAMA, True), (GEMMA, False)):
+        if spec is GEMMA and a.skip_gemma:
+            continue
+        try:
+            bench_model(spec, kvs, workdir, bw["bytes_per_s"], result, write, deadline, largest)
+        except Exception as e:  # noqa: BLE001
+            result.setdefault("errors", []).append(f"{spec['shape']}: {type(e).__name__}: {str(e)[:500]}")
+            say(f"{spec['shape']}: FAILED {type(e).__name__}: {e}")
+        write()
+    result["status"] = "done"
+    write()
+    print(table(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
