@@ -48,11 +48,12 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from rjax import engine
+from rjax.tensor_parallel import make_tp, place_cache, split_config
 from rjax.cache import KV_DTYPES, check_kv_dtype, init_cache
 from rjax.catalog import DEFAULT_MODEL, resolve_model
 from rjax.config import ModelConfig
 from rjax.generation import activation_dtype, cache_length
-from rjax.loaders import for_backend, load
+from rjax.loaders import for_backend, load, split_for_backend
 from rjax.loaders.gguf import load_gguf
 from rjax.model import Params
 from rjax.precompile import compile_programs, decode_program, prefill_program
@@ -80,6 +81,7 @@ class BenchSettings:
     # up to the CPU count; 0: each at its first call, one after another).
     compile_workers: int | None = None
     kv_dtype: str = "bf16"         # how the KV cache stores K/V (rjax.cache.KV_DTYPES)
+    tp: int = 1                    # devices the model is split over (rjax.tensor_parallel)
 
     def __post_init__(self):
         check_kv_dtype(self.kv_dtype)
@@ -103,15 +105,18 @@ def _percentiles(values) -> dict:
     return {f"p{q}": float(np.percentile(v, q)) for q in (50, 90, 99)}
 
 
-def load_for_bench(model: str | os.PathLike, progress: bool = True) -> tuple[ModelConfig, Params, Path]:
-    """(config, params on the device, path). GGUF files skip the tokenizer: prompts are ids."""
+def load_for_bench(model: str | os.PathLike, progress: bool = True, tp: int = 1) -> tuple[ModelConfig, Params, Path]:
+    """(config, params on the device(s), path). GGUF files skip the tokenizer: prompts are ids.
+    tp > 1: the model split over that many devices (rjax.tensor_parallel)."""
     path = Path(resolve_model(model, progress=progress))
+    mesh = make_tp(tp).mesh if tp > 1 else None
     if path.is_dir():
-        m = load(path, progress=progress)
+        m = load(path, progress=progress, mesh=mesh)
         cfg, params = m.config, m.params
-    else:
-        cfg, params, _ = load_gguf(path, progress=progress)
-        params = for_backend(params)   # as rjax.load arranges them
+    else:  # as rjax.load arranges them
+        cfg, params, _ = load_gguf(path, progress=progress, on_device=mesh is None)
+        params = for_backend(params) if mesh is None else split_for_backend(cfg, params, mesh, progress=progress)[1]
+        cfg = cfg if mesh is None else split_config(cfg, tp)
     jax.block_until_ready(params)
     return cfg, params, path
 
@@ -170,13 +175,13 @@ def run_bench(model: str | os.PathLike | tuple[ModelConfig, Params], settings: B
         cfg, params = model
         source = None
     else:
-        cfg, params, source = load_for_bench(model, progress=progress)
+        cfg, params, source = load_for_bench(model, progress=progress, tp=s.tp)
     load_s = time.perf_counter() - t0
     dtype = activation_dtype()
     # K/V bytes per cached value: int8 carries a float32 scale per head_dim values.
     itemsize = {"int8": 1 + 4 / cfg.head_dim, "fp8": 1}.get(s.kv_dtype, jnp.dtype(dtype).itemsize)
     result["model"] = {
-        "source": str(source) if source else None, "arch": cfg.arch, "n_layers": cfg.n_layers,
+        "source": str(source) if source else None, "tp": s.tp, "arch": cfg.arch, "n_layers": cfg.n_layers,
         "d_model": cfg.d_model, "d_ff": cfg.d_ff, "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "tied_embeddings": params.lm_head is None,
         "weight_bytes": weight_bytes(params), "weight_types": weight_types(params),
@@ -299,7 +304,7 @@ def _bench_prefill(cfg, params, s: BenchSettings, b, S, dtype, rng, key, budget)
     sp = SamplingParams.make(b)
 
     def run():
-        cache = init_cache(cfg, b, S, dtype, s.kv_dtype)
+        cache = place_cache(init_cache(cfg, b, S, dtype, s.kv_dtype), params.tp)
         jax.block_until_ready(cache)
         t0 = time.perf_counter()
         first, cache = engine.prefill_and_sample(cfg, params, cache, tokens, lengths, None, key, sp)
@@ -331,7 +336,7 @@ def _check_bucket_reuse(cfg, params, s: BenchSettings, b, S, dtype, rng, key) ->
         return {"prompt_len": alt, "checked": False}
     tokens, lengths = engine.pad_prompts(list(_random_prompts(rng, cfg.vocab_size, b, alt)))
     before = engine.prefill_and_sample._cache_size()
-    cache = init_cache(cfg, b, S, dtype, s.kv_dtype)
+    cache = place_cache(init_cache(cfg, b, S, dtype, s.kv_dtype), params.tp)
     first, cache = engine.prefill_and_sample(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths), None,
                                              key, SamplingParams.make(b))
     np.asarray(first)
@@ -421,7 +426,7 @@ def cmd_bench(a) -> int:
     settings = BenchSettings(prompt_len=a.prompt_len, gen=a.gen, batches=a.batch, steps_per_dispatch=a.steps_per_dispatch,
                              repeats=a.repeats, copy_bytes=int(a.copy_mib * 2**20) if a.copy_mib else default_copy,
                              seed=a.seed, time_budget_s=a.time_budget, compile_workers=a.compile_workers,
-                             kv_dtype=a.kv_dtype)
+                             kv_dtype=a.kv_dtype, tp=a.tp)
     on_update = (lambda r: write_json(r, a.json)) if a.json else None
 
     def log(msg):
@@ -451,6 +456,7 @@ def register_cli(subparsers) -> None:
     p.add_argument("--copy-mib", type=float, default=None,
                    help="bandwidth probe array size in MiB (default 1024 on accelerators, 64 on CPU)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=int, default=1, help="split the model over this many GPUs (tensor parallel; default 1)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16",
                    help="KV cache: bf16 (unquantized, in the activation dtype), int8 or fp8 (default bf16)")
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",

@@ -11,6 +11,8 @@ from gguf_blocks.qtensor import QTensor, Weight
 from gguf_blocks.reference import q4_k_chunks
 from gguf_blocks.words import as_words
 from pallas_kernels.quant_matmul.gemv import reads_words
+from rjax import tensor_parallel as tpl
+from rjax.config import ModelConfig
 from rjax.model import Params
 
 
@@ -26,20 +28,21 @@ def _stack_rows(ws: list[Weight]) -> Weight | None:
     return jnp.concatenate(ws, axis=0)
 
 
+def _fuse_layer(p):
+    if p.wqkv is None and (qkv := _stack_rows([p.wq, p.wk, p.wv])) is not None:
+        p = dataclasses.replace(p, wqkv=qkv, wq=None, wk=None, wv=None)
+    if p.w_gate_up is None and (gu := _stack_rows([p.w_gate, p.w_up])) is not None:
+        p = dataclasses.replace(p, w_gate_up=gu, w_gate=None, w_up=None)
+    return p
+
+
 def fuse_projections(params: Params) -> Params:
     """Stack each layer's q, k, v weights into `wqkv` and gate, up into `w_gate_up` where they
     share a type (a Q4_K_M file's Q6_K v stays apart): the same products in fewer, larger
     matmuls, which is what decoding small batches on a GPU is bound by (one kernel launch and
     one pass over the activations per matmul). Layer by layer, so the extra memory while
     fusing is one layer's projections."""
-    layers = []
-    for p in params.layers:
-        if p.wqkv is None and (qkv := _stack_rows([p.wq, p.wk, p.wv])) is not None:
-            p = dataclasses.replace(p, wqkv=qkv, wq=None, wk=None, wv=None)
-        if p.w_gate_up is None and (gu := _stack_rows([p.w_gate, p.w_up])) is not None:
-            p = dataclasses.replace(p, w_gate_up=gu, w_gate=None, w_up=None)
-        layers.append(p)
-    return dataclasses.replace(params, layers=tuple(layers))
+    return dataclasses.replace(params, layers=tuple(_fuse_layer(p) for p in params.layers))
 
 
 def gpu_weight_layout(params: Params) -> Params:
@@ -53,3 +56,24 @@ def gpu_weight_layout(params: Params) -> Params:
 def _gpu_weight(w):
     w = q4_k_chunks(w)
     return as_words(w) if isinstance(w, QTensor) and reads_words(w.qtype, *w.shape) else w
+
+
+def split_model(cfg: ModelConfig, params: Params, tp: tpl.TensorParallel, *, fuse: bool,
+                progress: bool = False) -> tuple[ModelConfig, Params]:
+    """The model split over tp's devices (rjax.tensor_parallel): heads padded where they do not
+    divide, each layer's weights (stacked first with `fuse`) rearranged so that every device's
+    shard is a whole model of its own heads, and put straight into their shards, layer by
+    layer, so no device holds more than its share and one layer. -> (the split config, params)."""
+    from tqdm import tqdm
+
+    n = tp.size
+    split_cfg = tpl.split_config(cfg, n)
+    layers = []
+    for p in tqdm(params.layers, desc=f"splitting over {n} devices", unit="layer", disable=not progress, leave=False):
+        if fuse:
+            p = _fuse_layer(p)
+        p = tpl.split_layer(cfg, p, n)
+        layers.append(tpl.place(p, tpl.param_specs(p, tp), tp))
+    top = dataclasses.replace(params, layers=(), tp=tp)
+    top = tpl.place(top, tpl.param_specs(top, tp), tp)
+    return split_cfg, dataclasses.replace(top, layers=tuple(layers))

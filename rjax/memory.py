@@ -120,18 +120,33 @@ class MemoryPlan:
         return self.kv_bytes + self.workspace_bytes + self.params_bytes + self.reserve_bytes
 
 
-def _refuse(what: str, kv: int, ws: int, params: int, reserve: int, avail: int, source: str):
+def needed_tp(split: int, fixed: int, avail: int, tp: int = 1, most: int = 64) -> int | None:
+    """The fewest devices (a power of two above tp) on which one device's share of `split`
+    bytes (each of tp devices' share now: params and KV cache) fits beside `fixed` bytes every
+    device needs whole (workspace, reserve); None if not even `most` do."""
+    n = tp * 2
+    while n <= most:
+        if split * tp / n + fixed <= avail:
+            return n
+        n *= 2
+    return None
+
+
+def _refuse(what: str, kv: int, ws: int, params: int, reserve: int, avail: int, source: str, tp: int = 1):
     need = kv + ws + params + reserve
+    more = needed_tp(kv + params, ws + reserve, avail, tp)
+    split = f" (per device, over tp={tp} devices)" if tp > 1 else ""
+    hint = f"; split over {more} devices (--tp {more}) to fit" if more else ""
     raise MemoryFitError(
-        f"{what} does not fit: it needs {need:,} bytes (KV cache {kv:,} + workspace {ws:,} + params {params:,} "
-        f"+ reserve {reserve:,}); {source} has {avail:,} bytes available")
+        f"{what} does not fit{split}: it needs {need:,} bytes (KV cache {kv:,} + workspace {ws:,} + params "
+        f"{params:,} + reserve {reserve:,}); {source} has {avail:,} bytes available{hint}")
 
 
 def plan_memory(cfg: ModelConfig, *, max_len: int, page_size: int | None = 16, n_slots: int | None = None,
                 n_pages: int | None = None, tokens_per_slot: int | None = None, max_slots: int = DEFAULT_MAX_SLOTS,
                 prefill_tokens: int = 4096, prefill_prompts: int = 16, dtype=np.float32, params_bytes: int = 0,
                 reserve_bytes: int | None = None, available: int | None = None, budget_bytes: int | None = None,
-                device=None) -> MemoryPlan:
+                device=None, tp: int = 1) -> MemoryPlan:
     """The slots and pages that fit, or MemoryFitError.
 
     dtype: the KV dtype, a float dtype or "int8" / "fp8" (`kv_bytes_per_position`).
@@ -141,14 +156,18 @@ def plan_memory(cfg: ModelConfig, *, max_len: int, page_size: int | None = 16, n
     `tokens_per_slot` positions, default max_len). params_bytes: params not yet on the device
     (0 when they are: the free memory already excludes them). reserve_bytes: kept free (default
     the larger of 256 MiB and 5% of the free memory). available: free bytes, else measured on
-    `device` (`budget_bytes` where the device has no statistics).
+    `device` (`budget_bytes` where the device has no statistics). tp: the model is split over tp
+    devices (rjax.tensor_parallel; cfg is the split config): every number is one device's, the
+    cache and params_bytes (the whole model's) divided by tp; a refusal says how many devices
+    would fit.
     """
     if available is None:
         available, source = available_bytes(device, budget_bytes)
     else:
         source = "the given budget"
     reserve = max(256 * MiB, available // 20) if reserve_bytes is None else int(reserve_bytes)
-    per_pos = kv_bytes_per_position(cfg, dtype)
+    per_pos = kv_bytes_per_position(cfg, dtype) // tp
+    params_bytes = -(-params_bytes // tp)
 
     def ws(n):
         return workspace_bytes(cfg, n_slots=n, max_len=max_len, prefill_tokens=prefill_tokens,
@@ -167,10 +186,10 @@ def plan_memory(cfg: ModelConfig, *, max_len: int, page_size: int | None = 16, n
             n_slots = max((n for n in range(1, max_slots + 1) if fits(n)), default=0)
             if not n_slots:
                 _refuse(f"one slot of {max_len} positions", max_len * per_pos, ws(1), params_bytes, reserve,
-                        available, source)
+                        available, source, tp)
         elif not fits(n_slots):
             _refuse(f"a contiguous KV cache of {n_slots} slots x {max_len} positions", n_slots * max_len * per_pos,
-                    ws(n_slots), params_bytes, reserve, available, source)
+                    ws(n_slots), params_bytes, reserve, available, source, tp)
         return plan(n_slots, None, n_slots * max_len * per_pos)
 
     page_bytes = per_pos * page_size
@@ -184,14 +203,14 @@ def plan_memory(cfg: ModelConfig, *, max_len: int, page_size: int | None = 16, n
         n_slots = max((n for n in range(1, max_slots + 1) if n * slot_pages <= pages_that_fit(n)), default=0)
         if not n_slots:
             _refuse(f"one slot of {tokens_per_slot or max_len} positions in pages of {page_size}",
-                    slot_pages * page_bytes, ws(1), params_bytes, reserve, available, source)
+                    slot_pages * page_bytes, ws(1), params_bytes, reserve, available, source, tp)
     if n_pages is None:
         # More pages than every slot at full length can use would be wasted.
         n_pages = min(pages_that_fit(n_slots), n_slots * max_pages)
         if n_pages < max_pages:
             _refuse(f"{n_slots} slots with one sequence of {max_len} positions in pages of {page_size}",
-                    max_pages * page_bytes, ws(n_slots), params_bytes, reserve, available, source)
+                    max_pages * page_bytes, ws(n_slots), params_bytes, reserve, available, source, tp)
     elif n_pages > pages_that_fit(n_slots):
         _refuse(f"a paged KV cache of {n_pages} pages x {page_size} positions for {n_slots} slots",
-                n_pages * page_bytes, ws(n_slots), params_bytes, reserve, available, source)
+                n_pages * page_bytes, ws(n_slots), params_bytes, reserve, available, source, tp)
     return plan(n_slots, int(n_pages), int(n_pages) * page_bytes)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from gguf_blocks.qtensor import Weight
-from rjax import ops
+from rjax import ops, tensor_parallel
 from rjax.config import ModelConfig
 from rjax.plan import TUNING, LayerPlan, Plan, Tuning, plan_for
 
@@ -63,6 +63,8 @@ class Params:
     layers: tuple[LayerParams, ...]
     final_norm: jax.Array
     lm_head: Weight | None       # (vocab, d_model); None: tied to `embed`
+    # The device mesh the params are split over (rjax.tensor_parallel); None: one device.
+    tp: tensor_parallel.TensorParallel | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 def rope_inv_freq(cfg: ModelConfig, theta: float, linear: float = 1.0) -> jax.Array:
@@ -110,23 +112,30 @@ def embed(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
     return x
 
 
-def plan_of(cfg: ModelConfig, params: Params, cache, tokens: jax.Array, slots, dtype, tuning: Tuning = TUNING) -> Plan:
-    """The plan for this call's shapes, cache kind and backend."""
+def plan_of(cfg: ModelConfig, params: Params, cache, tokens: jax.Array, slots, dtype, tuning: Tuning = TUNING,
+            tp_axis: str | None = None) -> Plan:
+    """The plan for this call's shapes, cache kind and backend (on one device's shard of a split
+    model: `tp_axis` names the mesh axis its row-parallel products are summed over)."""
     B, T = tokens.shape
     return plan_for(cfg, params, B, T, dtype, paged=cache.paged, slots=slots is not None, tuning=tuning,
-                    kv_quantized=cache.quantized)
+                    kv_quantized=cache.quantized, tp_axis=tp_axis)
 
 
 def hidden_states(cfg: ModelConfig, params: Params, cache, tokens: jax.Array, pos: jax.Array,
-                  slots: jax.Array | None, dtype=jnp.float32, plan: Plan | None = None):
+                  slots: jax.Array | None, dtype=jnp.float32, plan: Plan | None = None, *,
+                  tuning: Tuning = TUNING, tp_axis: str | None = None):
     """Final-normed hidden states [B, T, d_model] and the updated cache.
 
     tokens, pos: [B, T]; pos[b, t] is the absolute position of token t of sequence b, or -1 for
     padding (its K/V is not written and it attends to nothing). slots: [B] cache rows that the
     B sequences live in, or None for rows 0..B-1. `plan`: the fusion plan (rjax.plan), by
-    default `plan_of` this call's.
+    default `plan_of` this call's. Params split over devices run this per device
+    (rjax.tensor_parallel), each shard planned for its own shapes.
     """
-    plan = plan or plan_of(cfg, params, cache, tokens, slots, dtype)
+    if params.tp is not None:
+        return tensor_parallel.hidden_states(hidden_states, cfg, params, cache, tokens, pos, slots, dtype,
+                                             plan.tuning if plan is not None else tuning)
+    plan = plan or plan_of(cfg, params, cache, tokens, slots, dtype, tuning, tp_axis)
     x = embed(cfg, params, jnp.where(pos >= 0, tokens, 0))
     layers = params.layers
     s = ops.norm(plan, x, layers[0].attn_norm, cfg.rms_eps)
@@ -137,6 +146,8 @@ def hidden_states(cfg: ModelConfig, params: Params, cache, tokens: jax.Array, po
 
 
 def logits_from_hidden(params: Params, h: jax.Array) -> jax.Array:
+    if params.tp is not None:  # split over the vocabulary where the head is
+        return tensor_parallel.logits(logits_from_hidden, params, h)
     head = params.embed if params.lm_head is None else params.lm_head
     return ops.matmul(h, head).astype(jnp.float32)
 

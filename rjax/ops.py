@@ -94,6 +94,8 @@ def add_norm(plan: Plan, how: str, s: Stream, a, w: Weight, post_norm, norm_w: j
         x, h, counts = qmatmul_add_norm(a, w, s.x, norm_w, eps, s.counts, plan.dtype, implementation=_impl(plan))
         return Stream(x, h, counts)
     parts = matmul(a, w, partials=True, plan=plan)
+    if plan.tp_axis is not None:  # one device's share of a row-parallel product: sum the devices'
+        parts = jax.lax.psum(parts.sum(axis=0), plan.tp_axis)[None]
     if post_norm is not None:
         parts = rms_norm(parts.sum(axis=0), post_norm, eps, jnp.float32)[None]
     if how == "pending":

@@ -58,6 +58,8 @@ class Plan:
     layers: tuple[LayerPlan, ...]
     head: str
     tuning: Tuning = TUNING
+    # The mesh axis a split model's row-parallel products (output, down) are summed over.
+    tp_axis: str | None = None
 
     @property
     def rows(self) -> int:
@@ -111,7 +113,7 @@ def _kernels(ws, rows, dtype, kw) -> str:
 
 def plan_for(cfg: ModelConfig, params, batch: int, tokens: int, dtype, *, paged: bool = False, slots: bool = False,
              gpu: bool | None = None, implementation: str | None = None, tuning: Tuning = TUNING,
-             kv_quantized: bool = False) -> Plan:
+             kv_quantized: bool = False, tp_axis: str | None = None) -> Plan:
     """The plan of a forward pass of `batch` sequences x `tokens` tokens in `dtype` over `params`
     (their types and shapes only), on a paged or contiguous cache, with cache rows given
     (`slots`) or rows 0..batch-1. `gpu`: plan for a GPU backend (default: the current one);
@@ -119,7 +121,9 @@ def plan_for(cfg: ModelConfig, params, batch: int, tokens: int, dtype, *, paged:
     "reference"; "interpret" or "reference" run a GPU plan on a CPU, for tests). kv_quantized:
     the cache stores int8 or fp8 K/V, which its own `write` quantizes, so the kernels that
     rotate and append in one pass are not planned (attention "xla": the attention kernel still
-    reads the quantized cache)."""
+    reads the quantized cache). tp_axis: plan one device's shard of a split model, whose output
+    and down products are summed across that mesh axis before the norm after them, so neither
+    fuses its add + norm nor leaves the norm pending."""
     gpu = jax.default_backend() == "gpu" if gpu is None else gpu
     implementation = implementation or ("pallas" if gpu else "reference")
     dtype = jnp.dtype(dtype)
@@ -155,6 +159,10 @@ def plan_for(cfg: ModelConfig, params, batch: int, tokens: int, dtype, *, paged:
                 out_norm = "norm"  # the next attention needs q/k/v whole: its product cannot apply the norm
         else:
             out_norm = "norm"
+        if tp_axis is not None:
+            ffn_norm = _summed_first(ffn_norm, ffn_in, rows, dtype, kw)
+            out_norm = _summed_first(out_norm, _qkv_weights(layers[i + 1]) if i + 1 < len(layers) else None,
+                                     rows, dtype, kw)
         plans.append(LayerPlan(
             qkv=_kernels(_qkv_weights(p), rows, dtype, kw), attention=attention, attn_out_int8=attn_out_int8,
             o=qm.kernel_for(p.wo, rows, dtype, **kw), ffn_norm=ffn_norm, gate_up=_kernels(ffn_in, rows, dtype, kw),
@@ -164,4 +172,13 @@ def plan_for(cfg: ModelConfig, params, batch: int, tokens: int, dtype, *, paged:
                   else "norm")
     head = params.embed if params.lm_head is None else params.lm_head
     return Plan(batch, tokens, dtype.name, gpu, paged, slots, implementation, first_norm, tuple(plans),
-                qm.kernel_for(head, rows, dtype, **kw), tuning)
+                qm.kernel_for(head, rows, dtype, **kw), tuning, tp_axis)
+
+
+def _summed_first(how: str, consumers, rows, dtype, kw) -> str:
+    """A norm after an all-reduced product runs on its own: the product's kernel sees only this
+    device's partial sum."""
+    if how not in ("product", "pending"):
+        return how
+    ok = consumers is not None and all(qm.takes_quantized_x(c, rows, dtype, **kw) for c in consumers)
+    return "norm_int8" if ok else "norm"

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from rjax import engine
 from rjax.cache import init_cache
+from rjax.tensor_parallel import abstract_cache
 from rjax.config import ModelConfig
 from rjax.model import Params
 from rjax.sampling import SamplingParams
@@ -56,7 +57,7 @@ def prefill_program(cfg: ModelConfig, params: Params, batch: int, bucket: int, c
     as `kv_dtype` (rjax.cache.init_cache)."""
     if bucket not in engine.PROMPT_BUCKETS:
         raise ValueError(f"prompt bucket {bucket} is not one of engine.PROMPT_BUCKETS")
-    cache = _abstract(lambda: init_cache(cfg, batch, cache_len, dtype, kv_dtype))
+    cache = abstract_cache(_abstract(lambda: init_cache(cfg, batch, cache_len, dtype, kv_dtype)), params.tp)
     tokens = jax.ShapeDtypeStruct((batch, bucket), jnp.int32)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
     slots = jax.ShapeDtypeStruct((batch,), jnp.int32) if with_slots else None
@@ -70,7 +71,7 @@ def decode_program(cfg: ModelConfig, params: Params, batch: int, cache_len: int,
                    n_stop_ids: int = 1, kv_dtype: str | None = None) -> Program:
     """`engine.decode_loop` of `n_steps` steps over `batch` slots of a `cache_len` cache (K/V
     stored as `kv_dtype`), with a stop set of `n_stop_ids` token ids."""
-    cache = _abstract(lambda: init_cache(cfg, batch, cache_len, dtype, kv_dtype))
+    cache = abstract_cache(_abstract(lambda: init_cache(cfg, batch, cache_len, dtype, kv_dtype)), params.tp)
     stop_ids = jax.ShapeDtypeStruct((n_stop_ids,), jnp.int32)
     state = _abstract(lambda: engine.initial_state(jnp.zeros((batch,), jnp.int32), 1, jnp.full((n_stop_ids,), -1),
                                                    jax.random.key(0), init_cache(cfg, batch, cache_len, dtype,

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from rjax.tensor_parallel import place_cache
 from rjax.cache import check_kv_dtype, init_cache
 from rjax.catalog import add_model_argument
 from rjax.checks import check_token_ids
@@ -78,7 +79,7 @@ def _token_logprobs(cfg, params, tokens, lengths, dtype, kv_dtype="bf16"):
     B, T = tokens.shape
     t = jnp.arange(T, dtype=jnp.int32)[None, :]
     pos = jnp.where(t < lengths[:, None], t, -1)
-    cache = init_cache(cfg, B, T, dtype, kv_dtype)
+    cache = place_cache(init_cache(cfg, B, T, dtype, kv_dtype), params.tp)
     h, _ = hidden_states(cfg, params, cache, tokens, pos, None, dtype)
     lp = _target_logprobs(params, h[:, :-1], tokens[:, 1:])
     return jnp.where(t[:, 1:] < lengths[:, None], lp, 0.0)

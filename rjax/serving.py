@@ -50,6 +50,7 @@ from rjax.precompile import Program, compile_programs
 from rjax.sampling import SamplingParams
 from rjax.serving_events import Completion, StreamEvent, TokenLogprob, token_logprob
 from rjax.serving_limits import ServingConfig, check_request, check_stop_ids
+from rjax.tensor_parallel import place_cache
 from rjax.slots import decode_dispatch, free_slots, init_slots, prefill_into_slots, stop_slots
 from rjax.speculative import NgramDrafter, speculative_dispatch
 
@@ -107,15 +108,16 @@ class ServingEngine:
         plan_memory(cfg, max_len=config.max_len, page_size=config.page_size, n_slots=config.n_slots,
                     n_pages=config.pool_pages if config.paged else None, prefill_tokens=config.max_prefill_tokens,
                     prefill_prompts=config.max_prefill_prompts, dtype=config.kv_dtype, reserve_bytes=reserve_bytes,
-                    available=available_bytes, budget_bytes=budget_bytes)
+                    available=available_bytes, budget_bytes=budget_bytes, tp=1 if params.tp is None else params.tp.size)
         dtype = config.dtype
         if config.paged:
-            self.cache = init_paged_cache(cfg, config.n_slots, config.pool_pages, config.page_size, config.max_len,
-                                          dtype, kv_dtype=config.cache_kv_dtype)
+            self.cache = place_cache(init_paged_cache(cfg, config.n_slots, config.pool_pages, config.page_size,
+                                                      config.max_len, dtype, kv_dtype=config.cache_kv_dtype), params.tp)
             self.pages: PageAllocator | None = PageAllocator(config.pool_pages, config.n_slots, config.max_pages,
                                                              config.page_size, prefix_cache=config.prefix_cache)
         else:
-            self.cache = init_cache(cfg, config.n_slots, config.max_len, dtype, kv_dtype=config.cache_kv_dtype)
+            self.cache = place_cache(init_cache(cfg, config.n_slots, config.max_len, dtype,
+                                                kv_dtype=config.cache_kv_dtype), params.tp)
             self.pages = None
         self._seeds = np.random.default_rng(seed)  # seeds of the requests that bring none
         self.slots = init_slots(config.n_slots, config.max_stop_ids)

@@ -157,14 +157,15 @@ def _is_float(name) -> bool:
 
 def fit_config(cfg: ModelConfig, *, max_len: int, page_size: int | None = 16, n_slots: int | None = None,
                tokens_per_slot: int | None = None, params_bytes: int = 0, reserve_bytes: int | None = None,
-               available: int | None = None, budget_bytes: int | None = None, **settings) -> ServingConfig:
+               available: int | None = None, budget_bytes: int | None = None, tp: int = 1,
+               **settings) -> ServingConfig:
     """A ServingConfig whose slots (unless given) and pages are what the device's free memory
     holds (see `rjax.memory.plan_memory`); raises MemoryFitError when not even one sequence fits."""
     base = ServingConfig(n_slots=n_slots or 1, max_len=max_len, page_size=page_size, **settings)
     plan = plan_memory(cfg, max_len=max_len, page_size=page_size, n_slots=n_slots, tokens_per_slot=tokens_per_slot,
                        prefill_tokens=base.max_prefill_tokens, prefill_prompts=base.max_prefill_prompts,
                        dtype=base.kv_dtype, params_bytes=params_bytes, reserve_bytes=reserve_bytes,
-                       available=available, budget_bytes=budget_bytes)
+                       available=available, budget_bytes=budget_bytes, tp=tp)
     return dataclasses.replace(base, n_slots=plan.n_slots, n_pages=plan.n_pages)
 
 

@@ -30,7 +30,8 @@ class Model:
 
 
 def load(model: str | os.PathLike, *, progress: bool = True, home: str | os.PathLike | None = None,
-         fuse: bool | None = None, gpu_layout: bool | None = None, requantize: str | None = None) -> Model:
+         fuse: bool | None = None, gpu_layout: bool | None = None, requantize: str | None = None,
+         mesh=None) -> Model:
     """Load a catalog name (pulled if missing), a `.gguf` file, or a Hugging Face directory.
 
     A file or directory that cannot be used raises `ModelFileError`, whose message names the file
@@ -39,7 +40,11 @@ def load(model: str | os.PathLike, *, progress: bool = True, home: str | os.Path
     `fuse` and `gpu_layout`: see `for_backend`; both default to on for a GPU backend.
     `requantize` ("q8_0" or "q4_0"): every 2-D weight requantized to that type on the device
     (`gguf_blocks.requantize`) before the layout step, e.g. a lower-bit copy of a model to draft
-    for it in speculative decoding."""
+    for it in speculative decoding.
+    `mesh`: a one-axis `jax.sharding.Mesh` (or `rjax.tensor_parallel.TensorParallel`) to split
+    the model over (tensor parallel: see rjax.tensor_parallel); a GGUF file's weights go from
+    the mapped file straight into their shards. The returned config is the split model's (its
+    heads padded where they do not divide the devices)."""
     from rjax.catalog import CatalogError, resolve_model
     from rjax.tokenizer import Tokenizer
 
@@ -57,7 +62,7 @@ def load(model: str | os.PathLike, *, progress: bool = True, home: str | os.Path
     else:
         from rjax.loaders.gguf import load_gguf
 
-        cfg, params, reader = load_gguf(path, progress=progress)
+        cfg, params, reader = load_gguf(path, progress=progress, on_device=mesh is None or requantize is not None)
         tokenizer = Tokenizer.from_gguf(reader)
     if tokenizer.vocab_size > cfg.vocab_size:  # ids past the embedding would index nothing
         raise ModelFileError(f"{path}: the tokenizer has {tokenizer.vocab_size:,} tokens, but the embedding has "
@@ -70,7 +75,32 @@ def load(model: str | os.PathLike, *, progress: bool = True, home: str | os.Path
             params = requantize_tree(params, str(requantize).upper())
         except TensorFormatError as e:
             raise ValueError(f"requantize={requantize!r}: {e}") from None
+    if mesh is not None:
+        return Model(*split_for_backend(cfg, params, mesh, fuse=fuse, gpu_layout=gpu_layout, progress=progress),
+                     tokenizer, path)
     return Model(cfg, for_backend(params, fuse=fuse, gpu_layout=gpu_layout), tokenizer, path)
+
+
+def split_for_backend(cfg, params, mesh, *, fuse: bool | None = None, gpu_layout: bool | None = None,
+                      progress: bool = False):
+    """`for_backend` for a model split over `mesh` (a one-axis Mesh or a TensorParallel).
+    -> (the split config, params)."""
+    import jax
+    from jax.sharding import Mesh
+
+    from rjax import tensor_parallel as tpl
+    from rjax.layout import gpu_weight_layout, split_model
+
+    if isinstance(mesh, Mesh):
+        if len(mesh.axis_names) != 1:
+            raise ValueError(f"tensor parallel takes a one-axis mesh, got axes {mesh.axis_names}")
+        mesh = tpl.TensorParallel(mesh, mesh.axis_names[0])
+    on_gpu = jax.default_backend() == "gpu"
+    cfg, params = split_model(cfg, params, mesh, fuse=fuse if fuse is not None else on_gpu, progress=progress)
+    if gpu_layout if gpu_layout is not None else on_gpu:
+        params = gpu_weight_layout(params)
+        params = tpl.place(params, tpl.param_specs(params, mesh), mesh)
+    return cfg, params
 
 
 def for_backend(params, *, fuse: bool | None = None, gpu_layout: bool | None = None):

@@ -303,7 +303,9 @@ def _place(name: str, cfg: ModelConfig, path) -> tuple[int | None, str] | None:
     return int(parts[1]), field
 
 
-def load_params(reader: GGUFReader, cfg: ModelConfig, progress: bool = True) -> Params:
+def load_params(reader: GGUFReader, cfg: ModelConfig, progress: bool = True, on_device: bool = True) -> Params:
+    """on_device False: leave the weights in host memory (views of the mapped file where the
+    layout allows), for a caller that puts them onto devices itself (a model split over several)."""
     path = reader.data.filename if hasattr(reader.data, "filename") else "<gguf>"
     layers: list[dict] = [dict() for _ in range(cfg.n_layers)]
     top: dict = {}
@@ -332,7 +334,7 @@ def load_params(reader: GGUFReader, cfg: ModelConfig, progress: bool = True) -> 
             raise ModelFileError(f"{path}: tensor {t.name!r} is {host.qtype.name}; norms and biases must be "
                                  "F32, F16 or BF16")
         check_finite(path, t.name, host)
-        (top if layer is None else layers[layer])[field] = _to_device(host)
+        (top if layer is None else layers[layer])[field] = _to_device(host) if on_device else host
     missing = [n for n, f in TOP_TENSORS.items() if f not in top and (f != "lm_head" or not cfg.tie_embeddings)]
     required = required_layer_fields(cfg)
     inverse = {v: k for k, v in LAYER_TENSORS.items()}
@@ -370,8 +372,8 @@ def config_from_reader(reader: GGUFReader, path: str | os.PathLike = "<gguf>") -
     return cfg
 
 
-def load_gguf(path: str | os.PathLike, progress: bool = True):
+def load_gguf(path: str | os.PathLike, progress: bool = True, on_device: bool = True):
     """-> (config, params, reader). The reader stays open (memory-mapped) for the tokenizer."""
     reader = open_gguf(path)
     cfg = config_from_reader(reader, path)
-    return cfg, load_params(reader, cfg, progress), reader
+    return cfg, load_params(reader, cfg, progress, on_device), reader

@@ -11,8 +11,8 @@ PAGE_SIZE = 16
 
 
 def make_setup(model: str, *, model_id: str, slots: int, max_len: int | None, steps_per_dispatch: int,
-               chat_template: str | None, precompile: bool, prefix_cache: bool = True,
-               speculative: str | None = None, draft_tokens: int = 4, kv_dtype: str = "bf16"):
+               chat_template: str | None, precompile: bool, prefix_cache: bool = True, kv_dtype: str = "bf16", tp: int = 1,
+               speculative: str | None = None, draft_tokens: int = 4):
     """-> the EngineLoop's setup: loads the model and makes engines, on the loop's thread."""
     from rjax.server.loop import Setup
 
@@ -23,7 +23,9 @@ def make_setup(model: str, *, model_id: str, slots: int, max_len: int | None, st
         from rjax.generation import activation_dtype
         from rjax.serving import ServingConfig, ServingEngine
 
-        m = rjax.load(model)
+        from rjax.tensor_parallel import make_tp
+
+        m = rjax.load(model, mesh=make_tp(tp).mesh if tp > 1 else None)
         tok = m.tokenizer
         if chat_template is not None:
             tok = dataclasses.replace(tok, chat_template=chat_template, chat_template_is_fallback=False)
@@ -35,8 +37,7 @@ def make_setup(model: str, *, model_id: str, slots: int, max_len: int | None, st
         config = ServingConfig(n_slots=slots, max_len=length, page_size=PAGE_SIZE if length % PAGE_SIZE == 0 else None,
                                steps_per_dispatch=steps_per_dispatch, max_stop_ids=max(8, len(stop_ids)),
                                kv_dtype=jnp.dtype(activation_dtype()).name if kv_dtype == "bf16" else kv_dtype,
-                               prefix_cache=prefix_cache,
-                               speculative=speculative, draft_tokens=draft_tokens)
+                               prefix_cache=prefix_cache, speculative=speculative, draft_tokens=draft_tokens)
         return Setup(tok, lambda: ServingEngine(m.config, m.params, config, stop_ids=stop_ids), model_id, precompile)
 
     return setup
@@ -61,7 +62,8 @@ def cmd_serve(a) -> int:
     loop = EngineLoop(make_setup(a.model, model_id=a.served_model_name or Path(a.model).name, slots=a.slots,
                                  max_len=a.max_len, steps_per_dispatch=a.steps_per_dispatch, chat_template=template,
                                  precompile=not a.no_precompile, prefix_cache=not a.no_prefix_cache,
-                                 speculative=a.speculative, draft_tokens=a.draft_tokens, kv_dtype=a.kv_dtype),
+                                 kv_dtype=a.kv_dtype, tp=a.tp, speculative=a.speculative,
+                                 draft_tokens=a.draft_tokens),
                       max_queued=a.max_queued, metrics=metrics)
     app = create_app(loop, metrics, ServerSettings(api_key=a.api_key))
     uvicorn.run(app, host=a.host, port=a.port, log_level="info")
@@ -81,6 +83,7 @@ def register_cli(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--slots", type=int, default=16, help="sequences decoded at once (default: 16)")
+    p.add_argument("--tp", type=int, default=1, help="split the model over this many GPUs (tensor parallel; default 1)")
     p.add_argument("--kv-dtype", choices=("bf16", "int8", "fp8"), default="bf16",
                    help="KV cache: bf16 (unquantized, in the activation dtype), int8 (per token and head scales) "
                         "or fp8 (e4m3, per head scales) (default bf16)")
