@@ -16,6 +16,10 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def _draft_tokens(value: str):
+    return value if value == "auto" else int(value)
+
+
 def _sampling_kwargs(a) -> dict:
     return dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
 
@@ -47,19 +51,10 @@ def cmd_info(a) -> int:
     return 0
 
 
-def _mesh(tp: int):
-    """--tp N: a mesh over the first N devices (None for 1)."""
-    if tp == 1:
-        return None
-    from rjax.tensor_parallel import make_tp
-
-    return make_tp(tp).mesh
-
-
 def cmd_generate(a) -> int:
     import rjax
 
-    model = rjax.load(a.model, progress=not a.json, mesh=_mesh(a.tp))
+    model = rjax.load(a.model, progress=not a.json)
     kw = _sampling_kwargs(a)
     if a.json or a.speculative:
         result = rjax.generate(model, a.prompt, raw=a.raw, speculative=a.speculative, draft_tokens=a.draft_tokens,
@@ -140,8 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculative decoding (prints accepted/drafted counts): 'ngram' (prompt lookup), "
                         "'self:q4_0' or 'self:q8_0' (the model requantized drafts for itself), or a draft model "
                         "with the same tokenizer (catalog name, .gguf file, Hugging Face directory)")
-    p.add_argument("--draft-tokens", type=int, default=4, help="tokens drafted per verification (default 4)")
-    p.add_argument("--tp", type=int, default=1, help="split the model over this many GPUs (tensor parallel; default 1)")
+    p.add_argument("--draft-tokens", type=_draft_tokens, default=4,
+                   help="tokens drafted per verification, or 'auto' (chosen per dispatch by the acceptance rate; "
+                        "default 4)")
     p.add_argument("--kv-dtype", choices=("bf16", "int8", "fp8"), default="bf16",
                    help="KV cache: bf16 (unquantized, in the activation dtype: float32 on the CPU), int8 (one "
                         "scale per token and head) or fp8 (e4m3, one scale per head) (default bf16)")

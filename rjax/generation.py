@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from rjax import checks, engine
-from rjax.tensor_parallel import place_cache
 from rjax.cache import KVCache, check_kv_dtype, init_cache
 from rjax.precompile import compile_programs, decode_program, prefill_program
 from rjax.loaders import Model
@@ -174,8 +173,8 @@ def _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed,
     B = len(prompts)
     tokens, lengths = engine.pad_prompts(prompts)
     if cache is None:
-        cache = place_cache(init_cache(cfg, B, cache_length(int(lengths.max()) + max_new_tokens, cfg.context_length),
-                                       activation_dtype(), kv_dtype), model.params.tp)
+        cache = init_cache(cfg, B, cache_length(int(lengths.max()) + max_new_tokens, cfg.context_length),
+                           activation_dtype(), kv_dtype)
     S = cache.max_len
     end = np.asarray(cache.lengths) + lengths  # each slot's length after the prompt
     sp = SamplingParams.make(B, temperature, top_k, top_p)
@@ -223,6 +222,9 @@ def _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed,
 
 
 MAX_DRAFT_TOKENS = 16
+# draft_tokens="auto": the K of each dispatch chosen from these by the acceptance rate so far
+# (rjax.speculative.choose_k); K + 1 <= 8 verified positions stay on the decode attention kernel.
+AUTO_DRAFT_TOKENS = (2, 4, 7)
 SELF_DRAFT_TYPES = ("q8_0", "q4_0")
 
 
@@ -261,7 +263,7 @@ def _speculative_generate(model: Model, ids: list[int], drafter, draft: Model | 
                           top_p=top_p, seed=seed, steps_per_dispatch=steps_per_dispatch)
     cfg, tok = model.config, model.tokenizer
     S = cache_length(len(ids) + max_new_tokens, cfg.context_length)
-    cache = place_cache(init_cache(cfg, 1, S, activation_dtype(), kv_dtype), model.params.tp)
+    cache = init_cache(cfg, 1, S, activation_dtype(), kv_dtype)
     draft_cache = draft_cache_for(drafter, S, activation_dtype()) if draft is not None else None
     stats = SpeculativeStats()
     t0 = time.perf_counter()
@@ -278,7 +280,7 @@ def _speculative_generate(model: Model, ids: list[int], drafter, draft: Model | 
     return GenerationResult(ids, generated, tok.decode(_visible(tok, generated)), reason, ttft,
                             (len(generated) - 1) / decode_s if decode_s > 0 else 0.0,
                             dict(steps=stats.steps, drafted=stats.drafted, accepted=stats.accepted,
-                                 drafter="ngram" if draft is None else draft.name))
+                                 drafter="ngram" if draft is None else draft.name, k_used=stats.k_used))
 
 
 def _visible(tok, ids: list[int]) -> list[int]:
@@ -359,21 +361,26 @@ def generate(model: Model, prompt: str | Sequence[str], *, raw: bool = False, sp
     "self:q8_0" (the target requantized as its own draft model), a draft model with the
     target's tokenizer (catalog name, path, or a loaded Model). The same tokens as without for
     greedy decoding, the same distribution for sampling; the result's `speculative` reports
-    steps, drafted and accepted counts. A list of prompts takes "ngram" (the serving engine's
+    steps, drafted and accepted counts. draft_tokens="auto": each dispatch's K chosen from
+    AUTO_DRAFT_TOKENS by the acceptance rate so far. A list of prompts takes "ngram" (the serving engine's
     drafter), each result reporting its own drafted and accepted counts.
     """
     tok = model.tokenizer
     if speculative is not None:
-        if not checks.is_int(draft_tokens) or not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
-            raise ValueError(f"draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got {draft_tokens!r}")
+        auto = draft_tokens == "auto"
+        if not auto and (not checks.is_int(draft_tokens) or not 1 <= draft_tokens <= MAX_DRAFT_TOKENS):
+            raise ValueError(f"draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}] or 'auto', "
+                             f"got {draft_tokens!r}")
         if not isinstance(prompt, (str, bytes, bytearray)):
             if speculative != "ngram":
                 raise ValueError(f"speculative={speculative!r} for a list of prompts: a list runs through the serving "
                                  f"engine, which drafts by prompt lookup only (speculative='ngram')")
+            if auto:
+                raise ValueError("draft_tokens='auto' is for one prompt; a list's serving engine drafts a fixed K")
             return _generate_list(model, prompt, raw, dict(kw, speculative="ngram", draft_tokens=draft_tokens))
         ids = encode_prompt(model, prompt, raw)
         drafter, draft = load_drafter(model, speculative)
-        return _speculative_generate(model, ids, drafter, draft, draft_tokens, **kw)
+        return _speculative_generate(model, ids, drafter, draft, AUTO_DRAFT_TOKENS if auto else draft_tokens, **kw)
     if not isinstance(prompt, (str, bytes, bytearray)):
         return _generate_list(model, prompt, raw, kw)
     ids = encode_prompt(model, prompt, raw)

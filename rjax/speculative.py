@@ -258,17 +258,36 @@ class SpeculativeStats:
     steps: int = 0      # verification passes
     drafted: int = 0    # draft tokens proposed
     accepted: int = 0   # of those, kept
+    k_used: list[int] = dataclasses.field(default_factory=list)  # K of each dispatch
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a round emits when each of k drafts is accepted with probability alpha, independently
+    (the accepted prefix plus the target's own token)."""
+    return k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def choose_k(alpha: float, candidates: tuple[int, ...], cost_ratio: float) -> int:
+    """The K of `candidates` that emits the most tokens per unit of time when a draft step costs
+    `cost_ratio` of a verification (at batch 1 both are memory bound, so about the ratio of the
+    models' weight bytes; prompt lookup costs nothing). Ties go to the smaller K."""
+    return max(sorted(candidates), key=lambda k: expected_tokens(alpha, k) / (1 + k * cost_ratio) - 1e-9 * k)
 
 
 def speculative_ids(cfg: ModelConfig, params: Params, cache: KVCache, prompt: list[int], *, max_new_tokens: int,
                     stop_ids=(), sp: SamplingParams, seed: int = 0, drafter=NgramDrafter(), draft_params=None,
-                    draft_cache: KVCache | None = None, draft_tokens: int = 4, rounds_per_dispatch: int = 8,
-                    stats: SpeculativeStats | None = None) -> Iterator[list[int]]:
+                    draft_cache: KVCache | None = None, draft_tokens: int | tuple[int, ...] = 4,
+                    rounds_per_dispatch: int = 8, stats: SpeculativeStats | None = None) -> Iterator[list[int]]:
     """Generate for one prompt in slot 0 of an empty one-slot `cache`, K = draft_tokens drafts
     per verification and `rounds_per_dispatch` rounds per program call. A ModelDrafter needs
     `draft_params` and an empty one-slot `draft_cache` of the target's max_len. Yields lists of
     new tokens (the first token alone, then each dispatch's), stopping after a stop id, after
-    max_new_tokens, or when the cache is full. Greedy output equals plain greedy decoding's."""
+    max_new_tokens, or when the cache is full. Greedy output equals plain greedy decoding's.
+
+    draft_tokens as a tuple of candidates: each dispatch takes the K `choose_k` picks for the
+    acceptance rate so far (a running average over dispatches, starting at 0.5) and a draft
+    step's cost estimated as the draft model's weight bytes over the target's (one program per
+    K used)."""
     stats = stats if stats is not None else SpeculativeStats()
     if isinstance(drafter, ModelDrafter) and (draft_params is None or draft_cache is None):
         raise ValueError("drafter: a ModelDrafter needs draft_params and a draft_cache")
@@ -286,12 +305,24 @@ def speculative_ids(cfg: ModelConfig, params: Params, cache: KVCache, prompt: li
     yield [first]
     stops = jnp.asarray(sorted(set(int(s) for s in stop_ids)) or [-1], jnp.int32)
     state = initial_state(prompt, first, max_new_tokens, stop_ids, key, cache.max_len)
+    candidates = tuple(draft_tokens) if isinstance(draft_tokens, (tuple, list)) else (draft_tokens,)
+    cost_ratio = 0.0 if draft_params is None else _nbytes(draft_params) / max(_nbytes(params), 1)
+    alpha = 0.5
     while not bool(state.done):
+        k = choose_k(alpha, candidates, cost_ratio)
+        before = (stats.drafted, stats.accepted)
         out, state, cache, draft_cache = speculative_loop(cfg, params, cache, state, sp, stops, drafter, draft_params,
-                                                          draft_cache, draft_tokens, rounds_per_dispatch)
+                                                          draft_cache, k, rounds_per_dispatch)
         stats.steps, stats.drafted, stats.accepted = int(state.steps), int(state.drafted), int(state.accepted)
+        stats.k_used.append(k)
+        if stats.drafted > before[0]:
+            alpha = 0.5 * alpha + 0.5 * (stats.accepted - before[1]) / (stats.drafted - before[0])
         out = np.asarray(out).reshape(-1)
         yield [int(t) for t in out if t >= 0]
+
+
+def _nbytes(tree) -> int:
+    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def draft_cache_for(drafter: ModelDrafter, max_len: int, dtype) -> KVCache:

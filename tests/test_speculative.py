@@ -189,6 +189,9 @@ def test_generate_with_a_self_draft_and_a_list(tiny_path):
     plain = rjax.generate(model, "abcabcabcabc", raw=True, max_new_tokens=24)
     self_draft = rjax.generate(model, "abcabcabcabc", raw=True, max_new_tokens=24, speculative="self:q4_0")
     assert self_draft.tokens == plain.tokens and self_draft.speculative["accepted"] > 0
+    auto = rjax.generate(model, "abcabcabcabc", raw=True, max_new_tokens=24, speculative="self:q4_0",
+                         draft_tokens="auto")
+    assert auto.tokens == plain.tokens and set(auto.speculative["k_used"]) <= {2, 4, 7}
     texts = ["abcabcabcabc", "xyzxyzxy"]
     plain_list = rjax.generate(model, texts, raw=True, max_new_tokens=12)
     spec_list = rjax.generate(model, texts, raw=True, max_new_tokens=12, speculative="ngram", draft_tokens=3)
@@ -385,3 +388,28 @@ def test_speculative_serving_equals_plain_serving(tiny):
         ServingConfig(speculative="self:q4_0")
     with pytest.raises(ValueError, match="ServingConfig.draft_tokens"):
         ServingConfig(speculative="ngram", draft_tokens=0)
+
+
+def test_choose_k_follows_the_acceptance_rate():
+    from rjax.speculative import choose_k, expected_tokens
+
+    assert expected_tokens(0.0, 4) == 1 and expected_tokens(1.0, 4) == 5 and expected_tokens(0.5, 1) == 1.5
+    assert choose_k(0.05, (1, 2, 4, 7), 0.5) == 1      # drafts rarely kept: the least drafting
+    assert choose_k(0.95, (1, 2, 4, 7), 0.1) == 7      # cheap, reliable drafts: the most
+    assert choose_k(0.3, (2, 4, 7), 0.0) == 7          # free drafts (prompt lookup) never cost time
+
+
+def test_draft_tokens_adapt_per_dispatch(tiny, drafts):
+    """Candidates (1, 4): the Q4_0 copy starts at K = 1 (acceptance unknown, its steps cost half
+    the target's) and moves to K = 4 once its drafts are seen to be kept; the output stays plain
+    greedy's."""
+    cfg, params = tiny
+    dcfg, dparams = drafts["self_q4_0"]
+    stats, out = SpeculativeStats(), []
+    for new in speculative_ids(cfg, params, init_cache(cfg, 1, 128), REPEATING, max_new_tokens=30,
+                               sp=SamplingParams.make(1), drafter=ModelDrafter(dcfg), draft_params=dparams,
+                               draft_cache=init_cache(dcfg, 1, 128), draft_tokens=(1, 4), rounds_per_dispatch=2,
+                               stats=stats):
+        out += new
+    assert out == _greedy(cfg, params, REPEATING, 30, 128)
+    assert stats.k_used[0] == 1 and 4 in stats.k_used, stats.k_used
