@@ -51,10 +51,19 @@ def cmd_info(a) -> int:
     return 0
 
 
+def _mesh(tp: int):
+    """--tp N: a mesh over the first N devices (None for 1)."""
+    if tp == 1:
+        return None
+    from rjax.tensor_parallel import make_tp
+
+    return make_tp(tp).mesh
+
+
 def cmd_generate(a) -> int:
     import rjax
 
-    model = rjax.load(a.model, progress=not a.json)
+    model = rjax.load(a.model, progress=not a.json, mesh=_mesh(a.tp))
     kw = _sampling_kwargs(a)
     if a.json or a.speculative:
         result = rjax.generate(model, a.prompt, raw=a.raw, speculative=a.speculative, draft_tokens=a.draft_tokens,
@@ -138,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-tokens", type=_draft_tokens, default=4,
                    help="tokens drafted per verification, or 'auto' (chosen per dispatch by the acceptance rate; "
                         "default 4)")
+    p.add_argument("--tp", type=int, default=1, help="split the model over this many GPUs (tensor parallel; default 1)")
     p.add_argument("--kv-dtype", choices=("bf16", "int8", "fp8"), default="bf16",
                    help="KV cache: bf16 (unquantized, in the activation dtype: float32 on the CPU), int8 (one "
                         "scale per token and head) or fp8 (e4m3, one scale per head) (default bf16)")

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rjax import checks, engine
+from rjax.tensor_parallel import place_cache
 from rjax.cache import KVCache, check_kv_dtype, init_cache
 from rjax.precompile import compile_programs, decode_program, prefill_program
 from rjax.loaders import Model
@@ -173,8 +174,8 @@ def _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed,
     B = len(prompts)
     tokens, lengths = engine.pad_prompts(prompts)
     if cache is None:
-        cache = init_cache(cfg, B, cache_length(int(lengths.max()) + max_new_tokens, cfg.context_length),
-                           activation_dtype(), kv_dtype)
+        cache = place_cache(init_cache(cfg, B, cache_length(int(lengths.max()) + max_new_tokens, cfg.context_length),
+                                       activation_dtype(), kv_dtype), model.params.tp)
     S = cache.max_len
     end = np.asarray(cache.lengths) + lengths  # each slot's length after the prompt
     sp = SamplingParams.make(B, temperature, top_k, top_p)
@@ -263,7 +264,7 @@ def _speculative_generate(model: Model, ids: list[int], drafter, draft: Model | 
                           top_p=top_p, seed=seed, steps_per_dispatch=steps_per_dispatch)
     cfg, tok = model.config, model.tokenizer
     S = cache_length(len(ids) + max_new_tokens, cfg.context_length)
-    cache = init_cache(cfg, 1, S, activation_dtype(), kv_dtype)
+    cache = place_cache(init_cache(cfg, 1, S, activation_dtype(), kv_dtype), model.params.tp)
     draft_cache = draft_cache_for(drafter, S, activation_dtype()) if draft is not None else None
     stats = SpeculativeStats()
     t0 = time.perf_counter()
