@@ -196,10 +196,17 @@ def part_draft_model(a, out: dict) -> None:
     for k in a.draft_k:
         spec, tps = timed_generate(target, prompt, speculative=draft, draft_tokens=k, steps_per_dispatch=8, **kw)
         s = spec.speculative
-        verify_s = forward_cost(target.config, target.params, k + 1, n_prompt, S)
         alpha = s["accepted"] / s["drafted"] if s["drafted"] else 0.0
-        model_round_s = k * draft_step_s + verify_s
         round_s = (len(spec.tokens) - 1) / tps / max(s["steps"], 1) if tps else None
+        if k == "auto":   # K chosen per dispatch: its rate and the K it took, no single cost model
+            res["by_k"][k] = dict(tokens_per_s=tps, speedup=tps / plain_tps if plain_tps else None,
+                                  same_tokens=spec.tokens == plain.tokens, steps=s["steps"], drafted=s["drafted"],
+                                  accepted=s["accepted"], acceptance=alpha, k_used=s["k_used"], round_s=round_s)
+            say(f"  K=auto: {tps:,.0f} tok/s vs plain {plain_tps:,.0f}, acceptance {alpha:.2f}, K per dispatch "
+                f"{s['k_used']}")
+            continue
+        verify_s = forward_cost(target.config, target.params, k + 1, n_prompt, S)
+        model_round_s = k * draft_step_s + verify_s
         res["by_k"][k] = dict(
             tokens_per_s=tps, speedup=tps / plain_tps if plain_tps else None, same_tokens=spec.tokens == plain.tokens,
             steps=s["steps"], drafted=s["drafted"], accepted=s["accepted"], acceptance=alpha,
@@ -233,6 +240,11 @@ def table(out: dict) -> str:
                   f"{'K':>2} {'plain t/s':>9} {'spec t/s':>9} {'speedup':>7} {'predicted':>9} {'accept':>6} "
                   f"{'draft ms':>8} {'verify ms':>9} {'other ms':>8} {'same':>4}"]
         for k, r in d["by_k"].items():
+            if k == "auto":
+                lines.append(f"{'a':>2} {d['plain_tokens_per_s']:>9,.0f} {r['tokens_per_s']:>9,.0f} "
+                             f"{r['speedup']:>6.2f}x {'-':>9} {r['acceptance']:>6.2f}   K per dispatch: "
+                             f"{','.join(map(str, r['k_used']))}")
+                continue
             lines.append(f"{k:>2} {d['plain_tokens_per_s']:>9,.0f} {r['tokens_per_s']:>9,.0f} {r['speedup']:>6.2f}x "
                          f"{r['predicted_speedup']:>8.2f}x {r['acceptance']:>6.2f} {r['draft_s_per_round'] * 1e3:>8.2f} "
                          f"{r['verify_s'] * 1e3:>9.2f} {(r['other_s_per_round'] or 0) * 1e3:>8.2f} "
@@ -248,14 +260,15 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--ngram-k", default="4,7", help="draft tokens per round for prompt lookup (comma list; up to 7 "
                                                    "keeps the K + 1 verified positions on the decode attention kernel)")
-    p.add_argument("--draft-k", default="4", help="draft tokens per round for the draft model (comma list)")
+    p.add_argument("--draft-k", default="4,auto", help="draft tokens per round for the draft model (comma list; "
+                                                     "'auto': chosen per dispatch from the acceptance rate)")
     p.add_argument("--skip-8b", action="store_true", help="only part (a)")
     p.add_argument("--skip-ngram", action="store_true", help="only part (b)")
     p.add_argument("--target-shape", default="llama-8b", help="part (b)'s synthetic shape (rjax.synth.SHAPES)")
     p.add_argument("--target-layers", type=int, default=None, help="part (b)'s layer count (default: the shape's)")
     a = p.parse_args(argv)
     a.ngram_k = [int(k) for k in a.ngram_k.split(",")]
-    a.draft_k = [int(k) for k in a.draft_k.split(",")]
+    a.draft_k = [k if k == "auto" else int(k) for k in a.draft_k.split(",")]
     os.makedirs(a.out, exist_ok=True)
     dev = jax.devices()[0]
     out: dict = dict(device=dev.device_kind, backend=jax.default_backend(), jax=jax.__version__,
