@@ -12,8 +12,8 @@ output tokens/s over the level's wall time, and p50 / p99 time to first token. W
 --llama-server, the same levels run against llama-server and the table gives rjax's ratio
 (target: output tokens/s >= 1.5x at concurrency 32; p50 TTFT no worse at concurrency 1).
 
---soak N: N requests at concurrency 8 against rjax alone, the server process's RSS sampled every
-100 requests (host memory should stay flat).
+--soak N: N requests at concurrency 8 against rjax alone, in rounds of 100; the server process's
+RSS after each round, once it is idle (host memory should stay flat).
 """
 from __future__ import annotations
 
@@ -96,16 +96,13 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
     return ttft if ttft is not None else time.perf_counter() - t0, tokens if tokens is not None else chunks
 
 
-async def level(url: str, model: str, prompts: list[list[int]], gen: int, concurrency: int, time_limit: float,
-                on_done=None) -> dict:
+async def level(url: str, model: str, prompts: list[list[int]], gen: int, concurrency: int, time_limit: float) -> dict:
     queue = list(prompts)
     results, t0 = [], time.perf_counter()
 
     async def worker(client):
         while queue and time.perf_counter() - t0 < time_limit:
             results.append(await one_request(client, url, model, queue.pop(), gen))
-            if on_done is not None:
-                on_done(len(results))
 
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency + 4)) as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
@@ -132,21 +129,27 @@ def run_server(name: str, cmd: list[str], url: str, a, prompts) -> dict:
 
 
 def soak(cmd, url, a, prompts) -> dict:
+    """a.soak requests at concurrency 8 in rounds of 100; after each round, once the server is
+    idle (it returns freed heap to the OS then), its RSS. Sampled mid-round, RSS would also
+    count whatever the requests in flight hold at that moment (on the CPU, the device buffers
+    of the step running)."""
     proc = start(cmd, url, a.start_timeout)
-    samples = []
+    samples, done, t0 = [], 0, time.perf_counter()
+    pool = [p for level_prompts in prompts for p in level_prompts]
     try:
-        def sample(n):
-            if n % 100 == 0:
-                samples.append((n, rss_bytes(proc.pid)))
-                say(f"soak {n}: rss {samples[-1][1] / 2**20:.1f} MiB")
-        pool = [p for level_prompts in prompts for p in level_prompts]
-        many = [pool[i % len(pool)] for i in range(a.soak)]
-        r = asyncio.run(level(url, "m", many, a.gen, 8, float("inf"), on_done=sample))
+        while done < a.soak:
+            n = min(100, a.soak - done)
+            asyncio.run(level(url, "m", [pool[(done + i) % len(pool)] for i in range(n)], a.gen, 8, float("inf")))
+            done += n
+            time.sleep(1.0)
+            samples.append((done, rss_bytes(proc.pid)))
+            say(f"soak {done}: rss {samples[-1][1] / 2**20:.1f} MiB")
     finally:
         stop(proc)
     after = [v for n, v in samples if n >= 200] or [v for _, v in samples]
-    return dict(r, rss_samples_mib={n: v / 2**20 for n, v in samples},
-                rss_growth=(after[-1] - after[0]) / after[0] if after else None)
+    return dict(requests=done, wall_s=time.perf_counter() - t0, rss_samples_mib={n: v / 2**20 for n, v in samples},
+                rss_growth=(after[-1] - after[0]) / after[0] if after else None,
+                rss_range=(max(after) - min(after)) / min(after) if after else None)
 
 
 def main(argv=None) -> int:
