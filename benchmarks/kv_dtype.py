@@ -1,6 +1,7 @@
 """Decode throughput with a bf16, int8 and fp8 KV cache at long contexts, against the copy roofline.
 
     python benchmarks/kv_dtype.py --out "$OUT/kv_dtype.json" [--workdir /tmp/rjax-kv] [--budget 420]
+        [--models llama,gemma] [--no-attention] [--kv-dtypes bf16,int8,fp8]
 
 What it measures, in one run on one GPU:
 - `bandwidth`: the device's copy bandwidth (rjax.roofline.measure_bandwidth: the best of a
@@ -32,13 +33,19 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+# The planner's free memory is the allocator's limit less what is in use: let the allocator take
+# most of the GPU (JAX's default pool is 75% of it), so "the largest batch that fits" means the
+# device's memory, not the default pool's.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -252,8 +259,12 @@ def main() -> int:
     p.add_argument("--workdir", default="/tmp/rjax-kv-dtype", help="where the synthetic GGUFs are written")
     p.add_argument("--budget", type=float, default=420.0, help="seconds of measuring before the rest is skipped")
     p.add_argument("--kv-dtypes", default=",".join(KV_DTYPES))
-    p.add_argument("--skip-gemma", action="store_true")
+    p.add_argument("--models", default="llama,gemma", help="llama (llama-8b Q4_K), gemma (gemma3-1b Q4_K), or both")
+    p.add_argument("--no-attention", action="store_true", help="skip the attention kernel measurement")
     a = p.parse_args()
+    models = [m for m in a.models.split(",") if m]
+    if set(models) - {"llama", "gemma"}:
+        p.error(f"--models takes llama and/or gemma, got {a.models!r}")
     kvs = [k for k in a.kv_dtypes.split(",") if k]
     out, workdir = Path(a.out), Path(a.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -262,7 +273,8 @@ def main() -> int:
     deadline = t_start + a.budget
     dev = jax.devices()[0]
     result: dict = {"device": dev.device_kind, "jax_version": jax.__version__, "steps_per_dispatch": STEPS,
-                    "kv_dtypes": kvs, "status": "running"}
+                    "kv_dtypes": kvs, "status": "running",
+                    "bytes_limit": (dev.memory_stats() or {}).get("bytes_limit")}
 
     def write():
         result["elapsed_s"] = time.perf_counter() - t_start
@@ -273,7 +285,7 @@ def main() -> int:
     say(f"copy bandwidth {bw['gb_per_s']:.0f} GB/s ({bw['probe']})")
     write()
     result["attention"] = []
-    for B in (1, 16):
+    for B in (() if a.no_attention else (1, 16)):
         for kv in kvs:
             try:
                 r = attention_kernel(kv, B, 32768, bw["bytes_per_s"])
@@ -286,7 +298,7 @@ def main() -> int:
             result["attention"].append(r)
             write()
     for spec, largest in ((LLAMA, True), (GEMMA, False)):
-        if spec is GEMMA and a.skip_gemma:
+        if (spec is LLAMA and "llama" not in models) or (spec is GEMMA and "gemma" not in models):
             continue
         try:
             bench_model(spec, kvs, workdir, bw["bytes_per_s"], result, write, deadline, largest)
