@@ -501,3 +501,23 @@ def test_memory_planner_counts_the_smaller_cache(tiny):
     assert sum(x.size * x.dtype.itemsize for x in leaves) == config.pool_pages * 8 * kv_bytes_per_position(cfg, "int8")
     with pytest.raises(ValueError, match="ServingConfig.kv_dtype must be"):
         ServingConfig(kv_dtype="int4")
+
+
+def test_cli_kv_dtype_generates_as_the_python_api(tiny_path, capsys):
+    """`rjax generate --kv-dtype int8 --json` gives what rjax.generate(kv_dtype="int8") gives;
+    an unknown KV dtype is refused by the parser, and by the Python API naming the parameter."""
+    import json
+
+    import rjax
+    from rjax.cli import main
+
+    assert main(["generate", "-m", str(tiny_path), "--raw", "--json", "--max-new-tokens", "6", "--kv-dtype", "int8",
+                 "hello"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    model = rjax.load(tiny_path, progress=False)
+    ref = rjax.generate(model, "hello", raw=True, max_new_tokens=6, kv_dtype="int8")
+    assert out["tokens"] == ref.tokens
+    with pytest.raises(SystemExit):
+        main(["generate", "-m", str(tiny_path), "--kv-dtype", "int4", "hello"])
+    with pytest.raises(ValueError, match="kv_dtype must be one of"):
+        rjax.generate(model, "hello", raw=True, max_new_tokens=2, kv_dtype="int4")
