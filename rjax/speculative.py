@@ -175,11 +175,20 @@ def _draft_with_model(dcfg: ModelConfig, dparams, dcache, last, pending, held, n
     one. -> (drafts [k], log q [k, V], cache holding [0, held + n))."""
     V = dcfg.vocab_size
     keys = jax.random.split(key, k)
-    # The first step feeds the pending token (if any) beside `last`: one pass of two positions.
-    tokens = jnp.stack([jnp.maximum(pending, 0), last])[None]
-    pos = jnp.stack([jnp.where(pending >= 0, held - 1, -1), jnp.where(n > 0, held, -1)])[None]
-    logits, dcache = forward(dcfg, dparams, dcache, tokens, pos, None, dcache.dtype)
-    d0, q0 = _propose(logits[0, 1], keys[0], sp)
+    last_pos = jnp.where(n > 0, held, -1)
+
+    def with_pending():  # the pending token beside `last`: one pass of two positions
+        tokens = jnp.stack([pending, last])[None]
+        pos = jnp.stack([held - 1, last_pos])[None]
+        logits, c = forward(dcfg, dparams, dcache, tokens, pos, None, dcache.dtype)
+        return logits[0, 1], c
+
+    def alone():  # the usual case (a draft was rejected): a plain one-token step
+        logits, c = forward(dcfg, dparams, dcache, last[None, None], last_pos[None, None], None, dcache.dtype)
+        return logits[0, 0], c
+
+    logits0, dcache = jax.lax.cond(pending >= 0, with_pending, alone)
+    d0, q0 = _propose(logits0, keys[0], sp)
     drafts = jnp.zeros(k, jnp.int32).at[0].set(d0)
     logq = jnp.zeros((k, V), jnp.float32).at[0].set(q0)
 
