@@ -219,12 +219,12 @@ def test_long_context_decode_int8(S):
     assert rel_err(kern, out) < KERNEL_TOL
 
 
-def test_long_prefill_reference_needs_no_full_score_matrix():
-    """A 32k-position prompt chunk of 2,048 queries: the reference attends in query chunks
+@pytest.mark.parametrize("S,T", [(32768, 2048), (131072, 512)])
+def test_long_prefill_reference_needs_no_full_score_matrix(S, T):
+    """The last T positions of a 32k / 128k-position prompt: the reference attends in query chunks
     ([chunk, S] scores, never [T, S] at once) and gives what one pass over all queries gives."""
     from pallas_kernels.attention import reference
 
-    S, T = 32768, 2048
     assert reference.query_chunk(T, S) * S <= 1 << 22 and reference.query_chunk(T, S) < T
     q, k, v, pos, kv_len = case(9, B=1, T=T, Hq=2, Hkv=1, S=S, D=32, pos_start=[S - T])
     (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)

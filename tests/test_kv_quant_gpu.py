@@ -198,10 +198,11 @@ def test_engine_decodes_over_a_quantized_cache(tmp_path, kv_dtype):
 
 
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
-def test_long_prompt_chunk_at_32k(kind):
-    """The last 2,048 positions of a 32k prompt prefilled over the cache (the entry point's prefill
-    kernel) against the reference, which attends in query chunks (no [T, S] score matrix)."""
-    B, T, Hq, Hkv, S, D = 1, 2048, 32, 8, 32768, 128
+@pytest.mark.parametrize("S,T", [(32768, 2048), (131072, 1024)])
+def test_long_prompt_chunk(kind, S, T):
+    """The last T positions of a 32k / 128k prompt prefilled over the cache (the entry point's
+    prefill kernel) against the reference, which attends in query chunks (no [T, S] matrix)."""
+    B, Hq, Hkv, D = 1, 32, 8, 128
     q, k, v = make(13, B, T, Hq, Hkv, S, D)
     pos = jnp.asarray(S - T + np.arange(T)[None], jnp.int32)
     kv_len = jnp.asarray([S], jnp.int32)
