@@ -24,6 +24,7 @@ import numpy as np
 
 from rjax.cache import KVCache
 from rjax.config import ModelConfig
+from rjax import tensor_parallel
 from rjax.model import Params, hidden_states, logits_from_hidden, plan_of
 from rjax.plan import TUNING, Tuning
 from rjax.sampling import SamplingParams, _is_concrete, check_sampling, sample
@@ -61,7 +62,28 @@ class _HostChecked:
         bound = self._signature.bind(*args, **kwargs)
         bound.apply_defaults()
         self._check(**bound.arguments)
+        tp = getattr(bound.arguments.get("params"), "tp", None)
+        if tp is not None:
+            args, kwargs = self._on_mesh(tp, args, kwargs)
         return self._jitted(*args, **kwargs)
+
+    def _on_mesh(self, tp, args, kwargs):
+        """For params split over a mesh: the cache in its layout and every other array
+        replicated on the mesh, whatever device made it, so that each call is compiled once
+        (a jitted function's cache key holds its arguments' shardings)."""
+        names = list(self._signature.parameters)
+
+        def put(name, value):
+            if name == "cache":
+                return tensor_parallel.place_cache(value, tp)
+            if name in ("cfg", "params"):
+                return value
+            replicated = tp.sharding(tensor_parallel.P())
+            return jax.tree.map(lambda x: jax.device_put(x, replicated) if isinstance(x, (jax.Array, np.ndarray))
+                                else x, value)
+
+        return (tuple(put(names[i], a) for i, a in enumerate(args)),
+                {k: put(k, v) for k, v in kwargs.items()})
 
     def __getattr__(self, name):
         return getattr(self._jitted, name)
