@@ -399,6 +399,7 @@ def test_choose_k_follows_the_acceptance_rate():
     assert choose_k(0.3, (2, 4, 7), 0.0) == 7          # free drafts (prompt lookup) never cost time
 
 
+@pytest.mark.slow
 def test_draft_tokens_adapt_per_dispatch(tiny, drafts):
     """Candidates (1, 4): the Q4_0 copy starts at K = 1 (acceptance unknown, its steps cost half
     the target's) and moves to K = 4 once its drafts are seen to be kept; the output stays plain
