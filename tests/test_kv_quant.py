@@ -219,7 +219,7 @@ def test_long_context_decode_int8(S):
     assert rel_err(kern, out) < KERNEL_TOL
 
 
-@pytest.mark.parametrize("S,T", [(32768, 2048), (131072, 512)])
+@pytest.mark.parametrize("S,T", [(32768, 1024), (131072, 256)])
 def test_long_prefill_reference_needs_no_full_score_matrix(S, T):
     """The last T positions of a 32k / 128k-position prompt: the reference attends in query chunks
     ([chunk, S] scores, never [T, S] at once) and gives what one pass over all queries gives."""
@@ -268,50 +268,40 @@ PROMPTS = [[7, 3, 99, 41, 5, 18, 250, 6, 77, 12, 9], [300, 2, 2, 8, 501, 44]]
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
-def test_cache_stores_quantized_and_attends_close_to_float(tiny, paged, kv_dtype):
+def test_cache_stores_quantized_attends_close_to_float_and_snapshots_exactly(tiny, paged, kv_dtype):
     cfg, params = tiny
     cache = _cache(cfg, paged, kv_dtype)
     assert cache.quantized and cache.kv_dtype == kv_dtype and cache.dtype == jnp.float32
     assert cache.storage_dtype == {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kv_dtype]
-    ref, ref_cache = _run(cfg, params, _cache(cfg, paged, None), PROMPTS, 4)
-    got, cache = _run(cfg, params, cache, PROMPTS, 4, feed=ref)
+    ref, ref_cache = _run(cfg, params, _cache(cfg, paged, None), PROMPTS, 3)
+    got, cache = _run(cfg, params, cache, PROMPTS, 3, feed=ref)
     errs = [rel_err(a, b) for a, b in zip(got, ref)]
     print(f"{kv_dtype} {'paged' if paged else 'contiguous'}: logits' relative error per step {np.round(errs, 4)}")
-    # Two layers of attention error reach the logits (measured int8 1.1-1.2%, fp8 5-6%).
+    # Two layers of attention error reach the logits (measured int8 1.1-1.2%, fp8 4-6%).
     assert max(errs) < QUANT_TOL[kv_dtype] * 1.5
-    # What is stored is the float cache's K quantized when written.
+    # What is stored is the float cache's K quantized when written (layer 0: the same inputs;
+    # later layers' keys differ by the earlier layers' quantized attention, compared loosely).
     k, _ = cache.row(0)
-    k_ref, _ = ref_cache.row(0)
-    n = len(PROMPTS[0]) + 4
+    k_ref = np.asarray(ref_cache.row(0)[0])
+    n = len(PROMPTS[0]) + 3
     ks, _ = cache.row_scales(0)
     if kv_dtype == "int8":
         deq = np.asarray(k[:, :, :n], np.float32) * np.asarray(ks[:, :, :n])[..., None]
-        step = np.abs(np.asarray(k_ref[:, :, :n])).max(-1, keepdims=True) / 127
-        # The float cache's keys differ by the earlier layers' quantized attention: compare loosely.
-        assert np.abs(deq - np.asarray(k_ref[:, :, :n])).max() < 0.05 * np.abs(np.asarray(k_ref[:, :, :n])).max()
-        assert (np.abs(np.asarray(k[0, :, :n], np.float32) * np.asarray(ks[0, :, :n])[..., None]
-                       - np.asarray(k_ref[0, :, :n])) <= step[0] / 2 * (1 + 1e-5) + 1e-7).all()
+        step = np.abs(k_ref[0, :, :n]).max(-1, keepdims=True) / 127
+        assert (np.abs(deq[0] - k_ref[0, :, :n]) <= step / 2 * (1 + 1e-5) + 1e-7).all()
+        assert np.abs(deq - k_ref[:, :, :n]).max() < 0.05 * np.abs(k_ref[:, :, :n]).max()
     else:
         assert ks is None
-
-
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
-def test_snapshot_round_trip_of_a_quantized_slot_is_exact(tiny, paged, kv_dtype):
-    cfg, params = tiny
-    _, cache = _run(cfg, params, _cache(cfg, paged, kv_dtype), PROMPTS[:1], 2)
+    # snapshot / restore of the quantized slot: exact, scales included, and it continues alike.
     snap = snapshot(cache, 0)
     assert snap.k.dtype == cache.storage_dtype and (snap.k_scale is not None) == (kv_dtype == "int8")
     moved = restore(cache, 2, snap)
     again = snapshot(moved, 2)
     n = int(snap.length)
-    np.testing.assert_array_equal(np.asarray(again.k[:, :, :n], np.float32), np.asarray(snap.k[:, :, :n], np.float32))
-    np.testing.assert_array_equal(np.asarray(again.v[:, :, :n], np.float32), np.asarray(snap.v[:, :, :n], np.float32))
-    if kv_dtype == "int8":
-        np.testing.assert_array_equal(np.asarray(again.k_scale[:, :, :n]), np.asarray(snap.k_scale[:, :, :n]))
-    # The restored slot continues exactly as the original.
-    a, _ = _greedy(cfg, params, cache, 0, 5)
-    b, _ = _greedy(cfg, params, moved, 2, 5)
+    for a, b in ((again.k, snap.k), (again.v, snap.v)) + (((again.k_scale, snap.k_scale),) if ks is not None else ()):
+        np.testing.assert_array_equal(np.asarray(a[:, :, :n], np.float32), np.asarray(b[:, :, :n], np.float32))
+    a, _ = _greedy(cfg, params, cache, 0, 4)
+    b, _ = _greedy(cfg, params, moved, 2, 4)
     assert a == b
 
 
@@ -350,33 +340,25 @@ NEAR_TIE = 0.5
 
 
 def _greedy_float(cfg, params, prompts):
-    """GREEN_TOKENS greedy tokens per prompt from the float32 cache, as one decode loop (no
-    stop ids: every prompt gets all of them). -> tokens [B, GREEN_TOKENS]."""
-    from rjax.sampling import SamplingParams
-
-    B = len(prompts)
+    """GREEN_TOKENS greedy tokens per prompt from the float32 cache (prefill, then decode steps),
+    and the logits [B, GREEN_TOKENS, V] that chose them."""
     tokens, lengths = engine.pad_prompts(prompts)
-    cache = init_cache(cfg, B, 256, jnp.float32)
-    sp = SamplingParams.make(B)
-    first, cache = engine.prefill_and_sample(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths), None,
-                                             jax.random.key(0), sp)
-    stop = jnp.asarray([-1], jnp.int32)
-    state = engine.initial_state(first, jnp.full((B,), GREEN_TOKENS, jnp.int32), stop, jax.random.key(0), cache)
-    out, _, _ = engine.decode_loop(cfg, params, cache, state, sp, stop, GREEN_TOKENS - 1)
-    return np.concatenate([np.asarray(first)[:, None], np.asarray(out)], axis=1)
-
-
-@jax.jit
-def _top2(logits):
-    top = jax.lax.top_k(logits, 2)[0]
-    return jnp.argmax(logits, -1), top[..., 0] - top[..., 1]
+    cache = init_cache(cfg, len(prompts), 256, jnp.float32)
+    logits, cache = engine.prefill(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
+    out, ids = [logits], []
+    for _ in range(GREEN_TOKENS - 1):
+        ids.append(jnp.argmax(logits, -1).astype(jnp.int32))
+        logits, cache = engine.decode_step(cfg, params, cache, ids[-1])
+        out.append(logits)
+    ids.append(jnp.argmax(logits, -1).astype(jnp.int32))
+    return np.asarray(jnp.stack(ids, 1)), jnp.stack(out, 1)
 
 
 def _forced_logits(cfg, params, prompts, generated, kv_dtype):
-    """Logits [B, GREEN_TOKENS, V] (float32, on the device) predicting each generated token, from
-    one forward pass over prompt + generated tokens (teacher forcing): each position attends to
-    the cache's keys and values of the positions up to it, written (and, for int8, quantized)
-    before it reads them, exactly what a decode step at that position sees."""
+    """Logits [B, GREEN_TOKENS, V] predicting each generated token, from one forward pass over
+    prompt + generated tokens (teacher forcing): each position attends to the cache's keys and
+    values of the positions up to it, written (and, for int8, quantized) before it reads them,
+    exactly what a decode step at that position sees."""
     from rjax.model import hidden_states, logits_from_hidden
 
     seqs = [list(p) + [int(t) for t in g] for p, g in zip(prompts, generated)]
@@ -395,23 +377,35 @@ def _forced_logits(cfg, params, prompts, generated, kv_dtype):
     return run(params, cache, jnp.asarray(tokens), jnp.asarray(pos, jnp.int32), jnp.asarray(rows, jnp.int32))
 
 
+@jax.jit
+def _top2(logits):
+    top = jax.lax.top_k(logits, 2)[0]
+    return jnp.argmax(logits, -1), top[..., 0] - top[..., 1]
+
+
+def _dense(params):
+    """Every quantized weight dequantized once to float32: the values the CPU path dequantizes at
+    every step (the KV cache is what is compared), without paying for it at every step."""
+    from gguf_blocks.qtensor import QTensor
+    from gguf_blocks.reference import dequantize
+
+    return jax.tree.map(lambda w: jax.jit(dequantize)(w) if isinstance(w, QTensor) else w, params,
+                        is_leaf=lambda w: isinstance(w, QTensor))
+
+
 def _compare_greedy(model, kv_dtype):
-    cfg, params, tok = model.config, model.params, model.tokenizer
+    cfg, params, tok = model.config, _dense(model.params), model.tokenizer
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS_TEXT]
-    ref_tokens = _greedy_float(cfg, params, prompts)
-    ref_logits = _forced_logits(cfg, params, prompts, ref_tokens, None)
-    ref_argmax, margin = (np.asarray(x) for x in _top2(ref_logits))
-    # The one-pass float32 logits choose the decode loop's tokens (or tie them within float32 noise).
-    agree = (ref_argmax == ref_tokens).mean()
+    ref_tokens, ref_logits = _greedy_float(cfg, params, prompts)
     got_logits = _forced_logits(cfg, params, prompts, ref_tokens, kv_dtype)
+    margin = np.asarray(_top2(ref_logits)[1])
     got_tokens = np.asarray(_top2(got_logits)[0])
     delta = np.asarray(jnp.max(jnp.abs(got_logits - ref_logits), -1))
     divergences = [(b, t, round(float(margin[b, t]), 4)) for b in range(len(prompts)) for t in range(GREEN_TOKENS)
                    if got_tokens[b, t] != ref_tokens[b, t]]
-    print(f"\n{model.name} {kv_dtype}: {GREEN_TOKENS} greedy tokens x {len(prompts)} prompts (one-pass float32 "
-          f"argmax = decode loop's token at {agree:.1%} of steps); max |Δ logit| per step: median "
-          f"{np.median(delta):.3f}, max {delta.max():.3f}; divergences (prompt, step, float cache's top-2 margin): "
-          f"{divergences or 'none'}")
+    print(f"\n{model.name} {kv_dtype}: {GREEN_TOKENS} greedy tokens x {len(prompts)} prompts; max |Δ logit| per "
+          f"step: median {np.median(delta):.3f}, max {delta.max():.3f}; divergences (prompt, step, float cache's "
+          f"top-2 margin): {divergences or 'none'}")
     return divergences
 
 
@@ -438,14 +432,12 @@ def test_int8_perplexity_within_half_a_percent_of_the_float_cache(smollm2):
     from pathlib import Path
 
     text = (Path(__file__).with_name("data") / "perplexity.txt").read_text(encoding="utf-8")
-    kw = dict(ctx=128, stride=64, batch=2, progress=False)
+    kw = dict(ctx=128, stride=64, batch=4, progress=False)
     ref = rjax.perplexity(smollm2, text, **kw)
-    out = {kv: rjax.perplexity(smollm2, text, kv_dtype=kv, **kw) for kv in ("int8", "fp8")}
-    print(f"\nperplexity ({ref.n_scored} tokens scored): float32 cache {ref.ppl:.4f}, "
-          + ", ".join(f"{kv} {r.ppl:.4f} (ratio {r.ppl / ref.ppl:.5f})" for kv, r in out.items()))
-    assert abs(out["int8"].ppl / ref.ppl - 1) < 0.005
-    # fp8 (per-head scale 1.0, no calibration): reported, held to a looser 2%.
-    assert abs(out["fp8"].ppl / ref.ppl - 1) < 0.02
+    out = rjax.perplexity(smollm2, text, kv_dtype="int8", **kw)
+    print(f"\nperplexity ({ref.n_scored} tokens scored): float32 cache {ref.ppl:.4f}, int8 {out.ppl:.4f} "
+          f"(ratio {out.ppl / ref.ppl:.5f})")
+    assert abs(out.ppl / ref.ppl - 1) < 0.005
 
 
 # ---- serving and the memory planner ---------------------------------------------------------------
@@ -462,17 +454,17 @@ def test_serving_engine_on_an_int8_cache_equals_each_prompt_alone(tiny):
                            kv_dtype="int8")
     eng = ServingEngine(cfg, params, config)
     assert eng.cache.kv_dtype == "int8" and eng.cache.dtype == jnp.float32
-    ids = [eng.submit(p, max_new_tokens=10) for p in prompts[:1]]
+    ids = [eng.submit(p, max_new_tokens=6) for p in prompts[:1]]
     done = {}
     for e in eng.run():
         if e.finished:
             done[e.request_id] = e.completion.tokens
         if len(done) == 1 and len(ids) == 1:
-            ids += [eng.submit(p, max_new_tokens=10) for p in prompts[1:]]
+            ids += [eng.submit(p, max_new_tokens=6) for p in prompts[1:]]
     assert eng.prefix_stats.pages_reused >= 2
     for rid, p in zip(ids, prompts):
         cache = init_cache(cfg, 1, 64, kv_dtype="int8")
-        out, _ = _run(cfg, params, cache, [p], 9)
+        out, _ = _run(cfg, params, cache, [p], 5)
         assert done[rid] == [int(jnp.argmax(x[0])) for x in out]
 
 
