@@ -17,6 +17,16 @@ if str(REPO) not in sys.path:  # lets tests import `tests.oracle.client`
     sys.path.insert(0, str(REPO))
 
 
+def pytest_configure(config):
+    # Tests compile into memory only. An in-process `rjax.cli.main` (the CLI tests) would switch
+    # its test process to the persistent compilation cache in $RJAX_HOME, which every test
+    # process shares: one process then reads entries another is writing (a deserialization
+    # segfault seen under pytest-xdist).
+    import jax
+
+    jax.config.update("jax_enable_compilation_cache", False)
+
+
 def pytest_collection_modifyitems(config, items):
     import jax
 
