@@ -146,7 +146,7 @@ def plan_memory(cfg: ModelConfig, *, max_len: int, page_size: int | None = 16, n
                 n_pages: int | None = None, tokens_per_slot: int | None = None, max_slots: int = DEFAULT_MAX_SLOTS,
                 prefill_tokens: int = 4096, prefill_prompts: int = 16, dtype=np.float32, params_bytes: int = 0,
                 reserve_bytes: int | None = None, available: int | None = None, budget_bytes: int | None = None,
-                device=None, tp: int = 1) -> MemoryPlan:
+                device=None, tp: int = 1, draft_cfg: ModelConfig | None = None) -> MemoryPlan:
     """The slots and pages that fit, or MemoryFitError.
 
     dtype: the KV dtype, a float dtype or "int8" / "fp8" (`kv_bytes_per_position`).
@@ -159,14 +159,16 @@ def plan_memory(cfg: ModelConfig, *, max_len: int, page_size: int | None = 16, n
     `device` (`budget_bytes` where the device has no statistics). tp: the model is split over tp
     devices (rjax.tensor_parallel; cfg is the split config): every number is one device's, the
     cache and params_bytes (the whole model's) divided by tp; a refusal says how many devices
-    would fit.
+    would fit. draft_cfg: a speculative draft model's KV cache beside the target's, of the same
+    slots, pages and dtype (counted in the KV cache; its workspace is the target's, reused).
     """
     if available is None:
         available, source = available_bytes(device, budget_bytes)
     else:
         source = "the given budget"
     reserve = max(256 * MiB, available // 20) if reserve_bytes is None else int(reserve_bytes)
-    per_pos = kv_bytes_per_position(cfg, dtype) // tp
+    per_pos = kv_bytes_per_position(cfg, dtype) + (kv_bytes_per_position(draft_cfg, dtype) if draft_cfg else 0)
+    per_pos //= tp
     params_bytes = -(-params_bytes // tp)
 
     def ws(n):

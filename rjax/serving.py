@@ -12,6 +12,11 @@ state, sampling parameters and stop ids as device arrays (`rjax.slots.SlotBatch`
    finished ones: their pages go back to the free list and the slot's length is reset by a pure
    function.
 
+With `ServingConfig.speculative` the decode dispatch drafts and verifies instead
+(`rjax.speculative.speculative_dispatch`): by prompt lookup, or with a draft model (`draft=`),
+whose own cache (paged: its own pool under the target's block tables) is written with every
+prefill chunk and rolled back with the target's.
+
 Log-probabilities cross to the host only for the requests that asked for them, and a decode
 dispatch computes them only while such a request runs. `cancel(request_id)` may be called from
 any thread; the cancellation is applied at the start of the next `step`, which frees the
@@ -52,7 +57,7 @@ from rjax.serving_events import Completion, StreamEvent, TokenLogprob, token_log
 from rjax.serving_limits import ServingConfig, check_request, check_stop_ids
 from rjax.tensor_parallel import place_cache
 from rjax.slots import decode_dispatch, free_slots, init_slots, prefill_into_slots, stop_slots
-from rjax.speculative import NgramDrafter, speculative_dispatch
+from rjax.speculative import ModelDrafter, NgramDrafter, check_draft_model, draft_prefill, speculative_dispatch
 
 
 def _put(*host_arrays):
@@ -87,6 +92,11 @@ class _Request:
     computing: list[bytes] = dataclasses.field(default_factory=list)  # those it computes, not yet indexed
     drafted: int = 0          # speculative decoding: draft tokens proposed for it, and accepted
     accepted: int = 0
+    # A draft model: positions its cache holds in the slot, and whether the device keeps the
+    # token at the next position as pending (fed in the next round); less than `length` otherwise
+    # after plain decoding, caught up before the next speculative dispatch.
+    draft_length: int = 0
+    pending: bool = False
 
 
 class ServingEngine:
@@ -96,29 +106,39 @@ class ServingEngine:
 
     def __init__(self, cfg: ModelConfig, params: Params, config: ServingConfig = ServingConfig(), *,
                  stop_ids: Sequence[int] = (), seed: int = 0, available_bytes: int | None = None,
-                 budget_bytes: int | None = None, reserve_bytes: int | None = None):
+                 budget_bytes: int | None = None, reserve_bytes: int | None = None,
+                 draft: tuple[ModelConfig, Params] | None = None):
         """stop_ids: the default stop set of every request (usually the tokenizer's end-of-sequence
         ids). available_bytes / budget_bytes / reserve_bytes: see `rjax.memory.plan_memory`; the
-        cache is checked against the free memory before it is allocated (MemoryFitError)."""
+        cache is checked against the free memory before it is allocated (MemoryFitError).
+        draft: (config, params) of the draft model of ServingConfig(speculative="model"), with the
+        target's vocabulary; it keeps a cache of its own, of the target's kind and size."""
         if config.max_len > cfg.context_length:
             raise ValueError(f"ServingConfig.max_len {config.max_len} exceeds the model's context length "
                              f"{cfg.context_length}")
+        dcfg = self._check_draft(cfg, params, config, draft)
         self.cfg, self.params, self.config = cfg, params, config
         self.default_stop_ids = check_stop_ids(cfg, config, stop_ids)
         plan_memory(cfg, max_len=config.max_len, page_size=config.page_size, n_slots=config.n_slots,
                     n_pages=config.pool_pages if config.paged else None, prefill_tokens=config.max_prefill_tokens,
                     prefill_prompts=config.max_prefill_prompts, dtype=config.kv_dtype, reserve_bytes=reserve_bytes,
-                    available=available_bytes, budget_bytes=budget_bytes, tp=1 if params.tp is None else params.tp.size)
-        dtype = config.dtype
+                    available=available_bytes, budget_bytes=budget_bytes, tp=1 if params.tp is None else params.tp.size,
+                    draft_cfg=dcfg)
+        self.cache = self._new_cache(cfg, params)
+        self.pages: PageAllocator | None = None
         if config.paged:
-            self.cache = place_cache(init_paged_cache(cfg, config.n_slots, config.pool_pages, config.page_size,
-                                                      config.max_len, dtype, kv_dtype=config.cache_kv_dtype), params.tp)
-            self.pages: PageAllocator | None = PageAllocator(config.pool_pages, config.n_slots, config.max_pages,
-                                                             config.page_size, prefix_cache=config.prefix_cache)
-        else:
-            self.cache = place_cache(init_cache(cfg, config.n_slots, config.max_len, dtype,
-                                                kv_dtype=config.cache_kv_dtype), params.tp)
-            self.pages = None
+            self.pages = PageAllocator(config.pool_pages, config.n_slots, config.max_pages, config.page_size,
+                                       prefix_cache=config.prefix_cache)
+        self.drafter = {None: None, "ngram": NgramDrafter(), "model": ModelDrafter(dcfg) if dcfg else None}[
+            config.speculative]
+        # The draft model's cache: its own pool (paged: with the target's block tables, set
+        # together, so a page shared by prefix holds the draft's K/V of the same tokens), and
+        # each slot's pending token (rjax.speculative), both carried between dispatches.
+        self.draft_params = self.draft_cache = self.pending = None
+        if dcfg is not None:
+            self.draft_params = draft[1]
+            self.draft_cache = self._new_cache(dcfg, draft[1])
+            self.pending = jnp.full((config.n_slots,), -1, jnp.int32)
         self._seeds = np.random.default_rng(seed)  # seeds of the requests that bring none
         self.slots = init_slots(config.n_slots, config.max_stop_ids)
         self._queue: collections.deque[_Request] = collections.deque()
@@ -132,8 +152,43 @@ class ServingEngine:
         self._ids = itertools.count()
         self._live_ids: set = set()                           # ids of queued and running requests
         self._drafted = self._accepted = 0                    # speculative totals of finished requests
+        per_position = kv_bytes_per_position(cfg, config.kv_dtype) + \
+            (kv_bytes_per_position(dcfg, config.kv_dtype) if dcfg else 0)   # the draft model's cache too
         self.kv_bytes = (config.pool_pages * config.page_size if config.paged else config.n_slots * config.max_len) \
-            * kv_bytes_per_position(cfg, config.kv_dtype)
+            * per_position
+
+    @staticmethod
+    def _check_draft(cfg: ModelConfig, params: Params, config: ServingConfig, draft) -> ModelConfig | None:
+        """-> the draft model's config, or None without one; ValueError for a draft that config
+        does not ask for or cannot use."""
+        if config.speculative != "model":
+            if draft is not None:
+                raise ValueError(f"draft: a draft model is given but ServingConfig.speculative is "
+                                 f"{config.speculative!r}; a draft model drafts with speculative='model'")
+            return None
+        if draft is None:
+            raise ValueError("ServingConfig.speculative='model' needs the draft model: "
+                             "ServingEngine(..., draft=(config, params))")
+        if not (isinstance(draft, tuple) and len(draft) == 2 and isinstance(draft[0], ModelConfig)):
+            raise TypeError(f"draft must be a (ModelConfig, Params) pair, got {type(draft).__name__}")
+        dcfg, dparams = draft
+        check_draft_model(cfg, None, dcfg, None, "given as draft")
+        if config.max_len > dcfg.context_length:
+            raise ValueError(f"draft: the draft model's context of {dcfg.context_length} tokens is shorter than "
+                             f"ServingConfig.max_len {config.max_len}")
+        if params.tp is not None or dparams.tp is not None:
+            raise ValueError("draft: a draft model beside a tensor-parallel (split) model is not supported")
+        return dcfg
+
+    def _new_cache(self, cfg: ModelConfig, params: Params):
+        """An empty cache for `cfg` of this engine's kind, slots, pages and dtypes."""
+        c = self.config
+        if c.paged:
+            cache = init_paged_cache(cfg, c.n_slots, c.pool_pages, c.page_size, c.max_len, c.dtype,
+                                     kv_dtype=c.cache_kv_dtype)
+        else:
+            cache = init_cache(cfg, c.n_slots, c.max_len, c.dtype, kv_dtype=c.cache_kv_dtype)
+        return place_cache(cache, params.tp)
 
     # -- compiling ahead --------------------------------------------------------------------
 
@@ -160,9 +215,10 @@ class ServingEngine:
     def precompile(self, prompt_lengths: Sequence[int] | None = None, workers: int | None = None,
                    progress: bool = False, logprobs: bool = False):
         """Compile the programs `step` calls (the decode dispatch, also its log-probability
-        variant with `logprobs`, and every prefill shape of
-        `prefill_shapes(prompt_lengths)`) concurrently, before any request: a server pays its
-        compile time at start-up rather than on its first requests. -> rjax.precompile.CompileReport."""
+        variant with `logprobs`; the speculative dispatch; every prefill shape of
+        `prefill_shapes(prompt_lengths)`; a draft model's prefill, and with `logprobs` its
+        catch-up) concurrently, before any request: a server pays its compile time at start-up
+        rather than on its first requests. -> rjax.precompile.CompileReport."""
         c = self.config
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         u32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.uint32)  # noqa: E731
@@ -171,16 +227,28 @@ class ServingEngine:
                             (self.cfg, self.params, self.cache, self.slots, c.steps_per_dispatch, lp,
                              i32(b) if c.paged else None))
                     for b in c.decode_buckets for lp in ((False, True) if logprobs else (False,))]
+        model = isinstance(self.drafter, ModelDrafter)
         if c.speculative:
             programs += [Program(f"speculative B={b} K={c.draft_tokens} N={c.steps_per_dispatch}", speculative_dispatch,
-                                 (self.cfg, self.params, self.cache, self.slots, i32(b, c.max_len + 1), i32(b),
-                                  NgramDrafter(), c.draft_tokens, c.steps_per_dispatch, i32(b) if c.paged else None))
-                         for b in (c.decode_buckets if c.paged else (c.n_slots,))]
-        for p, t in self.prefill_shapes(prompt_lengths):
+                                 (self.cfg, self.params, self.cache, self.slots, self.drafter, self.draft_params,
+                                  (self.draft_cache, self.pending) if model else (i32(b, c.max_len + 1), i32(b)),
+                                  c.draft_tokens, c.steps_per_dispatch, i32(b) if c.paged else None))
+                         for b in c.decode_buckets]
+        shapes = self.prefill_shapes(prompt_lengths)
+        if model and logprobs:  # the draft cache catching up after plain decoding (unless a prefill shape)
+            T = self._catch_up_tokens
+            programs += [Program(f"draft catch-up P={b} T={T}", draft_prefill,
+                                 (self.drafter.cfg, self.draft_params, self.draft_cache, self.pending, i32(b, T),
+                                  i32(b), i32(b)))
+                         for b in c.decode_buckets if (b, T) not in shapes]
+        for p, t in shapes:
             programs.append(Program(f"prefill P={p} T={t}", prefill_into_slots, (
                 self.cfg, self.params, self.cache, self.slots, i32(p, t), i32(p), i32(p),
                 jax.ShapeDtypeStruct((p,), jnp.bool_), u32(p, 2), u32(p),
                 SamplingParams(f32(p), i32(p), f32(p)), i32(p), i32(p, c.max_stop_ids))))
+            if model:
+                programs.append(Program(f"draft prefill P={p} T={t}", draft_prefill, (
+                    self.drafter.cfg, self.draft_params, self.draft_cache, self.pending, i32(p, t), i32(p), i32(p))))
         return compile_programs(programs, workers, progress=progress)
 
     # -- requests ---------------------------------------------------------------------------
@@ -325,8 +393,13 @@ class ServingEngine:
             self._prefilling.append(req)
         if shared_rows:
             self._sync_block_tables([r.slot for r in shared_rows])
-            self.cache = set_lengths(self.cache, *_put(self._slot_rows([r.slot for r in shared_rows]),
-                                                       self._slot_values([r.prefilled for r in shared_rows])))
+            rows, lengths = _put(self._slot_rows([r.slot for r in shared_rows]),
+                                 self._slot_values([r.prefilled for r in shared_rows]))
+            self.cache = set_lengths(self.cache, rows, lengths)
+            if self.draft_cache is not None:
+                self.draft_cache = set_lengths(self.draft_cache, rows, lengths)
+                for r in shared_rows:
+                    r.draft_length = r.prefilled
 
     def _chunks(self) -> list[tuple[_Request, int]]:
         """(request, prompt tokens) for the next prefill call: the prefilling requests in order,
@@ -359,7 +432,10 @@ class ServingEngine:
             return
         rows = self._slot_rows(slots)
         tables = self.pages.tables[np.minimum(rows, self.config.n_slots - 1)]
-        self.cache = set_block_tables(self.cache, *_put(rows, tables))
+        rows, tables = _put(rows, tables)
+        self.cache = set_block_tables(self.cache, rows, tables)
+        if self.draft_cache is not None:
+            self.draft_cache = set_block_tables(self.draft_cache, rows, tables)
 
     def _prefill_new(self) -> list[StreamEvent]:
         """Admit what fits, then one prefill call: the next chunk of each prefilling request.
@@ -391,11 +467,16 @@ class ServingEngine:
         budget = np.asarray([r.max_new_tokens for r in reqs + pad], np.int32)
         seeds = np.asarray([[r.seed & 0xFFFFFFFF, r.seed >> 32] for r in reqs + pad], np.uint32)
         index = np.asarray([r.sample_index for r in reqs + pad], np.uint32)
+        tokens, lengths, rows = _put(tokens, lengths, rows)
         first, lp, self.slots, self.cache = prefill_into_slots(
-            self.cfg, self.params, self.cache, self.slots, *_put(tokens, lengths, rows, valid, seeds, index), sp,
+            self.cfg, self.params, self.cache, self.slots, tokens, lengths, rows, *_put(valid, seeds, index), sp,
             *_put(budget, stops))
+        if self.draft_cache is not None:  # the draft model writes every position the target writes
+            self.draft_cache, self.pending = draft_prefill(self.drafter.cfg, self.draft_params, self.draft_cache,
+                                                           self.pending, tokens, lengths, rows)
         for r, n in batch:
             r.prefilled += n
+            r.draft_length, r.pending = r.prefilled, False
             self._index(r, r.prompt[: r.prefilled])
         started = [(i, r) for i, (r, done_) in enumerate(zip(reqs, last)) if done_]
         if not started:
@@ -467,10 +548,12 @@ class ServingEngine:
 
     def _decode_speculative(self) -> list[StreamEvent]:
         """`_decode` by speculative rounds: every running slot drafts from its own tokens (held
-        here and sent along; a slot's history is the prompt and its tokens so far), one forward
-        pass per round verifies all slots' drafts, and each slot keeps what it accepted. A step
-        with a request that asked for log-probabilities decodes plainly instead (both keep the
-        same per-slot state, so requests move between them freely)."""
+        here and sent along; a slot's history is the prompt and its tokens so far), or all slots
+        together with the draft model over its own cache; one forward pass per round verifies
+        all slots' drafts, and each slot keeps what it accepted. A step with a request that asked
+        for log-probabilities decodes plainly instead (both keep the same per-slot state, so
+        requests move between them freely; the draft cache, left behind meanwhile, catches up
+        before the next speculative dispatch)."""
         c, K = self.config, self.config.draft_tokens
         if self.pages is not None:
             grown = [s for s, r in self._running.items()
@@ -479,19 +562,30 @@ class ServingEngine:
         # As _decode: a paged engine runs only its running slots, padded to a decode bucket.
         order = sorted(self._running) if c.paged else list(range(c.n_slots))
         B = c.decode_bucket(len(order)) if c.paged else c.n_slots
-        hist = np.zeros((B, c.max_len + 1), np.int32)
-        n_hist = np.zeros(B, np.int32)
-        for i, s in enumerate(order):
-            if s in self._running:
-                seq = self._running[s].prompt + self._running[s].tokens
-                hist[i, : len(seq)] = seq
-                n_hist[i] = len(seq)
         rows = _put(np.array(order + [c.n_slots] * (B - len(order)), np.int32)) if c.paged else None
-        out, drafted, accepted, self.slots, self.cache = speculative_dispatch(
-            self.cfg, self.params, self.cache, self.slots, *_put(hist, n_hist), NgramDrafter(), K,
+        model = isinstance(self.drafter, ModelDrafter)
+        if model:
+            self._catch_up_draft()
+            draft = (self.draft_cache, self.pending)
+        else:
+            hist = np.zeros((B, c.max_len + 1), np.int32)
+            n_hist = np.zeros(B, np.int32)
+            for i, s in enumerate(order):
+                if s in self._running:
+                    seq = self._running[s].prompt + self._running[s].tokens
+                    hist[i, : len(seq)] = seq
+                    n_hist[i] = len(seq)
+            draft = _put(hist, n_hist)
+        out, drafted, accepted, self.slots, self.cache, draft = speculative_dispatch(
+            self.cfg, self.params, self.cache, self.slots, self.drafter, self.draft_params, draft, K,
             c.steps_per_dispatch, rows)
         out, drafted, accepted = np.asarray(out), np.asarray(drafted), np.asarray(accepted)
         done = np.asarray(self.slots.state.done)
+        if model:
+            self.draft_cache, self.pending = draft
+            draft_lengths, pending = np.asarray(self.draft_cache.lengths), np.asarray(self.pending)
+            for s, r in self._running.items():
+                r.draft_length, r.pending = int(draft_lengths[s]), bool(pending[s] >= 0)
         now = time.perf_counter()
         events, finished = [], []
         for s, r in list(self._running.items()):
@@ -504,6 +598,33 @@ class ServingEngine:
                 finished.append(r)
         self._release(finished)
         return events
+
+    @property
+    def _catch_up_tokens(self) -> int:
+        """Tokens per slot of a draft catch-up call: what one plain dispatch decodes, and the
+        pending token (a longer lag takes several calls)."""
+        return engine.prompt_bucket(self.config.steps_per_dispatch + 1)
+
+    def _catch_up_draft(self) -> None:
+        """Write into the draft model's cache the positions its slots lack (decoded plainly, for a
+        request that asked for log-probabilities, while the draft model stood by), so that every
+        slot's draft cache holds its target length, or that less the pending token."""
+        c, T = self.config, self._catch_up_tokens
+        while True:
+            behind = [r for r in self._running.values() if r.length - r.draft_length > r.pending]
+            if not behind:
+                return
+            P = c.decode_bucket(len(behind))
+            chunks = [(r.prompt + r.tokens)[r.draft_length: min(r.length, r.draft_length + T)] for r in behind]
+            tokens = np.zeros((P, T), np.int32)
+            lengths = np.zeros(P, np.int32)   # padding rows: length 0, nothing written
+            rows = np.full(P, behind[0].slot, np.int32)
+            for i, (r, chunk) in enumerate(zip(behind, chunks)):
+                tokens[i, : len(chunk)], lengths[i], rows[i] = chunk, len(chunk), r.slot
+            self.draft_cache, self.pending = draft_prefill(self.drafter.cfg, self.draft_params, self.draft_cache,
+                                                           self.pending, *_put(tokens, lengths, rows))
+            for r, chunk in zip(behind, chunks):
+                r.draft_length, r.pending = r.draft_length + len(chunk), False
 
     @property
     def speculative_stats(self) -> dict:
@@ -546,13 +667,20 @@ class ServingEngine:
             self._running.pop(r.slot, None)
             if self.pages is not None:
                 # The slot holds the K/V of every token but the last generated (never fed back),
-                # or of the chunks prefilled so far.
-                self._index(r, (r.prompt + r.tokens)[:r.length or r.prefilled])
+                # or of the chunks prefilled so far; with a draft model, only the pages both
+                # caches hold are offered.
+                held = r.length or r.prefilled
+                if self.draft_cache is not None:
+                    held = min(held, r.draft_length)
+                self._index(r, (r.prompt + r.tokens)[:held])
                 self._uncount(r, len(r.computing))   # a prompt cancelled before all were written
                 self.pages.release(r.slot)
         gone = {id(r) for r in finished}
         self._prefilling = [r for r in self._prefilling if id(r) not in gone]
-        self.cache = free_slots(self.cache, _put(self._slot_rows(slots)))
+        rows = _put(self._slot_rows(slots))
+        self.cache = free_slots(self.cache, rows)
+        if self.draft_cache is not None:
+            self.draft_cache = free_slots(self.draft_cache, rows)
         for s in slots:
             heapq.heappush(self._free, s)
 

@@ -27,9 +27,9 @@ from rjax.memory import QUANTIZED_KV, plan_memory
 from rjax.sampling import check_sampling
 
 
-# What the serving engine can draft with: prompt lookup (a draft model's own paged cache in the
-# engine is not built).
-SPECULATIVE = (None, "ngram")
+# What the serving engine can draft with: prompt lookup, or a draft model (given to the
+# ServingEngine beside the target: arrays have no place in this static config).
+SPECULATIVE = (None, "ngram", "model")
 MAX_DRAFT_TOKENS = 16
 
 
@@ -58,8 +58,9 @@ class ServingConfig:
     # same tokens (paged caches only; see rjax.pages).
     prefix_cache: bool = True
     # Speculative decoding: "ngram" drafts `draft_tokens` tokens per slot and round by prompt
-    # lookup, verified for every slot in one forward pass (rjax.speculative.speculative_dispatch,
-    # `steps_per_dispatch` rounds per dispatch); None decodes one token per step.
+    # lookup, "model" with a draft model (ServingEngine's `draft`), every slot's drafts verified
+    # in one forward pass (rjax.speculative.speculative_dispatch, `steps_per_dispatch` rounds per
+    # dispatch); None decodes one token per step.
     speculative: str | None = None
     draft_tokens: int = 4
 
@@ -158,14 +159,15 @@ def _is_float(name) -> bool:
 def fit_config(cfg: ModelConfig, *, max_len: int, page_size: int | None = 16, n_slots: int | None = None,
                tokens_per_slot: int | None = None, params_bytes: int = 0, reserve_bytes: int | None = None,
                available: int | None = None, budget_bytes: int | None = None, tp: int = 1,
-               **settings) -> ServingConfig:
+               draft_cfg: ModelConfig | None = None, **settings) -> ServingConfig:
     """A ServingConfig whose slots (unless given) and pages are what the device's free memory
-    holds (see `rjax.memory.plan_memory`); raises MemoryFitError when not even one sequence fits."""
+    holds (see `rjax.memory.plan_memory`; draft_cfg: a draft model's cache beside the target's);
+    raises MemoryFitError when not even one sequence fits."""
     base = ServingConfig(n_slots=n_slots or 1, max_len=max_len, page_size=page_size, **settings)
     plan = plan_memory(cfg, max_len=max_len, page_size=page_size, n_slots=n_slots, tokens_per_slot=tokens_per_slot,
                        prefill_tokens=base.max_prefill_tokens, prefill_prompts=base.max_prefill_prompts,
                        dtype=base.kv_dtype, params_bytes=params_bytes, reserve_bytes=reserve_bytes,
-                       available=available, budget_bytes=budget_bytes, tp=tp)
+                       available=available, budget_bytes=budget_bytes, tp=tp, draft_cfg=draft_cfg)
     return dataclasses.replace(base, n_slots=plan.n_slots, n_pages=plan.n_pages)
 
 

@@ -164,9 +164,24 @@ def _take_rows(slots: SlotBatch, cache: PagedKVCache, rows):
     idx = jnp.minimum(rows, n - 1)
     sub = jax.tree.map(lambda a: a[idx], slots)
     sub = dataclasses.replace(sub, state=dataclasses.replace(sub.state, done=sub.state.done | pad))
-    view = dataclasses.replace(cache, block_tables=jnp.where(pad[:, None], NO_PAGE, cache.block_tables[idx]),
+    return sub, _cache_rows(cache, rows)
+
+
+def _cache_rows(cache: PagedKVCache, rows):
+    """The view of `_take_rows` of one paged cache: rows [R]'s block tables and lengths over the
+    same pool; a padding row (>= n_slots) owns no page and holds nothing."""
+    n = cache.block_tables.shape[0]
+    pad = rows >= n
+    idx = jnp.minimum(rows, n - 1)
+    return dataclasses.replace(cache, block_tables=jnp.where(pad[:, None], NO_PAGE, cache.block_tables[idx]),
                                lengths=jnp.where(pad, 0, cache.lengths[idx]))
-    return sub, view
+
+
+def _put_cache_rows(cache: PagedKVCache, rows, view: PagedKVCache) -> PagedKVCache:
+    """Back from a `_cache_rows` view: its pool is the cache's, written in place; only the rows'
+    lengths go back (padding rows dropped)."""
+    return dataclasses.replace(view, block_tables=cache.block_tables,
+                               lengths=cache.lengths.at[rows].set(view.lengths, mode="drop"))
 
 
 def _put_rows(full, rows, part):
@@ -198,9 +213,7 @@ def decode_dispatch(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, n
     out = jnp.full((B, n_steps), -1, jnp.int32).at[rows].set(out, mode="drop")
     if logprobs:
         lp = _put_rows(jax.tree.map(lambda a: jnp.zeros((B,) + a.shape[1:], a.dtype), lp), rows, lp)
-    # The view's pool is the cache's pool, written in place; only lengths and state go back.
-    cache = dataclasses.replace(view, block_tables=cache.block_tables,
-                                lengths=cache.lengths.at[rows].set(view.lengths, mode="drop"))
+    cache = _put_cache_rows(cache, rows, view)
     slots = dataclasses.replace(slots, state=_put_rows(slots.state, rows, sub.state))
     return out, lp, slots, cache
 

@@ -37,7 +37,7 @@ from rjax.cache import KVCache, init_cache
 from rjax.config import ModelConfig
 from rjax.model import Params, forward
 from rjax.sampling import SamplingParams, filtered_logits
-from rjax.slots import _put_rows, _take_rows
+from rjax.slots import _cache_rows, _put_cache_rows, _put_rows, _take_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,31 +342,101 @@ def draft_cache_for(drafter: ModelDrafter, max_len: int, dtype) -> KVCache:
 
 
 # -- many sequences: the serving engine's slots ------------------------------------------------
+#
+# A drafter's per-slot state (`draft` below) travels beside the slots: for NgramDrafter the
+# token histories (hist [R, max_len + 1], n_hist [R]: each row's prompt and generated tokens,
+# its cache length + 1), made on the host for each dispatch; for ModelDrafter the draft
+# model's own cache (contiguous, or paged over its own pool with the target's block tables) and
+# pending [n_slots] (the token at a slot's position length - 1 that the draft cache lacks, or -1),
+# both kept by the engine between dispatches.
 
-def _slots_round(cfg, params, cache, state, sampling: SamplingParams, stop_ids, hist, n_hist, drafter: NgramDrafter,
-                 k: int):
-    """One round for every slot of `cache` at once: each active slot drafts by prompt lookup in
-    its own history, all drafts are verified in one forward pass of [n_slots, k + 1] positions,
-    each slot accepts by its own sampling settings and random stream, and each slot's length is
-    set to what it accepted. -> (emitted [n_slots, k + 1] (-1 padded), drafted [n_slots],
-    accepted [n_slots], state, cache, hist, n_hist)."""
+
+def _propose_rows(logits, keys, sp: SamplingParams):
+    """`_propose` for every row at once: logits [B, V], keys [B], sp [B] -> (tokens [B], log q
+    [B, V]; zeros for greedy rows). All-greedy batches skip the sampling filters."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sampled():
+        f = filtered_logits(logits, sp)
+        drawn = jax.vmap(jax.random.categorical)(keys, f).astype(jnp.int32)
+        hot = sp.temperature > 0
+        return jnp.where(hot, drawn, greedy), jnp.where(hot[:, None], jax.nn.log_softmax(f, axis=-1), 0.0)
+
+    return jax.lax.cond(jnp.any(sp.temperature > 0), sampled, lambda: (greedy, jnp.zeros_like(logits)))
+
+
+def _draft_rows(dcfg: ModelConfig, dparams, dcache, last, pending, held, n, k: int, keys, sp: SamplingParams):
+    """`_draft_with_model` for every row at once, one draft decode step for all rows at a time:
+    row b drafts n[b] (<= k) tokens after last[b]; its draft cache holds [0, held[b]) but the
+    pending token (pending[b] >= 0, at position held[b] - 1; -1 where the row writes nothing).
+    -> (drafts [B, k], log q [B, k, V], cache holding [0, held + n) of every drafting row)."""
+    B, V = last.shape[0], dcfg.vocab_size
+    keys = jax.vmap(lambda key: jax.random.split(key, k))(keys)   # [B, k]
+    has, go = pending >= 0, n > 0
+    pos = jnp.where(go, held, -1)
+
+    def with_pending():
+        # Rows with a pending token feed it beside `last` (two positions); the others feed
+        # `last` first and a skipped position after it.
+        tokens = jnp.where(has[:, None], jnp.stack([pending, last], 1), jnp.stack([last, jnp.zeros_like(last)], 1))
+        p = jnp.where(has[:, None], jnp.stack([held - 1, pos], 1), jnp.stack([pos, jnp.full_like(pos, -1)], 1))
+        logits, c = forward(dcfg, dparams, dcache, tokens, p, None, dcache.dtype)
+        return logits[jnp.arange(B), has.astype(jnp.int32)], c
+
+    def alone():  # the usual case (each row's last round rejected a draft): one position per row
+        logits, c = forward(dcfg, dparams, dcache, last[:, None], pos[:, None], None, dcache.dtype)
+        return logits[:, 0], c
+
+    logits0, dcache = jax.lax.cond(jnp.any(has), with_pending, alone)
+    d0, q0 = _propose_rows(logits0, keys[:, 0], sp)
+    drafts = jnp.zeros((B, k), jnp.int32).at[:, 0].set(d0)
+    logq = jnp.zeros((B, k, V), jnp.float32).at[:, 0].set(q0)
+
+    def body(carry):
+        j, drafts, logq, dcache = carry
+        p = jnp.where(j < n, held + j, -1)
+        logits, dcache = forward(dcfg, dparams, dcache, drafts[:, j - 1][:, None], p[:, None], None, dcache.dtype)
+        d, q = _propose_rows(logits[:, 0], keys[:, j], sp)
+        return j + 1, drafts.at[:, j].set(d), logq.at[:, j].set(q), dcache
+
+    _, drafts, logq, dcache = jax.lax.while_loop(lambda c: c[0] < jnp.max(n), body,
+                                                 (jnp.int32(1), drafts, logq, dcache))
+    return drafts, logq, dcache
+
+
+def _slots_round(cfg, params, cache, state, sampling: SamplingParams, stop_ids, drafter, draft_params, draft, k: int):
+    """One round for every slot of `cache` at once: each active slot drafts (by prompt lookup in
+    its own history, or with the draft model, all rows together), all drafts are verified in one
+    forward pass of [n_slots, k + 1] positions, each slot accepts by its own sampling settings and
+    random stream (with the draft model's log q), and each slot's length is set to what it
+    accepted. -> (emitted [n_slots, k + 1] (-1 padded), drafted [n_slots], accepted [n_slots],
+    state, cache, draft)."""
     S = cache.max_len
     held = cache.lengths
     active = ~state.done & (held < S)
     room = jnp.where(active, jnp.clip(jnp.minimum(S - held - 1, state.remaining - 1), 0, k), 0)
-    drafts, found = jax.vmap(lambda h, n: drafter.lookup(h, n, k))(hist, n_hist)
-    n = jnp.minimum(found, room)
+    if isinstance(drafter, ModelDrafter):
+        dcache, pending = draft
+        split = jax.vmap(lambda key: jax.random.split(key, 3))(state.key)
+        keys, k_draft, subs = split[:, 0], split[:, 1], split[:, 2]
+        drafts, logq, dcache = _draft_rows(drafter.cfg, draft_params, dcache, state.last_token,
+                                           jnp.where(active, pending, -1), held, room, k, k_draft, sampling)
+        n = room
+    else:
+        hist, n_hist = draft
+        pair = jax.vmap(jax.random.split)(state.key)
+        keys, subs = pair[:, 0], pair[:, 1]
+        drafts, found = jax.vmap(lambda h, c: drafter.lookup(h, c, k))(hist, n_hist)
+        logq, n = None, jnp.minimum(found, room)
     t = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
     tokens = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
     pos = jnp.where(active[:, None] & (t <= n[:, None]), held[:, None] + t, -1)
     logits, cache = forward(cfg, params, cache, tokens, pos, None, cache.dtype)
-    pair = jax.vmap(jax.random.split)(state.key)
-    keys, subs = pair[:, 0], pair[:, 1]
 
-    def one(lg, d, nd, key, temperature, top_k, top_p):
-        return accept(lg, d, nd, key, SamplingParams(temperature[None], top_k[None], top_p[None]))
+    def one(lg, d, nd, key, temperature, top_k, top_p, lq):
+        return accept(lg, d, nd, key, SamplingParams(temperature[None], top_k[None], top_p[None]), lq)
 
-    m, nxt = jax.vmap(one)(logits, drafts, n, subs, sampling.temperature, sampling.top_k, sampling.top_p)
+    m, nxt = jax.vmap(one)(logits, drafts, n, subs, sampling.temperature, sampling.top_k, sampling.top_p, logq)
     ext = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
     emitted = jnp.where(t < m[:, None], ext, nxt[:, None])
     stop = jnp.any(emitted[:, :, None] == stop_ids[:, None, :], axis=-1) & (t <= m[:, None])
@@ -375,58 +445,81 @@ def _slots_round(cfg, params, cache, state, sampling: SamplingParams, stop_ids, 
     out = jnp.where(t < e[:, None], emitted, -1)
     new_held = jnp.where(active, held + 1 + m, held)
     cache = dataclasses.replace(cache, lengths=new_held)
-    cols = jnp.where(active[:, None] & (t <= m[:, None]), n_hist[:, None] + t, hist.shape[1])
-    hist = hist.at[jnp.arange(hist.shape[0])[:, None], cols].set(emitted, mode="drop")
-    n_hist = jnp.where(active, n_hist + 1 + m, n_hist)
+    if isinstance(drafter, ModelDrafter):
+        # All drafts kept: the last one is in the target's cache but was never fed to the draft model.
+        last_fed = jnp.take_along_axis(tokens, m[:, None], axis=1)[:, 0]
+        pending = jnp.where(active, jnp.where(m == n, last_fed, -1), pending)
+        dcache = dataclasses.replace(dcache, lengths=jnp.where(active, new_held - (pending >= 0), dcache.lengths))
+        draft = (dcache, pending)
+    else:
+        cols = jnp.where(active[:, None] & (t <= m[:, None]), n_hist[:, None] + t, hist.shape[1])
+        hist = hist.at[jnp.arange(hist.shape[0])[:, None], cols].set(emitted, mode="drop")
+        draft = (hist, jnp.where(active, n_hist + 1 + m, n_hist))
     remaining = state.remaining - e
     done = state.done | (active & (jnp.any(stop & (t < e[:, None]), axis=1) | (remaining <= 0) | (new_held >= S)))
     state = dataclasses.replace(state, last_token=jnp.where(active, nxt, state.last_token), done=done,
                                 remaining=remaining, key=jnp.where(active, keys, state.key))
-    return out, jnp.where(active, n, 0), jnp.where(active, m, 0), state, cache, hist, n_hist
+    return out, jnp.where(active, n, 0), jnp.where(active, m, 0), state, cache, draft
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "k", "n_rounds"), donate_argnames=("cache", "slots"),
-                   compiler_options=engine.DECODE_LOOP_COMPILER_OPTIONS)
-def speculative_dispatch(cfg: ModelConfig, params: Params, cache, slots, hist, n_hist, drafter: NgramDrafter, k: int,
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "k", "n_rounds"),
+                   donate_argnames=("cache", "slots", "draft"), compiler_options=engine.DECODE_LOOP_COMPILER_OPTIONS)
+def speculative_dispatch(cfg: ModelConfig, params: Params, cache, slots, drafter, draft_params, draft, k: int,
                          n_rounds: int, rows=None):
     """Up to n_rounds speculative rounds over the slots of a serving engine (`rjax.slots.SlotBatch`
     and its contiguous or paged cache) in one XLA program, stopping early when every slot is
     done; the counterpart of `rjax.slots.decode_dispatch`. rows: None for every slot, or (paged
-    cache) the slots to run [R], padded with n_slots, as decode_dispatch takes them. hist
-    [R, max_len + 1]: each row's prompt and generated tokens, n_hist [R] of them (its cache
-    length + 1). A paged slot must own pages for every position it may write: up to
+    cache) the slots to run [R], padded with n_slots, as decode_dispatch takes them.
+    drafter: NgramDrafter, with draft = (hist [R, max_len + 1], n_hist [R]) and draft_params
+    None; or ModelDrafter, with its draft_params and draft = (its cache over all n_slots, pending
+    [n_slots]) (see above). A paged slot must own pages for every position it may write: up to
     n_rounds * (k + 1) past its length, within its token budget.
     -> (tokens [n_slots, n_rounds * (k + 1)] int32, -1 padded; drafted [n_slots]; accepted
-    [n_slots]; slots; cache)."""
+    [n_slots]; slots; cache; draft, advanced)."""
     if rows is None:
-        return _dispatch_rows(cfg, params, cache, slots, hist, n_hist, drafter, k, n_rounds)
+        return _dispatch_rows(cfg, params, cache, slots, drafter, draft_params, draft, k, n_rounds)
     sub, view = _take_rows(slots, cache, rows)
-    out, drafted, accepted, sub, view = _dispatch_rows(cfg, params, view, sub, hist, n_hist, drafter, k, n_rounds)
+    model = isinstance(drafter, ModelDrafter)
+    if model:
+        dcache, pending = draft
+        n = pending.shape[0]
+        draft = (_cache_rows(dcache, rows), jnp.where(rows < n, pending[jnp.minimum(rows, n - 1)], -1))
+    out, drafted, accepted, sub, view, sub_draft = _dispatch_rows(cfg, params, view, sub, drafter, draft_params,
+                                                                  draft, k, n_rounds)
     n = slots.state.last_token.shape[0]
 
     def scatter(x):
         return jnp.zeros((n,) + x.shape[1:], x.dtype).at[rows].set(x, mode="drop")
 
     out = jnp.full((n, out.shape[1]), -1, jnp.int32).at[rows].set(out, mode="drop")
-    # The view's pool is the cache's pool, written in place; only lengths and state go back.
-    cache = dataclasses.replace(view, block_tables=cache.block_tables,
-                                lengths=cache.lengths.at[rows].set(view.lengths, mode="drop"))
+    cache = _put_cache_rows(cache, rows, view)
     slots = dataclasses.replace(slots, state=_put_rows(slots.state, rows, sub.state))
-    return out, scatter(drafted), scatter(accepted), slots, cache
+    if model:
+        sub_draft = (_put_cache_rows(dcache, rows, sub_draft[0]), pending.at[rows].set(sub_draft[1], mode="drop"))
+    return out, scatter(drafted), scatter(accepted), slots, cache, sub_draft
 
 
-def _dispatch_rows(cfg, params, cache, slots, hist, n_hist, drafter, k: int, n_rounds: int):
-    B = n_hist.shape[0]
+def _dispatch_rows(cfg, params, cache, slots, drafter, draft_params, draft, k: int, n_rounds: int):
+    B = slots.state.last_token.shape[0]
     out0 = jnp.full((B, n_rounds, k + 1), -1, jnp.int32)
     z = jnp.zeros(B, jnp.int32)
 
     def body(carry):
-        i, out, drafted, accepted, state, cache, hist, n_hist = carry
-        row, n, m, state, cache, hist, n_hist = _slots_round(cfg, params, cache, state, slots.sampling,
-                                                             slots.stop_ids, hist, n_hist, drafter, k)
-        return i + 1, out.at[:, i].set(row), drafted + n, accepted + m, state, cache, hist, n_hist
+        i, out, drafted, accepted, state, cache, draft = carry
+        row, n, m, state, cache, draft = _slots_round(cfg, params, cache, state, slots.sampling, slots.stop_ids,
+                                                      drafter, draft_params, draft, k)
+        return i + 1, out.at[:, i].set(row), drafted + n, accepted + m, state, cache, draft
 
-    carry = (jnp.int32(0), out0, z, z, slots.state, cache, hist, n_hist)
-    _, out, drafted, accepted, state, cache, _, _ = jax.lax.while_loop(
+    carry = (jnp.int32(0), out0, z, z, slots.state, cache, draft)
+    _, out, drafted, accepted, state, cache, draft = jax.lax.while_loop(
         lambda c: (c[0] < n_rounds) & ~jnp.all(c[4].done), body, carry)
-    return out.reshape(B, -1), drafted, accepted, dataclasses.replace(slots, state=state), cache
+    return out.reshape(B, -1), drafted, accepted, dataclasses.replace(slots, state=state), cache, draft
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache", "pending"))
+def draft_prefill(cfg: ModelConfig, params: Params, cache, pending, tokens, lengths, rows):
+    """Write tokens [P, T] (lengths [P]; 0: padding) into the draft model's cache rows `rows` [P]
+    after what they hold: the chunks the target prefills, or the positions a slot decoded
+    without drafting. Those slots then have no pending token. -> (cache, pending)."""
+    _, cache = engine._prefill_logits(cfg, params, cache, tokens, lengths, rows)   # the logits go unused: cut by XLA
+    return cache, pending.at[rows].set(-1, mode="drop")

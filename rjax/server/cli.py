@@ -20,7 +20,7 @@ def make_setup(model: str, *, model_id: str, slots: int, max_len: int | None, st
         import jax.numpy as jnp
 
         import rjax
-        from rjax.generation import activation_dtype
+        from rjax.generation import activation_dtype, load_drafter
         from rjax.serving import ServingConfig, ServingEngine
 
         from rjax.tensor_parallel import make_tp
@@ -34,11 +34,16 @@ def make_setup(model: str, *, model_id: str, slots: int, max_len: int | None, st
         if length > ctx:
             raise ValueError(f"--max-len {length} exceeds the context length of {m.name} ({ctx} tokens)")
         stop_ids = sorted(tok.eos_ids)
+        # A draft model (anything but prompt lookup) is loaded beside the target, as rjax.generate loads it.
+        draft = load_drafter(m, speculative)[1] if speculative not in (None, "ngram") else None
         config = ServingConfig(n_slots=slots, max_len=length, page_size=PAGE_SIZE if length % PAGE_SIZE == 0 else None,
                                steps_per_dispatch=steps_per_dispatch, max_stop_ids=max(8, len(stop_ids)),
                                kv_dtype=jnp.dtype(activation_dtype()).name if kv_dtype == "bf16" else kv_dtype,
-                               prefix_cache=prefix_cache, speculative=speculative, draft_tokens=draft_tokens)
-        return Setup(tok, lambda: ServingEngine(m.config, m.params, config, stop_ids=stop_ids), model_id, precompile)
+                               prefix_cache=prefix_cache, speculative=speculative if draft is None else "model",
+                               draft_tokens=draft_tokens)
+        pair = None if draft is None else (draft.config, draft.params)
+        return Setup(tok, lambda: ServingEngine(m.config, m.params, config, stop_ids=stop_ids, draft=pair), model_id,
+                     precompile)
 
     return setup
 
@@ -103,9 +108,12 @@ def register_cli(subparsers) -> None:
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="prefill every prompt whole (default: KV pages of earlier prompts with the same "
                         "prefix are shared)")
-    p.add_argument("--speculative", choices=("ngram",), default=None,
-                   help="speculative decoding: every slot drafts by prompt lookup, all slots' drafts verified in "
-                        "one pass (/metrics counts drafted and accepted tokens)")
+    p.add_argument("--speculative", default=None, metavar="ngram|self:q4_0|self:q8_0|MODEL",
+                   help="speculative decoding, all slots' drafts verified in one pass: 'ngram' (prompt lookup), "
+                        "'self:q4_0' / 'self:q8_0' (the model requantized as its own draft model), or a draft "
+                        "model with the same tokenizer (catalog name, .gguf file, Hugging Face directory), which "
+                        "keeps a KV cache of its own beside the model's (/metrics counts drafted and accepted "
+                        "tokens)")
     p.add_argument("--draft-tokens", type=int, default=4, help="with --speculative: tokens drafted per round "
                                                                "(default 4)")
     p.set_defaults(func=cmd_serve)
