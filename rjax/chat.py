@@ -5,6 +5,9 @@ longest prefix the cache already holds are prefilled: the earlier turns' keys an
 reused, and a cached tail that no longer matches (a reply re-tokenized differently) is dropped
 by resetting the slot's length, which is all a rollback takes in a functional cache.
 
+With `speculative` each reply is decoded by drafts verified in one pass (rjax.speculative); a
+draft model keeps a cache of its own beside the target's, reused the same way.
+
 A turn that is refused (text that is not UTF-8, a conversation past the context, settings out
 of range) raises before anything changes: the session keeps its messages and its cache.
 """
@@ -15,9 +18,12 @@ from typing import Iterator
 
 import jax.numpy as jnp
 
-from rjax.cache import KVCache, init_cache
-from rjax.generation import _visible, activation_dtype, cache_length, check_prompt_lengths, check_text, stream_ids
+from rjax.cache import KVCache, check_kv_dtype, init_cache
+from rjax.generation import (_visible, activation_dtype, cache_length, check_draft_tokens, check_prompt_lengths,
+                             check_request, check_text, load_drafter, stream_ids)
 from rjax.loaders import Model
+from rjax.sampling import SamplingParams
+from rjax.speculative import ModelDrafter, SpeculativeStats, draft_cache_for, speculative_ids
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -39,26 +45,46 @@ class ChatSession:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    kv_dtype: str | None = None   # how the cache stores K/V (rjax.cache.KV_DTYPES; None: bf16)
+    speculative: object = None    # as rjax.generate's: "ngram", "self:q4_0", a draft model, or None
+    draft_tokens: int | str = 4   # drafts per verification, or "auto"
     cache: KVCache | None = None
     cached_ids: list[int] = dataclasses.field(default_factory=list)  # what the cache holds, in order
     reused_tokens: int = 0  # prompt tokens taken from the cache in the last turn
+    drafter: tuple | None = None  # (drafter, draft model or None), loaded once from `speculative`
+    draft_cache: KVCache | None = None
+    draft_held: int = 0     # of cached_ids, how many the draft model's cache holds
+    speculative_counts: dict | None = None  # the last reply's verification steps, drafted and accepted tokens
 
     def __post_init__(self):
         if self.system and not self.messages:
             self.messages = [{"role": "system", "content": self.system}]
+        check_kv_dtype(self.kv_dtype)
+        if self.speculative is not None and self.drafter is None:
+            check_draft_tokens(self.draft_tokens)
+            self.drafter = load_drafter(self.model, self.speculative)
 
     def reset(self) -> "ChatSession":
-        return dataclasses.replace(self, messages=[], cache=None, cached_ids=[], reused_tokens=0)
+        return dataclasses.replace(self, messages=[], cache=None, cached_ids=[], reused_tokens=0, draft_cache=None,
+                                   draft_held=0, speculative_counts=None)
 
-    def _cache_for(self, ids: list[int]) -> tuple[KVCache, int]:
-        """A cache that can hold `ids` plus a reply, and how many of `ids` it already holds."""
+    def _cache_for(self, ids: list[int]) -> tuple[KVCache, KVCache | None, int]:
+        """Caches (the target's, the draft model's or None) that can hold `ids` plus a reply, and
+        how many of `ids` both already hold."""
         cfg = self.model.config
         needed = len(ids) + self.max_new_tokens
+        draft = self.drafter[1] if self.drafter else None
         if self.cache is None or needed > self.cache.max_len:
-            cache = init_cache(cfg, 1, cache_length(needed, cfg.context_length), activation_dtype())
-            return cache, 0
+            S = cache_length(needed, cfg.context_length)
+            cache = init_cache(cfg, 1, S, activation_dtype(), self.kv_dtype)
+            return cache, None if draft is None else draft_cache_for(self.drafter[0], S, activation_dtype()), 0
         keep = min(common_prefix(self.cached_ids, ids), len(ids) - 1)  # at least one token to prefill
-        return dataclasses.replace(self.cache, lengths=jnp.asarray([keep], jnp.int32)), keep
+        if draft is not None:
+            keep = min(keep, self.draft_held)
+        def held(c):  # each cache its own lengths array: both are donated
+            return dataclasses.replace(c, lengths=jnp.asarray([keep], jnp.int32))
+
+        return held(self.cache), None if draft is None else held(self.draft_cache), keep
 
     def send(self, text: str) -> Iterator[str]:
         """Add a user turn and stream the assistant's reply; the reply joins the history. A
@@ -67,14 +93,20 @@ class ChatSession:
         messages = [*self.messages, {"role": "user", "content": check_text(text, "message")}]
         ids = tok.encode_chat(messages)
         check_prompt_lengths(self.model, [ids])
-        cache, keep = self._cache_for(ids)
+        cache, draft_cache, keep = self._cache_for(ids)
         stats: dict = {}
-        # Checked here, before the session lets go of its cache.
-        steps = stream_ids(self.model, [ids[keep:]], cache=cache, stats=stats, max_new_tokens=self.max_new_tokens,
-                           temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                           seed=self.seed + len(messages))
+        seed = self.seed + len(messages)
+        # Checked here, before the session lets go of its caches.
+        if self.drafter is None:
+            steps = stream_ids(self.model, [ids[keep:]], cache=cache, stats=stats, max_new_tokens=self.max_new_tokens,
+                               temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed)
+        else:
+            check_request(self.model, [ids[keep:]], max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                          top_k=self.top_k, top_p=self.top_p, seed=seed, steps_per_dispatch=8, cache=cache)
+            steps = self._speculative(ids, keep, cache, draft_cache, seed, stats)
         self.messages = messages
         self.cache, self.cached_ids, self.reused_tokens = None, [], keep  # donated below
+        self.draft_cache, self.draft_held, self.speculative_counts = None, 0, None
         dec = tok.stream_decoder()
         reply, generated = [], []
         for step in steps:
@@ -89,4 +121,22 @@ class ChatSession:
             reply.append(tail)
             yield tail
         self.cache, self.cached_ids = stats["cache"], ids + generated[:-1]
+        if stats.get("draft_cache") is not None:
+            self.draft_cache, self.draft_held = stats["draft_cache"], int(stats["draft_cache"].lengths[0])
         self.messages.append({"role": "assistant", "content": "".join(reply)})
+
+    def _speculative(self, ids, keep, cache, draft_cache, seed, stats: dict):
+        """The reply's tokens by speculative decoding; leaves the caches and counts in `stats`."""
+        from rjax.generation import AUTO_DRAFT_TOKENS
+
+        drafter, draft = self.drafter
+        spec = SpeculativeStats()
+        for new in speculative_ids(self.model.config, self.model.params, cache, ids, max_new_tokens=self.max_new_tokens,
+                                   stop_ids=self.model.tokenizer.eos_ids,
+                                   sp=SamplingParams.make(1, self.temperature, self.top_k, self.top_p), seed=seed,
+                                   drafter=drafter, draft_params=None if draft is None else draft.params,
+                                   draft_cache=draft_cache, held=keep, stats=spec,
+                                   draft_tokens=AUTO_DRAFT_TOKENS if self.draft_tokens == "auto" else self.draft_tokens):
+            yield [new]
+        self.speculative_counts = dict(steps=spec.steps, drafted=spec.drafted, accepted=spec.accepted)
+        stats.update(cache=spec.cache, draft_cache=spec.draft_cache if isinstance(drafter, ModelDrafter) else None)

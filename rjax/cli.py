@@ -16,6 +16,19 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def _add_decoding_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", default=None, metavar="ngram|self:q4_0|MODEL",
+                   help="speculative decoding (prints accepted/drafted counts): 'ngram' (prompt lookup), "
+                        "'self:q4_0' or 'self:q8_0' (the model requantized drafts for itself), or a draft model "
+                        "with the same tokenizer (catalog name, .gguf file, Hugging Face directory)")
+    p.add_argument("--draft-tokens", type=_draft_tokens, default=4,
+                   help="tokens drafted per verification, or 'auto' (chosen per dispatch by the acceptance rate; "
+                        "default 4)")
+    p.add_argument("--kv-dtype", choices=("bf16", "int8", "fp8"), default="bf16",
+                   help="KV cache: bf16 (unquantized, in the activation dtype: float32 on the CPU), int8 (one "
+                        "scale per token and head) or fp8 (e4m3, one scale per head) (default bf16)")
+
+
 def _draft_tokens(value: str):
     return value if value == "auto" else int(value)
 
@@ -93,7 +106,8 @@ def cmd_chat(a) -> int:
     from rjax.chat import ChatSession
 
     model = rjax.load(a.model)
-    session = ChatSession(model, system=a.system, **_sampling_kwargs(a))
+    session = ChatSession(model, system=a.system, kv_dtype=a.kv_dtype, speculative=a.speculative,
+                          draft_tokens=a.draft_tokens, **_sampling_kwargs(a))
     print(f"chatting with {model.name} (Ctrl-D or /exit to leave, /reset to start over)", file=sys.stderr)
     while True:
         try:
@@ -112,6 +126,10 @@ def cmd_chat(a) -> int:
             sys.stdout.write(chunk)
             sys.stdout.flush()
         sys.stdout.write("\n")
+        if session.speculative_counts:
+            s = session.speculative_counts
+            print(f"[speculative: {s['accepted']} of {s['drafted']} drafted tokens accepted in {s['steps']} steps]",
+                  file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,17 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with tokens, text and timings")
     p.add_argument("-v", "--verbose", action="store_true", help="print timings to stderr")
-    p.add_argument("--speculative", default=None, metavar="ngram|self:q4_0|MODEL",
-                   help="speculative decoding (prints accepted/drafted counts): 'ngram' (prompt lookup), "
-                        "'self:q4_0' or 'self:q8_0' (the model requantized drafts for itself), or a draft model "
-                        "with the same tokenizer (catalog name, .gguf file, Hugging Face directory)")
-    p.add_argument("--draft-tokens", type=_draft_tokens, default=4,
-                   help="tokens drafted per verification, or 'auto' (chosen per dispatch by the acceptance rate; "
-                        "default 4)")
+    _add_decoding_args(p)
     p.add_argument("--tp", type=int, default=1, help="split the model over this many GPUs (tensor parallel; default 1)")
-    p.add_argument("--kv-dtype", choices=("bf16", "int8", "fp8"), default="bf16",
-                   help="KV cache: bf16 (unquantized, in the activation dtype: float32 on the CPU), int8 (one "
-                        "scale per token and head) or fp8 (e4m3, one scale per head) (default bf16)")
     p.add_argument("prompt")
     p.set_defaults(func=cmd_generate)
 
@@ -158,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_argument(p)
     p.add_argument("--system", default=None, help="system prompt")
     _add_sampling_args(p)
+    _add_decoding_args(p)
     p.set_defaults(func=cmd_chat)
 
     for register in _extensions():

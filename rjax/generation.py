@@ -229,6 +229,11 @@ AUTO_DRAFT_TOKENS = (2, 4, 7)
 SELF_DRAFT_TYPES = ("q8_0", "q4_0")
 
 
+def check_draft_tokens(draft_tokens) -> None:
+    if draft_tokens != "auto" and (not checks.is_int(draft_tokens) or not 1 <= draft_tokens <= MAX_DRAFT_TOKENS):
+        raise ValueError(f"draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}] or 'auto', got {draft_tokens!r}")
+
+
 def load_drafter(model: Model, speculative) -> tuple[object, Model | None]:
     """`speculative` -> (drafter, draft model or None): "ngram" (prompt lookup); "self:q4_0" or
     "self:q8_0" (the target's own weights requantized on load: `rjax.load(..., requantize=)`);
@@ -368,10 +373,8 @@ def generate(model: Model, prompt: str | Sequence[str], *, raw: bool = False, sp
     """
     tok = model.tokenizer
     if speculative is not None:
+        check_draft_tokens(draft_tokens)
         auto = draft_tokens == "auto"
-        if not auto and (not checks.is_int(draft_tokens) or not 1 <= draft_tokens <= MAX_DRAFT_TOKENS):
-            raise ValueError(f"draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}] or 'auto', "
-                             f"got {draft_tokens!r}")
         if not isinstance(prompt, (str, bytes, bytearray)):
             if speculative != "ngram":
                 raise ValueError(f"speculative={speculative!r} for a list of prompts: a list runs through the serving "

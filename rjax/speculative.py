@@ -224,7 +224,9 @@ def _round(cfg, params, cache: KVCache, st: SpecState, sp, stop_ids, drafter, dp
     stop = jnp.any(emitted[:, None] == stop_ids[None, :], axis=-1) & (t <= m)
     e = jnp.minimum(jnp.where(jnp.any(stop), jnp.argmax(stop) + 1, m + 1), st.remaining)
     out = jnp.where(t < e, emitted, -1)
-    new_held = held + 1 + m
+    # The cache keeps what was fed for the emitted tokens: all of them but the last. That is
+    # held + 1 + m unless a stop id or the budget cut the round short (and the sequence ends).
+    new_held = held + e
     cache = dataclasses.replace(cache, lengths=cache.lengths.at[0].set(new_held))
     pending = jnp.where(m == n, tokens[m], -1)
     if dcache is not None:
@@ -268,6 +270,10 @@ class SpeculativeStats:
     drafted: int = 0    # draft tokens proposed
     accepted: int = 0   # of those, kept
     k_used: list[int] = dataclasses.field(default_factory=list)  # K of each dispatch
+    # At the end: the caches, holding the prompt and every token generated but the last (the
+    # draft cache one fewer when the last round accepted every draft).
+    cache: KVCache | None = None
+    draft_cache: KVCache | None = None
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -286,12 +292,17 @@ def choose_k(alpha: float, candidates: tuple[int, ...], cost_ratio: float) -> in
 def speculative_ids(cfg: ModelConfig, params: Params, cache: KVCache, prompt: list[int], *, max_new_tokens: int,
                     stop_ids=(), sp: SamplingParams, seed: int = 0, drafter=NgramDrafter(), draft_params=None,
                     draft_cache: KVCache | None = None, draft_tokens: int | tuple[int, ...] = 4,
-                    rounds_per_dispatch: int = 8, stats: SpeculativeStats | None = None) -> Iterator[list[int]]:
-    """Generate for one prompt in slot 0 of an empty one-slot `cache`, K = draft_tokens drafts
-    per verification and `rounds_per_dispatch` rounds per program call. A ModelDrafter needs
-    `draft_params` and an empty one-slot `draft_cache` of the target's max_len. Yields lists of
-    new tokens (the first token alone, then each dispatch's), stopping after a stop id, after
+                    rounds_per_dispatch: int = 8, stats: SpeculativeStats | None = None,
+                    held: int = 0) -> Iterator[list[int]]:
+    """Generate for one prompt in slot 0 of a one-slot `cache`, K = draft_tokens drafts per
+    verification and `rounds_per_dispatch` rounds per program call. A ModelDrafter needs
+    `draft_params` and a one-slot `draft_cache` of the target's max_len. Yields lists of new
+    tokens (the first token alone, then each dispatch's), stopping after a stop id, after
     max_new_tokens, or when the cache is full. Greedy output equals plain greedy decoding's.
+
+    held: both caches already hold prompt[:held] (a conversation's earlier turns), so only the
+    rest is prefilled; prompt lookup still searches the whole prompt. The final caches are
+    left in `stats`.
 
     draft_tokens as a tuple of candidates: each dispatch takes the K `choose_k` picks for the
     acceptance rate so far (a running average over dispatches, starting at 0.5) and a draft
@@ -302,8 +313,10 @@ def speculative_ids(cfg: ModelConfig, params: Params, cache: KVCache, prompt: li
         raise ValueError("drafter: a ModelDrafter needs draft_params and a draft_cache")
     if draft_cache is not None and draft_cache.max_len != cache.max_len:
         raise ValueError(f"draft_cache has max_len {draft_cache.max_len}, the target's cache {cache.max_len}")
+    if not 0 <= held < len(prompt):
+        raise ValueError(f"held must leave at least one of the prompt's {len(prompt)} tokens to prefill, got {held}")
     key, sub = jax.random.split(jax.random.key(seed))
-    tokens, lengths = engine.pad_prompts([prompt])
+    tokens, lengths = engine.pad_prompts([prompt[held:]])
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
     first, cache = engine.prefill_and_sample(cfg, params, cache, tokens, lengths, None, sub, sp)
     if isinstance(drafter, ModelDrafter):
@@ -328,6 +341,7 @@ def speculative_ids(cfg: ModelConfig, params: Params, cache: KVCache, prompt: li
             alpha = 0.5 * alpha + 0.5 * (stats.accepted - before[1]) / (stats.drafted - before[0])
         out = np.asarray(out).reshape(-1)
         yield [int(t) for t in out if t >= 0]
+    stats.cache, stats.draft_cache = cache, draft_cache
 
 
 def _nbytes(tree) -> int:

@@ -94,3 +94,56 @@ def test_bad_input_is_one_clear_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("rjax: error:") and message in err and "Traceback" not in err
+
+
+def test_speculative_chat_says_what_the_plain_chat_says(smollm2):
+    """Two greedy turns drafted by prompt lookup, and by a draft model (the target itself, so it
+    drafts what the target says) with its own cache reused across turns, give the plain session's
+    replies; the second turn of each prefills only what follows the cached conversation."""
+    from rjax.chat import ChatSession
+
+    turns = ["Repeat after me exactly: the quick brown fox jumps over the lazy dog.", "Now say it once more."]
+    plain = ChatSession(smollm2, max_new_tokens=16)
+    want = ["".join(plain.send(t)) for t in turns]
+    for speculative in ("ngram", smollm2):
+        session = ChatSession(smollm2, max_new_tokens=16, speculative=speculative, draft_tokens=3)
+        got = []
+        for t in turns:
+            got.append("".join(session.send(t)))
+            counts = session.speculative_counts
+            assert 0 < counts["steps"] and 0 <= counts["accepted"] <= counts["drafted"]
+        assert got == want, speculative
+        # A draft model's cache may lack the last position (all of the last round's drafts were
+        # kept): the turn then starts one token earlier.
+        assert plain.reused_tokens - (speculative is smollm2) <= session.reused_tokens <= plain.reused_tokens
+        assert int(session.cache.lengths[0]) == len(session.cached_ids) == len(plain.cached_ids)
+        if speculative is smollm2:
+            # Its own copy drafts what it says: every draft but a float near-tie is kept.
+            assert counts["accepted"] >= 0.9 * counts["drafted"] > 0
+            assert session.draft_held in (len(session.cached_ids), len(session.cached_ids) - 1)
+
+
+def test_chat_with_an_int8_cache_and_bad_settings(smollm2_path, smollm2, monkeypatch, capsys):
+    from rjax.chat import ChatSession
+
+    with pytest.raises(ValueError, match="kv_dtype"):
+        ChatSession(smollm2, kv_dtype="int4")
+    with pytest.raises(ValueError, match="draft_tokens"):
+        ChatSession(smollm2, speculative="ngram", draft_tokens=0)
+    lines = iter(["Say hello."])
+
+    def fake_input(prompt=""):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    assert main(["chat", "-m", str(smollm2_path), "--max-new-tokens", "8", "--kv-dtype", "int8",
+                 "--speculative", "ngram"]) == 0
+    out = capsys.readouterr()
+    # The reply is the one-shot generation's over the same kind of cache.
+    want = rjax.generate(smollm2, "Say hello.", max_new_tokens=8, kv_dtype="int8").text
+    assert out.out.strip() == want.strip() and "[speculative:" in out.err
+    session = ChatSession(smollm2, max_new_tokens=8, kv_dtype="int8")
+    assert "".join(session.send("Say hello.")) == want and session.cache.kv_dtype == "int8"
