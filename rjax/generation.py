@@ -316,25 +316,30 @@ DEFAULT_SERVING_SLOTS = 32
 
 def serve_ids(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256, temperature: float = 0.0,
               top_k: int = 0, top_p: float = 1.0, seed: int = 0, steps_per_dispatch: int = 8,
-              n_slots: int = DEFAULT_SERVING_SLOTS, speculative: str | None = None, draft_tokens: int = 4,
+              n_slots: int = DEFAULT_SERVING_SLOTS, speculative=None, draft_tokens: int = 4,
               kv_dtype: str | None = None):
     """Tokenized prompts through the continuous-batching engine (`rjax.serving`) with up to
-    `n_slots` running at once; more wait for a free slot. speculative="ngram": prompt-lookup
-    drafts of `draft_tokens` tokens for every slot (ServingConfig.speculative).
-    -> list of `serving.Completion`."""
+    `n_slots` running at once; more wait for a free slot. speculative: drafts of `draft_tokens`
+    tokens for every slot, verified in one batched pass (ServingConfig.speculative), by any
+    drafter `load_drafter` takes: "ngram" (prompt lookup), "self:q4_0" / "self:q8_0", a draft
+    model's catalog name or path, or a loaded Model (the draft model gets a cache of its own
+    beside the target's: ServingEngine's `draft`). -> list of `serving.Completion`."""
     if not checks.is_int(n_slots) or n_slots < 1:
         raise ValueError(f"n_slots must be an integer >= 1, got {n_slots!r}")
     prompts = check_request(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                             top_p=top_p, seed=seed, steps_per_dispatch=steps_per_dispatch)
+    draft = None if speculative is None else load_drafter(model, speculative)[1]
     cfg, tok = model.config, model.tokenizer
     S = cache_length(max(len(p) for p in prompts) + max_new_tokens, cfg.context_length)
     stop_ids = sorted(tok.eos_ids)
     config = ServingConfig(n_slots=max(1, min(len(prompts), n_slots)), max_len=S, page_size=16 if S % 16 == 0 else None,
                            steps_per_dispatch=steps_per_dispatch, max_stop_ids=max(8, len(stop_ids)),
-                           speculative=speculative, draft_tokens=draft_tokens,
+                           speculative=None if speculative is None else "ngram" if draft is None else "model",
+                           draft_tokens=draft_tokens,
                            kv_dtype=jnp.dtype(activation_dtype()).name if check_kv_dtype(kv_dtype) == "bf16"
                            else kv_dtype)
-    eng = ServingEngine(cfg, model.params, config, stop_ids=stop_ids, seed=seed)
+    eng = ServingEngine(cfg, model.params, config, stop_ids=stop_ids, seed=seed,
+                        draft=None if draft is None else (draft.config, draft.params))
     ids = [eng.submit(p, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
            for p in prompts]
     done = {e.request_id: e.completion for e in eng.run() if e.finished}
@@ -346,11 +351,18 @@ def _generate_list(model: Model, prompts, raw: bool, kw: dict) -> list[Generatio
         raise TypeError(f"prompt must be a str (or UTF-8 bytes) or a list of them, got {type(prompts).__name__}")
     tok = model.tokenizer
     ids = [encode_prompt(model, check_text(p, f"prompt {i}"), raw) for i, p in enumerate(prompts)]
-    spec = kw.get("speculative")
+    if not ids:
+        return []
+    drafter = None
+    if kw.get("speculative") is not None:
+        # A draft model is loaded once, here; serve_ids gets the loaded Model (load_drafter only checks it).
+        draft = load_drafter(model, kw["speculative"])[1]
+        drafter = "ngram" if draft is None else draft.name
+        kw = dict(kw, speculative="ngram" if draft is None else draft)
     return [GenerationResult(c.prompt, c.tokens, tok.decode(_visible(tok, c.tokens)), c.finish_reason, c.ttft_s,
                              c.decode_tokens_per_s,
-                             dict(drafted=c.drafted, accepted=c.accepted, drafter=spec) if spec else None)
-            for c in serve_ids(model, ids, **kw)] if ids else []
+                             dict(drafted=c.drafted, accepted=c.accepted, drafter=drafter) if drafter else None)
+            for c in serve_ids(model, ids, **kw)]
 
 
 def generate(model: Model, prompt: str | Sequence[str], *, raw: bool = False, speculative=None,
@@ -368,20 +380,20 @@ def generate(model: Model, prompt: str | Sequence[str], *, raw: bool = False, sp
     target's tokenizer (catalog name, path, or a loaded Model). The same tokens as without for
     greedy decoding, the same distribution for sampling; the result's `speculative` reports
     steps, drafted and accepted counts. draft_tokens="auto": each dispatch's K chosen from
-    AUTO_DRAFT_TOKENS by the acceptance rate so far. A list of prompts takes "ngram" (the serving engine's
-    drafter), each result reporting its own drafted and accepted counts.
+    AUTO_DRAFT_TOKENS by the acceptance rate so far. A list of prompts takes the same drafters
+    (the draft model loaded once, drafting for all slots of the serving engine together over a
+    cache of its own) and a fixed `draft_tokens` (not "auto"); each result's `speculative`
+    reports its own drafted and accepted counts and the drafter ("ngram" or the draft model's name).
     """
     tok = model.tokenizer
     if speculative is not None:
         check_draft_tokens(draft_tokens)
         auto = draft_tokens == "auto"
         if not isinstance(prompt, (str, bytes, bytearray)):
-            if speculative != "ngram":
-                raise ValueError(f"speculative={speculative!r} for a list of prompts: a list runs through the serving "
-                                 f"engine, which drafts by prompt lookup only (speculative='ngram')")
             if auto:
-                raise ValueError("draft_tokens='auto' is for one prompt; a list's serving engine drafts a fixed K")
-            return _generate_list(model, prompt, raw, dict(kw, speculative="ngram", draft_tokens=draft_tokens))
+                raise ValueError("draft_tokens='auto' is for one prompt; a list of prompts runs through the serving "
+                                 "engine, which drafts a fixed K for all its slots: give draft_tokens an integer")
+            return _generate_list(model, prompt, raw, dict(kw, speculative=speculative, draft_tokens=draft_tokens))
         ids = encode_prompt(model, prompt, raw)
         drafter, draft = load_drafter(model, speculative)
         return _speculative_generate(model, ids, drafter, draft, AUTO_DRAFT_TOKENS if auto else draft_tokens, **kw)

@@ -2,7 +2,8 @@
 model's own cache beside the target's): greedy outputs token for token plain greedy decoding's,
 paged and contiguous, with slots reused, a prefix-cache hit, and requests asking for
 log-probabilities (decoded plainly while the draft cache stands by, which then catches up);
-drafted and accepted counts; the configurations it refuses; precompiling its programs."""
+drafted and accepted counts; the configurations it refuses; precompiling its programs;
+rjax.generate of a list of prompts (and serve_ids) with a draft model."""
 from __future__ import annotations
 
 import dataclasses
@@ -209,3 +210,29 @@ def test_sampled_slots_are_distributed_as_plain_sampling():
     exp = np.append(want[big], want[~big & (want > 0)].sum())
     p = scipy_stats.chisquare(obs[exp > 0], exp[exp > 0] * obs.sum() / exp.sum()).pvalue
     assert p > 1e-4, p
+
+
+def test_generate_a_list_with_a_draft_model(tiny_path):
+    """rjax.generate(model, [prompts], speculative=<a draft model>): the list runs through the
+    serving engine drafting with that model (here the loaded target itself, then 'self:q8_0'
+    through serve_ids); every result is token for token the one-prompt plain result, reports
+    its own drafted and accepted counts (a self draft keeps nearly all) and names the drafter."""
+    import rjax
+    from rjax.generation import serve_ids
+
+    model = rjax.load(tiny_path, progress=False)
+    texts = ["abcabcabcabc", "the cat sat on the mat", "xyzxyzxy"]
+    plain = [rjax.generate(model, t, raw=True, max_new_tokens=14) for t in texts]
+    got = rjax.generate(model, texts, raw=True, max_new_tokens=14, speculative=model, draft_tokens=3, n_slots=2)
+    for p, r in zip(plain, got):
+        assert (r.tokens, r.text, r.finish_reason) == (p.tokens, p.text, p.finish_reason)
+        assert r.speculative["drafter"] == model.name
+        assert 0 <= r.speculative["accepted"] <= r.speculative["drafted"] and r.speculative["drafted"] > 0
+    drafted, accepted = sum(r.speculative["drafted"] for r in got), sum(r.speculative["accepted"] for r in got)
+    assert accepted >= 0.9 * drafted, (accepted, drafted)
+    ids = [r.prompt_tokens for r in plain]
+    done = serve_ids(model, ids, max_new_tokens=14, speculative="self:q8_0", draft_tokens=3, n_slots=2)
+    assert [c.tokens for c in done] == [p.tokens for p in plain]
+    assert sum(c.accepted for c in done) >= 0.9 * sum(c.drafted for c in done) > 0
+    with pytest.raises(ValueError, match="draft_tokens='auto' is for one prompt"):
+        rjax.generate(model, texts, raw=True, speculative=model, draft_tokens="auto")
