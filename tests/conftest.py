@@ -18,13 +18,28 @@ if str(REPO) not in sys.path:  # lets tests import `tests.oracle.client`
 
 
 def pytest_configure(config):
-    # Tests compile into memory only. An in-process `rjax.cli.main` (the CLI tests) would switch
-    # its test process to the persistent compilation cache in $RJAX_HOME, which every test
-    # process shares: one process then reads entries another is writing (a deserialization
-    # segfault seen under pytest-xdist).
+    # Tests compile into memory only: an in-process `rjax.cli.main` (the CLI tests) would switch
+    # its test process to the persistent compilation cache in $RJAX_HOME, shared with the user's
+    # runs and with the other test processes.
     import jax
 
     jax.config.update("jax_enable_compilation_cache", False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop JAX's compiled programs after each test module. Every CPU executable keeps its
+    machine code in memory mappings of its own (three per compiled kernel), and one module
+    leaves about 12,000 of them; a pytest-xdist worker that ran half the suite passed Linux's
+    vm.max_map_count (65,530) and crashed inside the XLA compiler (SIGSEGV or SIGABRT in
+    backend_compile). Clearing the caches unmaps them once the module's fixtures are gone."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
 
 
 def pytest_collection_modifyitems(config, items):
