@@ -13,8 +13,9 @@ K/V at memory bandwidth:
 - Key blocks no row can see (beyond kv_len, outside the window) are skipped; masks are applied only
   on edge blocks.
 - A quantized cache (int8 per entry, fp8 per head; kv_quant.py) is read as it is stored: each
-  block is cast to the query's dtype in registers and its scales multiply the scores and the
-  probabilities that weight V, so the step reads 1 byte per cached value plus the scales.
+  block is cast in registers (to float16 for 16-bit queries: kv_blocks.compute_dtype) and its
+  scales multiply the scores and the probabilities that weight V, so the step reads 1 byte per
+  cached value plus the scales.
 - `decode_rope_attention` runs kv_append's pass (the QKV product's partial sums summed, q and k
   rotated, k and v written into the cache) as the prologue of the same programs, so a decode
   step spends one launch per layer on both: each program builds its group's rotated query rows
@@ -41,23 +42,28 @@ from pallas_kernels.int8_activations import kernel as q8
 from pallas_kernels.kv_append.kernel import ProductRows, split_view
 
 from . import flash
-from .kv_blocks import CacheLayout, check_block_k, fit_block_k, load_block, load_scales
+from .kv_blocks import CacheLayout, check_block_k, fit_block_k, load_block, load_scales, to_compute
 from .reference import check_shapes
 
 NUM_SMS_H100 = 132
 
 
-def default_tiles(head_dim: int) -> dict:
-    """Block size and launch shape measured best on the H100 (docs/kernels.md)."""
+def default_tiles(head_dim: int, quantized: bool = False) -> dict:
+    """Block size and launch shape measured best on the H100 (docs/kernels.md). A quantized
+    block is half the bytes of a 16-bit one, so a fourth stage fits in the same shared memory
+    and keeps as many bytes in flight: int8 at 32k keys, batch 16, two splits, 411 against
+    455 us with three stages."""
+    stages = 4 if quantized else 3
     if head_dim <= 128:
-        return dict(block_k=128, num_warps=4, num_stages=3)
-    return dict(block_k=64, num_warps=4, num_stages=3)
+        return dict(block_k=128, num_warps=4, num_stages=stages)
+    return dict(block_k=64, num_warps=4, num_stages=stages)
 
 
 MAX_MERGED_SPLITS = 16
 
 
-def default_num_splits(batch: int, kv_heads: int, num_keys: int, block_k: int, merged_in_kernel: bool) -> int:
+def default_num_splits(batch: int, kv_heads: int, num_keys: int, block_k: int, merged_in_kernel: bool,
+                       quantized: bool = False) -> int:
     """Merged in the kernel (one query token): up to one wave of programs, down to one key block
     per split. At batch 1 the time is the latency of a program's chain of blocks: 8 splits of one
     block took 4.7 against 8.0 us for one split of a 1,024-key smollm2 cache
@@ -67,10 +73,16 @@ def default_num_splits(batch: int, kv_heads: int, num_keys: int, block_k: int, m
 
     Merged by XLA: about two waves, and at least 4 blocks per split: there the extra partials
     cost two more launches, and one block per split decoded smollm2 8% slower end to end (761 vs
-    840 tokens/s)."""
+    840 tokens/s).
+
+    A quantized cache, merged in the kernel: up to two waves. Its programs spend more of each
+    block on arithmetic (casts, scales) per byte, and two of them per SM overlap one's
+    arithmetic with the other's loads: int8 at 32k keys, batch 16 (128 KV heads), 2 splits
+    took 406-455 against 526 us for one."""
     programs = batch * kv_heads
     if merged_in_kernel:
-        return max(1, min(NUM_SMS_H100 // programs, num_keys // block_k, MAX_MERGED_SPLITS))
+        waves = 2 if quantized else 1
+        return max(1, min(waves * NUM_SMS_H100 // programs, num_keys // block_k, MAX_MERGED_SPLITS))
     return max(1, min(pl.cdiv(2 * NUM_SMS_H100, programs), num_keys // (4 * block_k)))
 
 
@@ -192,6 +204,8 @@ def _attend(kv_len, pos, q, k_ref, v_ref, table_ref, out_refs, *, layout: CacheL
     rows = (q[0] if halves else q).shape[0]
     qk_scale = scale * flash.LOG2E
     head_scales = (scales[0][()], scales[1][()]) if scales is not None and scales[2] == "head" else None
+    if scales is not None:
+        q = to_compute(q)
 
     def step(block, state, masked):
         start = block * block_k
@@ -208,7 +222,9 @@ def _attend(kv_len, pos, q, k_ref, v_ref, table_ref, out_refs, *, layout: CacheL
             ks, vs = (load_scales(r, table_ref, start, block_k, layout, bounds_check=masked) for r in scales[:2])
         else:
             ks, vs = head_scales
-        return flash.attend_block(state, q, k.astype(q.dtype), v.astype(q.dtype), qk_scale=qk_scale, mask=mask,
+        dt = (q[0] if halves else q).dtype
+        k = tuple(x.astype(dt) for x in k) if halves else k.astype(dt)
+        return flash.attend_block(state, q, k, v.astype(dt), qk_scale=qk_scale, mask=mask,
                                   k_scale=ks, v_scale=vs)
 
     ranges, first, per_split = _split_range(pos, kv_len, block_k, window, num_splits, split)
@@ -318,7 +334,8 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
     block_k = fit_block_k(layout, block_k)
     check_block_k(layout, block_k)
     if num_splits is None:
-        num_splits = default_num_splits(B, Hkv, layout.num_keys, block_k, merged_in_kernel=T == 1)
+        num_splits = default_num_splits(B, Hkv, layout.num_keys, block_k, merged_in_kernel=T == 1,
+                                        quantized=k_scale is not None)
     quantize_out = quantize_out and T == 1 and num_splits > 1
     if quantize_out and D % 32:
         raise ValueError(f"decode_attention: quantize_out needs a head dim that is a multiple of 32, got {D}")
@@ -448,8 +465,8 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
     return (out, *caches) if rope is not None else out
 
 
-def _tiles(D, block_k, num_warps, num_stages):
-    t = default_tiles(D)
+def _tiles(D, block_k, num_warps, num_stages, quantized=False):
+    t = default_tiles(D, quantized)
     given = dict(block_k=block_k, num_warps=num_warps, num_stages=num_stages)
     t.update({name: val for name, val in given.items() if val is not None})
     return t
@@ -468,7 +485,7 @@ def decode_attention(q, k, v, q_pos, kv_len, *, scale: float, window: int | None
     layout = CacheLayout(num_keys=k.shape[2])
     return _call(q, k, v, None, q_pos, kv_len, layout, scale=scale, window=window, num_splits=num_splits,
                  interpret=interpret, k_scale=k_scale, v_scale=v_scale,
-                 **_tiles(q.shape[-1], block_k, num_warps, num_stages))
+                 **_tiles(q.shape[-1], block_k, num_warps, num_stages, k_scale is not None))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("n_heads", "pairing", "dtype", "quantize_out"))
@@ -514,7 +531,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, q_pos, kv_len, *, 
         raise ValueError(f"paged_decode_attention: block_tables must be [B={q.shape[0]}, max_pages], "
                          f"got {block_tables.shape}")
     layout = CacheLayout(num_keys=block_tables.shape[1] * page_size, page_size=page_size, num_pages=P)
-    tiles = _tiles(D, block_k, num_warps, num_stages)
+    tiles = _tiles(D, block_k, num_warps, num_stages, k_scale is not None)
     if block_k is None and 64 <= page_size < tiles["block_k"]:
         # One page per block reads a plain slice instead of gathering rows from several pages:
         # 103 us vs 109 us at B=8, ctx 8k, page_size 64 on the H100.

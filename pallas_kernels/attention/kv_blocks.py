@@ -5,7 +5,8 @@ Inside a kernel program for one (sequence, KV head), the cache ref is either
 - paged: [P, page_size, D] (the page pool of this KV head) with the sequence's block table
   [max_pages], position j at page table[j // page_size], row j % page_size.
 Both kernels (prefill and decode) walk the cache in blocks of `block_k` positions through
-`load_block`, so the masking and softmax code never sees which layout it reads.
+`load_block`, so the masking and softmax code never sees which layout it reads. A quantized block
+(kv_quant.py) is cast in registers to `compute_dtype`, the dtype the products run in.
 """
 from __future__ import annotations
 
@@ -106,3 +107,27 @@ def load_scales(ref, table_ref, start, block_k: int, layout: CacheLayout, *, bou
     pages = pltriton.load(table_ref.at[jnp.minimum(slots, max_pages - 1)])
     pages = jnp.clip(pages, 0, last_page)
     return ref[pages, lax.rem(r, jnp.int32(ps))]
+
+
+F16_MAX = 65504.0
+
+
+def compute_dtype(q_dtype):
+    """The dtype a quantized block is widened to for queries of `q_dtype`: float16 for 16-bit
+    queries (it holds every int8 and e4m3 value exactly, has more mantissa than bfloat16 for the
+    query and the probabilities, and the H100 converts e4m3 to it in one paired instruction, to
+    bfloat16 only by way of float32), else q's own."""
+    q_dtype = jnp.dtype(q_dtype)
+    return jnp.dtype(jnp.float16) if q_dtype.itemsize == 2 else q_dtype
+
+
+def to_compute(q):
+    """Queries (an array or a tuple of column pieces) in `compute_dtype`; a 16-bit query is
+    saturated at float16's largest value rather than overflowing to inf."""
+    if isinstance(q, tuple):
+        return tuple(map(to_compute, q))
+    dtype = compute_dtype(q.dtype)
+    if dtype == q.dtype:
+        return q
+    return jnp.clip(q.astype(jnp.float32), -F16_MAX, F16_MAX).astype(dtype)
+

@@ -13,8 +13,8 @@ docs/kernels.md). This kernel stays the general path: the paged cache (per-block
 gathers are plain pointer loads in Triton), float32 inputs, head dims or cache lengths the Mosaic
 kernel does not tile, and other GPUs; it also runs under `interpret=True` on the CPU, which the
 tests rely on. Triton emits Hopper wgmma for the 16-bit products. It is also the prefill of a
-quantized cache (int8 per entry, fp8 per head; kv_quant.py): each block is cast to the query's
-dtype in registers and its scales multiply the scores and the probabilities that weight V.
+quantized cache (int8 per entry, fp8 per head; kv_quant.py): each block is cast in registers
+(to kv_blocks.compute_dtype) and its scales multiply the scores and the probabilities that weight V.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from . import flash
-from .kv_blocks import CacheLayout, check_block_k, fit_block_k, load_block, load_scales
+from .kv_blocks import CacheLayout, check_block_k, fit_block_k, load_block, load_scales, to_compute
 from .reference import check_shapes
 
 
@@ -63,6 +63,8 @@ def _kernel(kv_len_ref, q_pos_ref, q_ref, k_ref, v_ref, *rest, layout: CacheLayo
     kv_len = kv_len_ref[()]
     qk_scale = scale * flash.LOG2E
     head_scales = (scales[0][()], scales[1][()]) if quant == "head" else None
+    if quant is not None:
+        q = to_compute(q)
 
     def step(block, state, masked):
         start = block * block_k
