@@ -1,6 +1,7 @@
 """How many KV-cache pages and slots fit in the device's memory, decided before anything is allocated.
 
-Free memory is `bytes_limit - bytes_in_use` from the device's `memory_stats()` (GPUs), and on
+Free memory comes from the device's `memory_stats()` on GPUs (the limit less what is in use, and
+less the allocator pool's free bytes beyond its largest free block), and on
 backends without statistics (the CPU) a configured budget, else the host's available physical
 memory. From it come, in this order: the params (when they are not resident yet), a reserve, the
 workspace of the largest dispatch (an estimate, see `workspace_bytes`), and what is left holds
@@ -32,7 +33,16 @@ def available_bytes(device=None, budget_bytes: int | None = None) -> tuple[int, 
     device = device or jax.devices()[0]
     stats = device.memory_stats() or {}
     if "bytes_limit" in stats:
-        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), f"{device} memory_stats"
+        limit, in_use = int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+        if "pool_bytes" in stats and "largest_free_block_bytes" in stats:
+            # The allocator's pool keeps what it once held (a load's temporaries) in pieces; the
+            # cache's large arrays fit only into its largest free piece or into memory beyond the
+            # pool. Counting every free byte of the pool let the H100 plan llama-8b caches whose
+            # last layer's array (1 GiB) then found no room.
+            pooled = int(stats["pool_bytes"])
+            return min(limit - in_use, limit - pooled + int(stats["largest_free_block_bytes"])), \
+                f"{device} memory_stats"
+        return limit - in_use, f"{device} memory_stats"
     if budget_bytes is not None:
         return int(budget_bytes), f"the configured budget for {device}"
     return _host_available_bytes(), f"available host memory for {device}"

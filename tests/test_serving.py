@@ -305,6 +305,32 @@ def test_memory_plan_counts_pages_and_refuses_what_does_not_fit(tiny):
         plan_memory(cfg, max_len=256, page_size=16, available=4 * MiB, reserve_bytes=0, **small)
 
 
+def test_free_memory_counts_only_the_pools_largest_free_block():
+    """A GPU allocator pool that once held a load's temporaries keeps them as free pieces; only
+    its largest free piece, and the memory beyond the pool, can take a cache's large arrays."""
+    from rjax.memory import available_bytes
+
+    class Device:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+
+        def __str__(self):
+            return "gpu:0"
+
+    G = 1 << 30
+    plain = Device(dict(bytes_limit=80 * G, bytes_in_use=5 * G))
+    assert available_bytes(plain) == (75 * G, "gpu:0 memory_stats")
+    # 12 GiB pooled, 5 in use, the 7 free in pieces of at most 1.5 GiB: 68 + 1.5 usable.
+    pooled = Device(dict(bytes_limit=80 * G, bytes_in_use=5 * G, pool_bytes=12 * G,
+                         largest_free_block_bytes=3 * G // 2))
+    assert available_bytes(pooled)[0] == 68 * G + 3 * G // 2
+    whole = Device(dict(bytes_limit=80 * G, bytes_in_use=5 * G, pool_bytes=12 * G, largest_free_block_bytes=7 * G))
+    assert available_bytes(whole)[0] == 75 * G
+
+
 def test_engine_refuses_a_cache_that_does_not_fit_before_allocating(tiny):
     cfg, params = tiny
     with pytest.raises(MemoryFitError, match=r"paged KV cache of 4096 pages x 16 positions.*needs [\d,]+ bytes"):
