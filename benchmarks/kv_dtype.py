@@ -7,7 +7,7 @@ What it measures, in one run on one GPU:
 - `bandwidth`: the device's copy bandwidth (rjax.roofline.measure_bandwidth: the best of a
   device-to-device copy and elementwise passes), the ceiling every fraction below is held to.
 - `attention`: the decode attention kernel alone (llama-8b's heads: 32 query, 8 KV, head dim
-  128; one query token; 32k keys; batch 1 and 16) per KV dtype: time per call (a chain of calls
+  128; one query token; 8k, 32k and 128k keys; batch 1 and 16) per KV dtype: time per call (a chain of calls
   in one program, so no dispatch gaps), the K/V bytes it must read (values and scales) over
   that time, and that rate as a fraction of the copy bandwidth.
 - `decode`: engine.decode_loop tokens/s (32 steps per dispatch, the median of 3 timed
@@ -60,6 +60,7 @@ from rjax.sampling import SamplingParams  # noqa: E402
 
 STEPS = 32          # decode steps per dispatch
 REPEATS = 3         # timed dispatches per configuration
+ATTENTION_KEYS = (8192, 32768, 131072)
 HEADROOM = (REPEATS + 1) * STEPS + 8  # positions left free at the end of the cache: every dispatch's steps
 LLAMA = dict(shape="llama-8b", quant="q4_k", runs=[(8192, 1), (8192, 16), (32768, 1), (32768, 16), (131072, 1),
                                                     (131072, 16)])
@@ -171,7 +172,7 @@ def decode_run(cfg, params, kv: str, B: int, ctx: int, bw: float) -> dict:
 
 
 def bench_model(spec: dict, kvs, workdir: Path, bw: float, result: dict, write, deadline: float,
-                largest: bool) -> None:
+                largest: bool, contexts=None) -> None:
     import rjax
     from rjax.synth import write_synthetic
 
@@ -185,7 +186,7 @@ def bench_model(spec: dict, kvs, workdir: Path, bw: float, result: dict, write, 
     say(f"{name} {spec['quant']}: synthesized and loaded in {time.perf_counter() - t0:.0f} s")
     entry = result.setdefault("models", {}).setdefault(name, {"quant": spec["quant"], "decode": [], "skipped": []})
     runs = []
-    for ctx, B in spec["runs"]:
+    for ctx, B in [r for r in spec["runs"] if contexts is None or r[0] in contexts]:
         for kv in kvs:
             ok, why = fits(cfg, kv, B, ctx)
             if ok:
@@ -225,12 +226,18 @@ def bench_model(spec: dict, kvs, workdir: Path, bw: float, result: dict, write, 
 def table(result: dict) -> str:
     lines = []
     bw = result.get("bandwidth", {})
-    lines.append(f"copy bandwidth {bw.get('gb_per_s', 0):.0f} GB/s ({bw.get('probe')}) on {result['device']}")
+    lines.append(f"copy bandwidth {bw.get('gb_per_s', 0):.0f} GB/s ({bw.get('probe')}; nominal "
+                 f"{bw.get('nominal_gb_per_s') or 0:.0f}; probes "
+                 + ", ".join(f"{k} {v['gb_per_s']:.0f}" for k, v in bw.get("probes", {}).items())
+                 + f") on {result['device']}")
     if result.get("attention"):
-        lines.append("\ndecode attention kernel, llama-8b heads, 32k keys: us per call, GB/s of K/V, % of copy")
+        lines.append("\ndecode attention kernel, llama-8b heads: us per call, GB/s of K/V, % of copy")
         for a in result["attention"]:
-            lines.append(f"  {a['kv_dtype']:5} B={a['batch']:<3} {a['us_per_call']:9.1f} us {a['gb_per_s']:8.0f} GB/s "
-                         f"{100 * a['copy_fraction']:5.1f}%")
+            if "error" in a:
+                lines.append(f"  {a['kv_dtype']:5} B={a['batch']:<3} {a.get('keys', '?'):>6} keys: {a['error'][:60]}")
+                continue
+            lines.append(f"  {a['kv_dtype']:5} B={a['batch']:<3} {a['keys']:>6} keys {a['us_per_call']:9.1f} us "
+                         f"{a['gb_per_s']:8.0f} GB/s {100 * a['copy_fraction']:5.1f}%")
     for name, m in result.get("models", {}).items():
         lines.append(f"\n{name} {m['quant']}: decode tokens/s (batch x context), % of copy for weights + KV")
         rows: dict = {}
@@ -261,6 +268,7 @@ def main() -> int:
     p.add_argument("--kv-dtypes", default=",".join(KV_DTYPES))
     p.add_argument("--models", default="llama,gemma", help="llama (llama-8b Q4_K), gemma (gemma3-1b Q4_K), or both")
     p.add_argument("--no-attention", action="store_true", help="skip the attention kernel measurement")
+    p.add_argument("--contexts", default=None, help="only decode runs at these contexts (comma list)")
     a = p.parse_args()
     models = [m for m in a.models.split(",") if m]
     if set(models) - {"llama", "gemma"}:
@@ -285,23 +293,25 @@ def main() -> int:
     say(f"copy bandwidth {bw['gb_per_s']:.0f} GB/s ({bw['probe']})")
     write()
     result["attention"] = []
-    for B in (() if a.no_attention else (1, 16)):
-        for kv in kvs:
-            try:
-                r = attention_kernel(kv, B, 32768, bw["bytes_per_s"])
-            except Exception as e:  # noqa: BLE001
-                r = dict(kv_dtype=kv, batch=B, error=f"{type(e).__name__}: {str(e)[:500]}")
-                say(f"attention {kv} B={B}: FAILED {r['error']}")
-            else:
-                say(f"attention {kv} B={B} 32k keys: {r['us_per_call']:.1f} us, {r['gb_per_s']:.0f} GB/s "
-                    f"({100 * r['copy_fraction']:.0f}% of copy)")
-            result["attention"].append(r)
-            write()
+    for S in (() if a.no_attention else ATTENTION_KEYS):
+        for B in (1, 16):
+            for kv in kvs:
+                try:
+                    r = attention_kernel(kv, B, S, bw["bytes_per_s"])
+                except Exception as e:  # noqa: BLE001
+                    r = dict(kv_dtype=kv, batch=B, keys=S, error=f"{type(e).__name__}: {str(e)[:500]}")
+                    say(f"attention {kv} B={B} {S} keys: FAILED {r['error']}")
+                else:
+                    say(f"attention {kv} B={B} {S} keys: {r['us_per_call']:.1f} us, {r['gb_per_s']:.0f} GB/s "
+                        f"({100 * r['copy_fraction']:.0f}% of copy)")
+                result["attention"].append(r)
+                write()
     for spec, largest in ((LLAMA, True), (GEMMA, False)):
         if (spec is LLAMA and "llama" not in models) or (spec is GEMMA and "gemma" not in models):
             continue
         try:
-            bench_model(spec, kvs, workdir, bw["bytes_per_s"], result, write, deadline, largest)
+            bench_model(spec, kvs, workdir, bw["bytes_per_s"], result, write, deadline, largest,
+                        None if a.contexts is None else {int(c) for c in a.contexts.split(",")})
         except Exception as e:  # noqa: BLE001
             result.setdefault("errors", []).append(f"{spec['shape']}: {type(e).__name__}: {str(e)[:500]}")
             say(f"{spec['shape']}: FAILED {type(e).__name__}: {e}")

@@ -146,7 +146,8 @@ def part_ngram(a, out: dict) -> None:
         step_s = forward_cost(model.config, model.params, 1, n_prompt, engine.prompt_bucket(S))
         row["plain_step_s"] = step_s
         for k in a.ngram_k:
-            spec, tps = timed_generate(model, prompt, speculative="ngram", draft_tokens=k, steps_per_dispatch=8, **kw)
+            spec, tps = timed_generate(model, prompt, speculative="ngram", draft_tokens=k,
+                                        steps_per_dispatch=a.rounds_per_dispatch, **kw)
             s = spec.speculative
             verify_s = forward_cost(model.config, model.params, k + 1, n_prompt, engine.prompt_bucket(S))
             round_s = (len(spec.tokens) - 1) / tps / max(s["steps"], 1) if tps else None
@@ -194,7 +195,8 @@ def part_draft_model(a, out: dict) -> None:
                target_step_s=target_step_s, draft_step_s=draft_step_s, write_s=write_s, load_s=load_s,
                draft_load_s=draft_load_s, by_k={})
     for k in a.draft_k:
-        spec, tps = timed_generate(target, prompt, speculative=draft, draft_tokens=k, steps_per_dispatch=8, **kw)
+        spec, tps = timed_generate(target, prompt, speculative=draft, draft_tokens=k,
+                                    steps_per_dispatch=a.rounds_per_dispatch, **kw)
         s = spec.speculative
         alpha = s["accepted"] / s["drafted"] if s["drafted"] else 0.0
         round_s = (len(spec.tokens) - 1) / tps / max(s["steps"], 1) if tps else None
@@ -262,6 +264,7 @@ def main(argv=None) -> int:
                                                    "keeps the K + 1 verified positions on the decode attention kernel)")
     p.add_argument("--draft-k", default="4,auto", help="draft tokens per round for the draft model (comma list; "
                                                      "'auto': chosen per dispatch from the acceptance rate)")
+    p.add_argument("--rounds-per-dispatch", type=int, default=8, help="speculative rounds per program call")
     p.add_argument("--skip-8b", action="store_true", help="only part (a)")
     p.add_argument("--skip-ngram", action="store_true", help="only part (b)")
     p.add_argument("--target-shape", default="llama-8b", help="part (b)'s synthetic shape (rjax.synth.SHAPES)")
