@@ -4,9 +4,9 @@ model-sized shapes, against the reference on the same quantized cache computed o
 without a GPU.
 
 Error bounds (relative Frobenius norm): 1e-2, as for bf16 caches (test_attention_gpu.py): the
-int8 and e4m3 values are exact in bfloat16, so what differs from the float32 reference is the
-bf16 queries' product, the bf16 probabilities before the product with V and the bf16 output,
-each ~2^-9. Against the float cache the formats' own error comes on top (test_kv_quant.py).
+int8 and e4m3 values are exact in float16, which the kernels compute in for bf16 queries, so
+what differs from the float32 reference is the queries' rounding (bf16, ~2^-9), the float16
+probabilities before the product with V (~2^-11) and the bf16 output (~2^-9). Against the float cache the formats' own error comes on top (test_kv_quant.py).
 """
 from __future__ import annotations
 
