@@ -14,7 +14,7 @@ int8 values with one float32 scale per (token, head), computed when the token is
 "fp8" stores e4m3 values with one float32 scale per (layer, KV head) (1.0 unless given: the
 values are written as x / scale, saturated at +-448). The scales are pytree fields beside the
 values (`k_scale`, `v_scale`), and `attend` hands both to the attention kernels, which
-dequantize in registers (pallas_kernels/attention/kv_quant.py).
+dequantize in registers (pallas_kernels/kv_quant.py).
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention import attention, kind_of, quantize_fp8, quantize_int8, rope_attention
-from pallas_kernels.kv_append import rope_append, write_positions
+from pallas_kernels.attention import attention, kind_of, rope_attention
+from pallas_kernels.kv_append import rope_append, write_entries
 from rjax.config import ModelConfig
 
 KV_DTYPES = ("bf16", "int8", "fp8")
@@ -37,13 +37,6 @@ def check_kv_dtype(kv_dtype: str | None) -> str:
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
     return kv_dtype
-
-
-def quantize_entries(x, kind: str, head_scale):
-    """New entries x [B, T, Hkv, D] -> (stored values, their int8 scales [B, T, Hkv] or None)."""
-    if kind == "int8":
-        return quantize_int8(x)
-    return quantize_fp8(x, head_scale, head_axis=2), None
 
 
 @jax.tree_util.register_dataclass
@@ -97,50 +90,44 @@ class KVCache:
         """k_new, v_new [B, T, Hkv, D] at positions pos [B, T] (-1: skip) of cache rows `slots`;
         quantized here for an int8 or fp8 cache."""
         rows = jnp.arange(pos.shape[0]) if slots is None else slots
-        if not self.quantized:
-            k = write_positions(self.k[layer], k_new, pos, rows)
-            v = write_positions(self.v[layer], v_new, pos, rows)
-            return dataclasses.replace(self, k=_replace(self.k, layer, k), v=_replace(self.v, layer, v))
-        kind = self.kv_dtype
-        (kq, ks), (vq, vs) = (quantize_entries(x, kind, s[layer]) for x, s in
-                              ((k_new, self.k_scale), (v_new, self.v_scale)))
-        k = write_positions(self.k[layer], kq, pos, rows)
-        v = write_positions(self.v[layer], vq, pos, rows)
-        k_scale, v_scale = self.k_scale, self.v_scale
-        if kind == "int8":
-            k_scale = _replace(k_scale, layer, write_positions(k_scale[layer], ks, pos, rows))
-            v_scale = _replace(v_scale, layer, write_positions(v_scale[layer], vs, pos, rows))
-        return dataclasses.replace(self, k=_replace(self.k, layer, k), v=_replace(self.v, layer, v),
-                                   k_scale=k_scale, v_scale=v_scale)
+        k, ks = write_entries(self.k[layer], self._scale(self.k_scale, layer), k_new, pos, rows)
+        v, vs = write_entries(self.v[layer], self._scale(self.v_scale, layer), v_new, pos, rows)
+        return self._with(layer, k, v, ks, vs)
 
-    def _unquantized(self, what: str):
-        if self.quantized:
-            raise ValueError(f"KVCache.{what}: the fused rotate-and-append kernels write float caches only; "
-                             f"a {self.kv_dtype} cache is written by `write` (the plan picks attention='xla')")
+    def _scale(self, scales, layer: int):
+        return None if scales is None else scales[layer]
+
+    def _with(self, layer: int, k, v, k_scale=None, v_scale=None, **changes):
+        """This cache with layer `layer`'s K, V (and int8 scales, else unchanged) replaced."""
+        if self.kv_dtype == "int8":
+            changes.update(k_scale=_replace(self.k_scale, layer, k_scale), v_scale=_replace(self.v_scale, layer, v_scale))
+        return dataclasses.replace(self, k=_replace(self.k, layer, k), v=_replace(self.v, layer, v), **changes)
 
     def rope_write(self, layer: int, parts, bias, pos, slots, inv_freq, *, n_heads: int, pairing: str, dtype):
         """The fused QKV product as partial sums parts [S, B, T, (Hq + 2 Hkv) D] (plus bias or
         None), summed and rounded to `dtype`: queries and keys rotated for positions pos [B, T],
-        keys and values written as `write` does; one kernel at decode (pallas_kernels.kv_append).
-        -> (q [B, T, Hq, D], cache)."""
-        self._unquantized("rope_write")
+        keys and values written as `write` does (quantized for an int8 or fp8 cache); one kernel
+        at decode (pallas_kernels.kv_append). -> (q [B, T, Hq, D], cache)."""
         rows = jnp.arange(pos.shape[0]) if slots is None else slots
-        q, k, v = rope_append(parts, bias, pos, self.k[layer], self.v[layer], inv_freq, rows, n_heads=n_heads,
-                              pairing=pairing, dtype=dtype)
-        return q, dataclasses.replace(self, k=_replace(self.k, layer, k), v=_replace(self.v, layer, v))
+        q, k, v, ks, vs = rope_append(parts, bias, pos, self.k[layer], self.v[layer], inv_freq, rows, n_heads=n_heads,
+                                      pairing=pairing, dtype=dtype, k_scale=self._scale(self.k_scale, layer),
+                                      v_scale=self._scale(self.v_scale, layer))
+        return q, self._with(layer, k, v, ks, vs)
 
     def rope_write_attend(self, layer: int, parts, bias, pos, inv_freq, *, n_heads: int, pairing: str, dtype,
                           scale: float, window: int | None, quantize_out: bool = False):
         """`rope_write`, then `attend`, for one token per sequence in rows 0..B-1 (parts
         [S, B, 1, (Hq + 2 Hkv) D], pos [B, 1]), as one kernel on the GPU
-        (pallas_kernels.attention.rope_attention). -> (attention output [B, 1, Hq, D], or with
-        quantize_out possibly a QuantizedX [B, 1] of it, cache)."""
-        self._unquantized("rope_write_attend")
+        (pallas_kernels.attention.rope_attention); float caches only (the plan picks
+        `rope_write` and `attend` for a quantized one). -> (attention output [B, 1, Hq, D], or
+        with quantize_out possibly a QuantizedX [B, 1] of it, cache)."""
+        if self.quantized:
+            raise ValueError(f"KVCache.rope_write_attend: the one-kernel rotate, append and attend writes float "
+                             f"caches only, not {self.kv_dtype}")
         out, k, v, arrivals = rope_attention(parts[:, :, 0], bias, pos[:, 0], self.k[layer], self.v[layer], inv_freq,
                                              n_heads=n_heads, pairing=pairing, dtype=dtype, scale=scale,
                                              window=window, arrivals=self.arrivals, quantize_out=quantize_out)
-        return out, dataclasses.replace(self, k=_replace(self.k, layer, k), v=_replace(self.v, layer, v),
-                                        arrivals=arrivals)
+        return out, self._with(layer, k, v, arrivals=arrivals)
 
     def attend(self, layer: int, q, pos, slots, *, scale: float, window: int | None):
         k, v = self.k[layer], self.v[layer]

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention import kind_of, paged_attention
-from rjax.cache import _STORAGE, check_kv_dtype, fp8_head_scales, quantize_entries
+from pallas_kernels.kv_quant import quantize_entries
+from rjax.cache import _STORAGE, check_kv_dtype, fp8_head_scales
 from rjax.config import ModelConfig
 
 NO_PAGE = -1

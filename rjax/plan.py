@@ -99,6 +99,12 @@ def _norm_into(w_before, post_norm, consumers, rows, dtype, kw) -> str:
     return "norm_int8" if all(qm.takes_quantized_x(c, rows, dtype, **kw) for c in consumers) else "norm"
 
 
+def _rotates_in_kernel(p, paged: bool) -> bool:
+    """Whether a layer's attention takes its QKV product whole into the kernels that rotate and
+    append (a fused QKV weight, no per-head norms, a contiguous cache)."""
+    return p.wqkv is not None and p.q_norm is None and not paged
+
+
 def _qkv_weights(p) -> list:
     return [p.wqkv] if p.wqkv is not None else [p.wq, p.wk, p.wv]
 
@@ -119,11 +125,10 @@ def plan_for(cfg: ModelConfig, params, batch: int, tokens: int, dtype, *, paged:
     (`slots`) or rows 0..batch-1. `gpu`: plan for a GPU backend (default: the current one);
     `implementation`: what runs the planned kernels (default: "pallas" on a GPU plan, else
     "reference"; "interpret" or "reference" run a GPU plan on a CPU, for tests). kv_quantized:
-    the cache stores int8 or fp8 K/V, which its own `write` quantizes, so the kernels that
-    rotate and append in one pass are not planned (attention "xla": the attention kernel still
-    reads the quantized cache). tp_axis: plan one device's shard of a split model, whose output
-    and down products are summed across that mesh axis before the norm after them, so neither
-    fuses its add + norm nor leaves the norm pending."""
+    the cache stores int8 or fp8 K/V: the rotate-and-append kernel quantizes what it writes,
+    and the one kernel that also attends (float caches only) is not planned. tp_axis: plan one
+    device's shard of a split model, whose output and down products are summed across that mesh
+    axis before the norm after them, so neither fuses its add + norm nor leaves the norm pending."""
     gpu = jax.default_backend() == "gpu" if gpu is None else gpu
     implementation = implementation or ("pallas" if gpu else "reference")
     dtype = jnp.dtype(dtype)
@@ -132,10 +137,9 @@ def plan_for(cfg: ModelConfig, params, batch: int, tokens: int, dtype, *, paged:
     layers = params.layers
     plans = []
     for i, p in enumerate(layers):
-        contiguous_fused = p.wqkv is not None and p.q_norm is None and not paged and not kv_quantized
-        if not contiguous_fused:
+        if not _rotates_in_kernel(p, paged):
             attention = "xla"
-        elif not slots and gpu and tokens == 1 and batch <= tuning.fused_rope_max_rows:
+        elif not kv_quantized and not slots and gpu and tokens == 1 and batch <= tuning.fused_rope_max_rows:
             attention = "rope_attention"
         else:
             attention = "rope_append"
@@ -155,7 +159,7 @@ def plan_for(cfg: ModelConfig, params, batch: int, tokens: int, dtype, *, paged:
             nxt = layers[i + 1]
             consumers = _qkv_weights(nxt)
             out_norm = _norm_into(p.w_down, p.post_ffn_norm, consumers, rows, dtype, kw)
-            if out_norm == "pending" and (nxt.q_norm is not None or paged or kv_quantized):
+            if out_norm == "pending" and not _rotates_in_kernel(nxt, paged):
                 out_norm = "norm"  # the next attention needs q/k/v whole: its product cannot apply the norm
         else:
             out_norm = "norm"

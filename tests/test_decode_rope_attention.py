@@ -36,8 +36,8 @@ def _inputs(B, hq, hkv, d, S, dtype, seed, n_parts, bias, fill):
 
 def _reference(parts, bias, pos, kc, vc, inv, *, n_heads, pairing, dtype, scale, window):
     B = parts.shape[1]
-    q, k2, v2 = rope_append_reference(parts[:, :, None], bias, pos[:, None], kc, vc, inv, jnp.arange(B),
-                                      n_heads=n_heads, pairing=pairing, dtype=dtype)
+    q, k2, v2, _, _ = rope_append_reference(parts[:, :, None], bias, pos[:, None], kc, vc, inv, jnp.arange(B),
+                                            n_heads=n_heads, pairing=pairing, dtype=dtype)
     out = attention_reference(q, k2, v2, pos[:, None], pos + 1, scale=scale, window=window)
     return out.astype(dtype), k2, v2
 
@@ -140,7 +140,7 @@ def test_gpu_matches_the_two_kernels(pairing, B, hq, hkv, d, splits):
     fill = [577 + 61 * i for i in range(B)]
     parts, b, pos, kc, vc, inv = _inputs(B, hq, hkv, d, S, jnp.bfloat16, 7, 4, True, fill)
     kw = dict(n_heads=hq, pairing=pairing, dtype=jnp.bfloat16)
-    q, k2, v2 = rope_append_kernel(parts, b, pos, kc, vc, inv, jnp.arange(B), **kw)
+    q, k2, v2, _, _ = rope_append_kernel(parts, b, pos, kc, vc, inv, jnp.arange(B), **kw)
     want = decode_attention(q[:, None], k2, v2, pos[:, None], pos + 1, scale=d ** -0.5, num_splits=splits)
     got = decode_rope_attention(parts, b, pos, kc, vc, inv, **kw, scale=d ** -0.5, num_splits=splits)
     np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)

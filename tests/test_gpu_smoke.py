@@ -237,7 +237,7 @@ def test_kernel_families_against_their_references():
     pos = jnp.asarray([[5], [9]], jnp.int32)
     outs = [rope_append(parts, None, pos, kc, vc, inv, jnp.arange(2), n_heads=8, pairing="halves",
                         dtype=jnp.bfloat16, implementation=i) for i in ("pallas", "reference")]
-    for a, b in zip(*outs):
+    for a, b in zip(*(o[:3] for o in outs)):  # q, k, v (a float cache's scales are None)
         assert rel(a, b) < 1e-2
 
 

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kv_append import rope_append, rope_append_kernel, rope_append_reference
+from pallas_kernels.kv_append.kernel import _rne
+from pallas_kernels.kv_quant import FP8, dequantize, quantize_int8
 
 THETA = 10000.0
 
@@ -45,8 +47,8 @@ def test_reference_against_numpy(pairing):
     B, hq, hkv, d = 3, 6, 2, 32
     qkv, pos, kc, vc, inv, rows = _inputs(B, hq, hkv, d, 4, 16, jnp.float32, n_parts=3)
     bias = jnp.linspace(-1, 1, (hq + 2 * hkv) * d, dtype=jnp.float32)
-    q, k2, v2 = rope_append_reference(qkv, bias, pos, kc, vc, inv, rows, n_heads=hq, pairing=pairing,
-                                      dtype=jnp.float32)
+    q, k2, v2, _, _ = rope_append_reference(qkv, bias, pos, kc, vc, inv, rows, n_heads=hq, pairing=pairing,
+                                            dtype=jnp.float32)
     heads = (np.asarray(qkv, np.float64).sum(0) + np.asarray(bias, np.float64)).reshape(B, hq + 2 * hkv, d)
     inv64 = np.asarray(inv, np.float64)
     for b in range(B):
@@ -77,8 +79,9 @@ def test_kernel_matches_reference_interpret(pairing, B, hq, hkv, d, dtype, n_par
                       implementation="interpret")
     tol = 1e-6 if dtype == jnp.float32 else 1e-2
     np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), rtol=tol, atol=tol)
-    for g, w in zip(got[1:], want[1:]):
+    for g, w in zip(got[1:3], want[1:3]):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tol, atol=tol)
+    assert got[3:] == want[3:] == (None, None)  # a float cache has no scales
 
 
 def test_dispatch_and_errors():
@@ -86,7 +89,7 @@ def test_dispatch_and_errors():
     kw = dict(n_heads=4, pairing="pairs", dtype=jnp.float32)
     got = rope_append(qkv, None, pos, kc, vc, inv, rows, **kw)  # CPU: the reference
     want = rope_append_reference(qkv, None, pos, kc, vc, inv, rows, **kw)
-    for g, w in zip(got, want):
+    for g, w in zip(got[:3], want[:3]):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     two = jnp.concatenate([qkv, qkv], axis=2)
     with pytest.raises(ValueError, match="one token per sequence, got T=2"):
@@ -97,6 +100,79 @@ def test_dispatch_and_errors():
     with pytest.raises(ValueError, match="a product of 256 columns is not q, k, v of 6 \\+ 2 x 2 heads"):
         rope_append_kernel(qkv[:, :, 0], None, pos[:, 0], kc, vc, inv, rows, n_heads=6, pairing="pairs",
                            dtype=jnp.float32, interpret=True)
+
+
+def _quantized(kc, vc, kind, n_heads=None):
+    """Float caches as a `kind` cache stores them, with their scales (fp8: per-head scales 0.5 / 2)."""
+    if kind == "int8":
+        (kq, ks), (vq, vs) = quantize_int8(kc), quantize_int8(vc)
+        return kq, vq, ks, vs
+    hkv = kc.shape[1]
+    ks, vs = jnp.full((hkv,), 0.5, jnp.float32), jnp.linspace(1.0, 2.0, hkv, dtype=jnp.float32)
+    return ((kc.astype(jnp.float32) / ks[:, None, None]).astype(FP8),
+            (vc.astype(jnp.float32) / vs[:, None, None]).astype(FP8), ks, vs)
+
+
+def test_round_to_nearest_even():
+    """The kernel's rounding (Triton lowers no round) is jnp.round's: ties go to the even integer."""
+    x = jnp.asarray([-127.0, -2.5, -1.5, -0.5, -0.49, 0.0, 0.5, 0.51, 1.5, 2.5, 3.5, 126.5, 127.0], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(_rne)(x)), np.asarray(jnp.round(x)))
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("pairing,dtype,bias", [("pairs", jnp.float32, False), ("halves", jnp.bfloat16, True)])
+def test_quantized_append_interpret(kind, pairing, dtype, bias):
+    """Into an int8 or fp8 cache the kernel writes what the reference writes: the float
+    reference's key and value quantized (pallas_kernels/kv_quant.py), int8 scales beside them;
+    an inactive sequence writes nothing, values or scales."""
+    B, hq, hkv, d, S = 3, 8, 2, 64, 24
+    qkv, pos, kc, vc, inv, rows = _inputs(B, hq, hkv, d, B + 1, S, dtype, seed=7, n_parts=2)
+    b = jnp.linspace(-2, 2, qkv.shape[-1], dtype=jnp.float32) if bias else None
+    kq, vq, ks, vs = _quantized(kc, vc, kind)
+    kw = dict(n_heads=hq, pairing=pairing, dtype=dtype)
+    want = rope_append_reference(qkv, b, pos, kq, vq, inv, rows, **kw, k_scale=ks, v_scale=vs)
+    got = rope_append(qkv, b, pos, kq, vq, inv, rows, **kw, implementation="interpret", k_scale=ks, v_scale=vs)
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), rtol=1e-6, atol=1e-6)
+    # The kernel evaluates the rotation in another order than XLA, so a key may differ in its last
+    # float32 bit and land one quantum away; values and scales are otherwise the reference's.
+    for g, w, gs, ws in ((got[1], want[1], got[3], want[3]), (got[2], want[2], got[4], want[4])):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        gi, wi = np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32))
+        assert np.mean(gi != wi) < 0.01
+        np.testing.assert_allclose(np.asarray(gs), np.asarray(ws), rtol=1e-6)
+        x, y = np.asarray(dequantize(g, gs)), np.asarray(dequantize(w, ws))
+        step = np.abs(y).max(axis=-1, keepdims=True) / 127 if kind == "int8" else np.abs(y) / 8 + 1e-3
+        assert np.all(np.abs(x - y) <= step * 1.001)
+    # The reference's entries are the float reference's, quantized: against the float write.
+    _, kf, vf, _, _ = rope_append_reference(qkv, b, pos, kc, vc, inv, rows, **kw)
+    for new, scale, flt in ((got[1], got[3], kf), (got[2], got[4], vf)):
+        for i in range(B):
+            p, r = int(pos[i, 0]), int(rows[i])
+            deq = np.asarray(dequantize(new, scale))[r, :, p]
+            ref = np.asarray(flt[r, :, p], np.float32)
+            if p < 0:
+                continue
+            # int8: half a quantum; e4m3: 2^-4 relative, 2^-10 x its scale (<= 2) below the normals.
+            bound = (np.abs(ref).max(axis=-1, keepdims=True) / 254 if kind == "int8"
+                     else np.abs(ref) / 16 + 2 * 2 ** -10)
+            assert np.all(np.abs(deq - ref) <= bound + 1e-6)
+    inactive = int(rows[-1])  # pos -1: its row unchanged
+    np.testing.assert_array_equal(np.asarray(got[1].astype(jnp.float32))[inactive],
+                                  np.asarray(kq.astype(jnp.float32))[inactive])
+    if kind == "int8":
+        np.testing.assert_array_equal(np.asarray(got[3])[inactive], np.asarray(ks)[inactive])
+    else:
+        assert got[3] is ks and got[4] is vs or np.array_equal(np.asarray(got[3]), np.asarray(ks))
+
+
+def test_quantized_errors():
+    qkv, pos, kc, vc, inv, rows = _inputs(2, 4, 2, 32, 2, 8, jnp.float32)
+    kq, vq, ks, vs = _quantized(kc, vc, "int8")
+    kw = dict(n_heads=4, pairing="pairs", dtype=jnp.float32, interpret=True)
+    with pytest.raises(ValueError, match="a int8 k cache needs its scale"):
+        rope_append_kernel(qkv[:, :, 0], None, pos[:, 0], kq, vq, inv, rows, **kw)
+    with pytest.raises(ValueError, match="int8 k scale must have shape"):
+        rope_append_kernel(qkv[:, :, 0], None, pos[:, 0], kq, vq, inv, rows, **kw, k_scale=ks[0], v_scale=vs)
 
 
 def test_lowers_to_triton_for_h100():
@@ -113,6 +189,13 @@ def test_lowers_to_triton_for_h100():
             lowered = rope_append_kernel.trace(*args, n_heads=9, pairing=pairing, dtype=jnp.bfloat16).lower(
                 lowering_platforms=("cuda",))
             assert "__gpu$xla.gpu.triton" in lowered.as_text()
+        for kind, dt, scale in (("int8", jnp.int8, S((2, 3, 640), jnp.float32)),
+                                ("fp8", jnp.float8_e4m3fn, S((3,), jnp.float32))):
+            cache = S((2, 3, 640, 64), dt)
+            lowered = rope_append_kernel.trace(*args[:3], cache, cache, *args[5:], n_heads=9, pairing="halves",
+                                               dtype=jnp.bfloat16, k_scale=scale, v_scale=scale).lower(
+                lowering_platforms=("cuda",))
+            assert "__gpu$xla.gpu.triton" in lowered.as_text(), kind
 
 
 @pytest.mark.gpu
@@ -125,5 +208,24 @@ def test_kernel_on_gpu(pairing, B, hq, hkv, d):
     want = rope_append_reference(qkv, bias, pos, kc, vc, inv, rows, **kw)
     got = jax.jit(rope_append, static_argnames=("n_heads", "pairing", "dtype"))(qkv, bias, pos, kc, vc, inv,
                                                                                  rows, **kw)
-    for g, w in zip(got, want):
+    for g, w in zip(got[:3], want[:3]):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("B,hq,hkv,d", [(1, 32, 8, 128), (8, 32, 8, 64)])
+def test_quantized_kernel_on_gpu(kind, B, hq, hkv, d):
+    """On the GPU the kernel's division and rotation may differ from XLA's in the last bit, so an
+    entry may land one quantum (int8) or one e4m3 step away from the reference's."""
+    qkv, pos, kc, vc, inv, rows = _inputs(B, hq, hkv, d, B + 2, 640, jnp.bfloat16, seed=d, n_parts=2)
+    kq, vq, ks, vs = _quantized(kc, vc, kind)
+    kw = dict(n_heads=hq, pairing="halves", dtype=jnp.bfloat16)
+    want = rope_append_reference(qkv, None, pos, kq, vq, inv, rows, **kw, k_scale=ks, v_scale=vs)
+    got = jax.jit(rope_append, static_argnames=("n_heads", "pairing", "dtype"))(qkv, None, pos, kq, vq, inv, rows,
+                                                                                 **kw, k_scale=ks, v_scale=vs)
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), rtol=1e-2, atol=1e-2)
+    for g, w, gs, ws in ((got[1], want[1], got[3], want[3]), (got[2], want[2], got[4], want[4])):
+        a, b = np.asarray(dequantize(g, gs)), np.asarray(dequantize(w, ws))
+        step = np.abs(b).max(axis=-1, keepdims=True) / 127 if kind == "int8" else np.abs(b) / 8 + 2 ** -9
+        assert np.all(np.abs(a - b) <= step * 1.01 + 1e-2 * np.abs(b))

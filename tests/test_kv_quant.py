@@ -27,7 +27,7 @@ from pallas_kernels.attention import (
     attention_reference, decode_attention, paged_attention_reference, paged_decode_attention,
     paged_prefill_attention, prefill_attention,
 )
-from pallas_kernels.attention.kv_quant import FP8_MAX, dequantize, quantize_fp8, quantize_int8
+from pallas_kernels.kv_quant import FP8_MAX, dequantize, quantize_fp8, quantize_int8
 from rjax import engine
 from rjax.cache import check_kv_dtype, init_cache, restore, snapshot
 from rjax.paged_cache import init_paged_cache, set_block_tables
@@ -315,14 +315,52 @@ def _greedy(cfg, params, cache, slot, n):
     return out, cache
 
 
-def test_quantized_cache_plans_no_fused_append(tiny):
-    from rjax.model import plan_of
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantized_decode_step_through_the_append_kernel(tmp_path, monkeypatch, kv_dtype):
+    """A GPU plan's one-token step over a quantized cache rotates, quantizes and appends in
+    kv_append's kernel (rope_append; the one kernel that also attends is for float caches): run
+    in interpret mode, the same logits and cache as the plan that rotates in XLA and quantizes
+    in KVCache.write (attention "xla"), up to an entry landing one quantum away (the two sum the
+    QKV product in another order)."""
+    import dataclasses
 
-    cfg, params = tiny
-    for kv_dtype in ("int8", "fp8"):
-        plan = plan_of(cfg, params, init_cache(cfg, 1, 32, kv_dtype=kv_dtype), jnp.zeros((1, 1), jnp.int32), None,
-                       jnp.float32)
-        assert all(lp.attention == "xla" for lp in plan.layers)
+    from rjax.bench import load_for_bench
+    from rjax.layout import fuse_projections
+    from rjax.model import forward
+    from rjax.plan import plan_for
+    from rjax.synth import write_synthetic
+
+    path = write_synthetic(tmp_path / "m.gguf", "smollm2-135m", "q4_1", n_layers=2, vocab_size=512,
+                           tokenizer_from="builtin")
+    cfg, params, _ = load_for_bench(path, progress=False)
+    params = fuse_projections(params)  # as on a GPU: the kernel takes the fused QKV product
+    kw = dict(gpu=True, implementation="interpret")
+    assert {lp.attention for lp in plan_for(cfg, params, 2, 1, jnp.float32, **kw).layers} == {"rope_attention"}
+    plan = plan_for(cfg, params, 2, 1, jnp.float32, **kw, kv_quantized=True)
+    assert {lp.attention for lp in plan.layers} == {"rope_append"}
+    import pallas_kernels.kv_append as kv_append
+
+    calls = []
+    kernel = kv_append.rope_append_kernel
+    monkeypatch.setattr(kv_append, "pick_implementation",
+                        lambda op, impl, rows, most: impl or ("interpret" if rows <= most else "reference"))
+    monkeypatch.setattr(kv_append, "rope_append_kernel", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    in_xla = dataclasses.replace(plan, layers=tuple(dataclasses.replace(lp, attention="xla", out_norm="norm")
+                                                    for lp in plan.layers))
+    tokens, lengths = engine.pad_prompts([[5, 6, 7, 8, 9], [11, 12]])
+    cache = init_cache(cfg, 2, 64, kv_dtype=kv_dtype)
+    _, cache = engine.prefill(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
+    step, pos = jnp.asarray([[3], [4]], jnp.int32), jnp.asarray(lengths)[:, None]
+    got_logits, got = forward(cfg, params, cache, step, pos, plan=plan)
+    assert len(calls) == cfg.n_layers, "the kernel did not run"
+    want_logits, want = forward(cfg, params, cache, step, pos, plan=in_xla)
+    np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), rtol=1e-4, atol=1e-4)
+    for layer in range(cfg.n_layers):
+        for g, w, gs, ws in ((got.k[layer], want.k[layer], got.k_scale[layer], want.k_scale[layer]),
+                             (got.v[layer], want.v[layer], got.v_scale[layer], want.v_scale[layer])):
+            x, y = np.asarray(dequantize(g, gs)), np.asarray(dequantize(w, ws))
+            quantum = np.abs(y).max(-1, keepdims=True) / 127 if kv_dtype == "int8" else np.abs(y) / 8 + 2 ** -9
+            assert np.all(np.abs(x - y) <= quantum * 1.001)
 
 
 # ---- the real models (slow) ----------------------------------------------------------------------

@@ -23,7 +23,7 @@ from pallas_kernels.attention import (  # noqa: E402
     attention, attention_reference, decode_attention, paged_attention, paged_decode_attention,
     paged_prefill_attention, prefill_attention,
 )
-from pallas_kernels.attention.kv_quant import dequantize, quantize_fp8, quantize_int8  # noqa: E402
+from pallas_kernels.kv_quant import dequantize, quantize_fp8, quantize_int8  # noqa: E402
 
 BF16_TOL = 1e-2
 QUANT_TOL = {"int8": 2e-2, "fp8": 8e-2}  # against the float cache: test_kv_quant.py's bounds

@@ -2,7 +2,7 @@
 
 `attention` (contiguous cache [B, Hkv, S, D]) and `paged_attention` (page pool [P, Hkv, page_size, D]
 plus block tables) are the entry points the model calls; semantics are in reference.py. Both take
-a quantized cache too (int8 per entry or fp8 per head, with k_scale and v_scale; kv_quant.py),
+a quantized cache too (int8 per entry or fp8 per head, with k_scale and v_scale; pallas_kernels/kv_quant.py),
 read by the decode kernel and the Triton prefill kernel.
 `rope_attention` is a one-token decode step from the QKV product on: kv_append's rotation and
 K/V append, then the attention, as one kernel (`decode_rope_attention`; the model's plan says
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from .decode import decode_attention, decode_rope_attention, paged_decode_attention
 from .prefill import paged_prefill_attention, prefill_attention
 from .prefill_mgpu import mgpu_prefill_attention, supports as mgpu_prefill_supports
-from .kv_quant import dequantize, kind_of, quantize_fp8, quantize_int8
+from pallas_kernels.kv_quant import dequantize, kind_of, quantize_fp8, quantize_int8
 from .reference import attention_reference, paged_attention_reference
 
 __all__ = [
@@ -80,8 +80,8 @@ def rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, *, n_heads: int
         from pallas_kernels.kv_append import rope_append_reference
 
         B = parts.shape[1]
-        q, k_cache, v_cache = rope_append_reference(parts[:, :, None], bias, pos[:, None], k_cache, v_cache, inv_freq,
-                                                    jnp.arange(B), **kw)
+        q, k_cache, v_cache, _, _ = rope_append_reference(parts[:, :, None], bias, pos[:, None], k_cache, v_cache,
+                                                          inv_freq, jnp.arange(B), **kw)
         out = attention_reference(q, k_cache, v_cache, pos[:, None], pos + 1, scale=scale, window=window)
         return out.astype(dtype), k_cache, v_cache, arrivals
     return decode_rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, **kw, scale=scale, window=window,

@@ -12,7 +12,7 @@ K/V at memory bandwidth:
   writes the output, so the step is one launch; with several tokens a small XLA step merges them.
 - Key blocks no row can see (beyond kv_len, outside the window) are skipped; masks are applied only
   on edge blocks.
-- A quantized cache (int8 per entry, fp8 per head; kv_quant.py) is read as it is stored: each
+- A quantized cache (int8 per entry, fp8 per head; pallas_kernels/kv_quant.py) is read as it is stored: each
   block is cast in registers (to float16 for 16-bit queries: kv_blocks.compute_dtype) and its
   scales multiply the scores and the probabilities that weight V, so the step reads 1 byte per
   cached value plus the scales.
@@ -321,7 +321,7 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
           num_warps, num_stages, interpret, rope: RopeAppend | None = None, arrivals=None, quantize_out=False,
           k_scale=None, v_scale=None):
     """q: the queries [B, T, Hq, D], or with `rope` their shape and dtype (a ShapeDtypeStruct).
-    k_scale, v_scale: a quantized cache's scales (kv_quant.py), else None.
+    k_scale, v_scale: a quantized cache's scales (pallas_kernels/kv_quant.py), else None.
     arrivals: None or [B, Hkv] int32 zeros for the in-kernel merge (see below); with `rope`,
     returned after the caches (zeros again; as given when no merge ran). quantize_out: where the
     splits are merged in the kernel (`merges_in_kernel`), the output comes as a QuantizedX
@@ -480,7 +480,7 @@ def decode_attention(q, k, v, q_pos, kv_len, *, scale: float, window: int | None
                      block_k: int | None = None, num_splits: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None, interpret: bool = False, k_scale=None, v_scale=None):
     """Attention of q [B, T, Hq, D] (T small) over the contiguous cache k, v [B, Hkv, S, D]
-    (float, or int8 / fp8 with k_scale, v_scale: see kv_quant.py)."""
+    (float, or int8 / fp8 with k_scale, v_scale: see pallas_kernels/kv_quant.py)."""
     check_shapes(q, k, v, q_pos, kv_len, k_scale=k_scale, v_scale=v_scale)
     layout = CacheLayout(num_keys=k.shape[2])
     return _call(q, k, v, None, q_pos, kv_len, layout, scale=scale, window=window, num_splits=num_splits,
@@ -523,7 +523,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, q_pos, kv_len, *, 
                            num_warps: int | None = None, num_stages: int | None = None,
                            interpret: bool = False, k_scale=None, v_scale=None):
     """Attention of q [B, T, Hq, D] (T small) over the paged cache k_pages, v_pages [P, Hkv, page_size, D]
-    (float, or int8 / fp8 with k_scale, v_scale [P, Hkv, page_size] or [Hkv]: see kv_quant.py)."""
+    (float, or int8 / fp8 with k_scale, v_scale [P, Hkv, page_size] or [Hkv]: see pallas_kernels/kv_quant.py)."""
     check_shapes(q, k_pages, v_pages, q_pos, kv_len, k_name="k_pages", v_name="v_pages", k_scale=k_scale,
                  v_scale=v_scale)
     P, _, page_size, D = k_pages.shape

@@ -83,7 +83,7 @@ def scores(q, k):
 def attend_block(state, q, k, v, *, qk_scale: float, mask=None, k_scale=None, v_scale=None):
     """Fold keys k [bk, D] / values v [bk, D] into state for queries q [R, D]; mask [R, bk] bool or None.
     q and k may be tuples of column pieces (see `scores`). A quantized block comes cast to the
-    compute dtype with its float32 scales (kv_quant.py): k_scale, v_scale [bk] per key, or
+    compute dtype with its float32 scales (pallas_kernels/kv_quant.py): k_scale, v_scale [bk] per key, or
     scalars per head; they scale the raw scores and the probabilities that weight V.
 
     The running max m is kept in scaled units, so the scale meets each raw score once, inside the

@@ -6,7 +6,7 @@ Inside a kernel program for one (sequence, KV head), the cache ref is either
   [max_pages], position j at page table[j // page_size], row j % page_size.
 Both kernels (prefill and decode) walk the cache in blocks of `block_k` positions through
 `load_block`, so the masking and softmax code never sees which layout it reads. A quantized block
-(kv_quant.py) is cast in registers to `compute_dtype`, the dtype the products run in.
+(pallas_kernels/kv_quant.py) is cast in registers to `compute_dtype`, the dtype the products run in.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ docs/kernels.md). This kernel stays the general path: the paged cache (per-block
 gathers are plain pointer loads in Triton), float32 inputs, head dims or cache lengths the Mosaic
 kernel does not tile, and other GPUs; it also runs under `interpret=True` on the CPU, which the
 tests rely on. Triton emits Hopper wgmma for the 16-bit products. It is also the prefill of a
-quantized cache (int8 per entry, fp8 per head; kv_quant.py): each block is cast in registers
+quantized cache (int8 per entry, fp8 per head; pallas_kernels/kv_quant.py): each block is cast in registers
 (to kv_blocks.compute_dtype) and its scales multiply the scores and the probabilities that weight V.
 """
 from __future__ import annotations
@@ -160,7 +160,7 @@ def prefill_attention(q, k, v, q_pos, kv_len, *, scale: float, window: int | Non
                       block_q: int | None = None, block_k: int | None = None, num_warps: int | None = None,
                       num_stages: int | None = None, interpret: bool = False, k_scale=None, v_scale=None):
     """Attention of q [B, T, Hq, D] over the contiguous cache k, v [B, Hkv, S, D] (see reference.py;
-    int8 / fp8 with k_scale, v_scale: kv_quant.py)."""
+    int8 / fp8 with k_scale, v_scale: pallas_kernels/kv_quant.py)."""
     check_shapes(q, k, v, q_pos, kv_len, k_scale=k_scale, v_scale=v_scale)
     layout = CacheLayout(num_keys=k.shape[2])
     return _call(q, k, v, None, q_pos, kv_len, layout, scale=scale, window=window, interpret=interpret,
@@ -173,7 +173,7 @@ def paged_prefill_attention(q, k_pages, v_pages, block_tables, q_pos, kv_len, *,
                             num_warps: int | None = None, num_stages: int | None = None,
                             interpret: bool = False, k_scale=None, v_scale=None):
     """Attention of q [B, T, Hq, D] over the paged cache k_pages, v_pages [P, Hkv, page_size, D]
-    (int8 / fp8 with k_scale, v_scale [P, Hkv, page_size] or [Hkv]: kv_quant.py)."""
+    (int8 / fp8 with k_scale, v_scale [P, Hkv, page_size] or [Hkv]: pallas_kernels/kv_quant.py)."""
     check_shapes(q, k_pages, v_pages, q_pos, kv_len, k_name="k_pages", v_name="v_pages", k_scale=k_scale,
                  v_scale=v_scale)
     P, _, page_size, D = k_pages.shape

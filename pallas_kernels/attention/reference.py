@@ -11,7 +11,7 @@ Semantics shared by every implementation in this package:
   A query that sees no key gets output 0 (never NaN).
 - Grouped-query attention: Hq = Hkv * G and query head h reads KV head h // G.
 - Scores and softmax in float32; the output has q's dtype.
-- A quantized cache (int8 or fp8 K/V, see kv_quant.py) comes with k_scale and v_scale; its
+- A quantized cache (int8 or fp8 K/V, see pallas_kernels/kv_quant.py) comes with k_scale and v_scale; its
   values are dequantized exactly (x * scale) before the same math.
 - Long prompts are attended in chunks of queries (`query_chunk`), so no [T, T] score matrix is
   formed: at most [chunk, S] per head.
@@ -26,7 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from .kv_quant import check_scales, dequantize
+from pallas_kernels.kv_quant import check_scales, dequantize
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -95,7 +95,7 @@ def _attend(q, k, v, q_pos, kv_len, scale, window):
 def attention_reference(q, k, v, q_pos, kv_len, *, scale: float, window: int | None = None, k_scale=None,
                         v_scale=None):
     """Attention of q [B, T, Hq, D] over the contiguous cache k, v [B, Hkv, S, D] (float, or
-    int8 / fp8 with k_scale, v_scale: see kv_quant.py); returns [B, T, Hq, D]."""
+    int8 / fp8 with k_scale, v_scale: see pallas_kernels/kv_quant.py); returns [B, T, Hq, D]."""
     B, T, Hq, Hkv, D = check_shapes(q, k, v, q_pos, kv_len, k_scale=k_scale, v_scale=v_scale)
     S = k.shape[2]
     kf, vf = dequantize(k, k_scale), dequantize(v, v_scale)

@@ -2,14 +2,17 @@
 decode token per sequence beside a plain-JAX reference.
 
     rope_append(parts, bias, pos, k_cache, v_cache, inv_freq, rows, *, n_heads, pairing, dtype,
-                implementation=None) -> (q [B, T, Hq, D] rotated, k_cache, v_cache)
+                implementation=None, k_scale=None, v_scale=None)
+        -> (q [B, T, Hq, D] rotated, k_cache, v_cache, k_scale, v_scale)
 
 parts [S, B, T, (Hq + 2 Hkv) D] is the fused QKV product as S float32 partial sums (a split-K
 GEMV's output before its reduction, which this pass does; qtensor.matmul_partials), bias its
 bias or None, `dtype` the compute dtype the sum is rounded to, pos [B, T] the absolute positions (-1:
 padding, nothing written), caches [n_slots, Hkv, S, D], rows [B] the cache rows of the B
-sequences. `implementation`: None picks the kernel on a GPU backend when T == 1 (decode) and
-the reference elsewhere; "reference", "pallas", "interpret" force one (the kernel needs T == 1).
+sequences. An int8 or fp8 cache (pallas_kernels/kv_quant.py) comes with its scales and is
+written quantized: int8 scales [n_slots, Hkv, S], one per entry, are written beside the values
+and returned; fp8 scales [Hkv] are read. A float cache's scales are None. `implementation`:
+None picks the kernel on a GPU backend when T == 1 (decode) and the reference elsewhere; "reference", "pallas", "interpret" force one (the kernel needs T == 1).
 """
 from __future__ import annotations
 
@@ -19,25 +22,25 @@ import jax.numpy as jnp
 from pallas_kernels.implementation import pick_implementation
 
 from .kernel import rope_append_kernel
-from .reference import apply_rope, rope_append_reference, split_qkv, write_positions
+from .reference import apply_rope, rope_append_reference, split_qkv, write_entries, write_positions
 
 __all__ = ["rope_append", "rope_append_kernel", "rope_append_reference", "apply_rope", "split_qkv",
-           "write_positions", "MAX_ROWS"]
+           "write_positions", "write_entries", "MAX_ROWS"]
 
 MAX_ROWS = 256  # sequences per decode step up to which the kernel is used
 
 
 def rope_append(parts: jax.Array, bias: jax.Array | None, pos: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                 inv_freq: jax.Array, rows: jax.Array, *, n_heads: int, pairing: str, dtype,
-                implementation: str | None = None):
+                implementation: str | None = None, k_scale=None, v_scale=None):
     _, B, T, _ = parts.shape
     implementation = pick_implementation("rope_append", implementation, B if T == 1 else MAX_ROWS + 1, MAX_ROWS)
     if implementation == "reference":
         return rope_append_reference(parts, bias, pos, k_cache, v_cache, inv_freq, rows, n_heads=n_heads,
-                                     pairing=pairing, dtype=dtype)
+                                     pairing=pairing, dtype=dtype, k_scale=k_scale, v_scale=v_scale)
     if T != 1:
         raise ValueError(f"rope_append: the kernel takes one token per sequence, got T={T}")
-    q, k_cache, v_cache = rope_append_kernel(parts[:, :, 0], bias, pos[:, 0], k_cache, v_cache, inv_freq, rows,
-                                             n_heads=n_heads, pairing=pairing, dtype=jnp.dtype(dtype),
-                                             interpret=implementation == "interpret")
-    return q[:, None], k_cache, v_cache
+    q, *caches = rope_append_kernel(parts[:, :, 0], bias, pos[:, 0], k_cache, v_cache, inv_freq, rows,
+                                    n_heads=n_heads, pairing=pairing, dtype=jnp.dtype(dtype),
+                                    interpret=implementation == "interpret", k_scale=k_scale, v_scale=v_scale)
+    return q[:, None], *caches

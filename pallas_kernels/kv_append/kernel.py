@@ -9,7 +9,9 @@ row, rounds them to the compute dtype (as the product would have been), rotates 
 float32 with angles computed from the position,
 writes the rotated queries, and stores the key and value at the sequence's position in the
 caches, which are aliased to the outputs (XLA updates the donated cache in place). A negative
-position (an inactive slot) writes nothing to the caches.
+position (an inactive slot) writes nothing to the caches. An int8 or fp8 cache is written
+quantized, as pallas_kernels/kv_quant.py defines it, from the values a float cache would hold:
+an int8 row's scale is its largest magnitude / 127, stored beside it.
 
 The head dim is split into its two rotation halves through a reshaped view of every array
 ([..., 2, D/2] for "halves", [..., D/2, 2] for "pairs"), so each half is one strided load and
@@ -26,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.kv_quant import FP8_MAX, INT8_MAX, check_scales, kind_of
 
 _F32 = jnp.float32
 
@@ -85,14 +89,47 @@ class ProductRows:
         return (pairs.T if self.pairing == "halves" else pairs).reshape(2 * halves[0].shape[-1])
 
 
+def _rne(x):
+    """x rounded to the nearest integer, ties to even, as jnp.round does (|x| < 2^31). Pallas'
+    Triton backend lowers no round; floor, an int cast and a compare it does."""
+    f = jnp.floor(x)
+    d = x - f
+    odd = (f.astype(jnp.int32) & 1) == 1
+    return f + jnp.where((d > 0.5) | ((d == 0.5) & odd), 1.0, 0.0)
+
+
+def _store_row(ref, scale_ref, head_scale, halves, idx: tuple, valid, *, kind: str | None, pairing: str, dtype):
+    """Store one row (two rotation halves in float32) at ref[idx], as the cache stores it: cast
+    to the cache dtype; int8 with its scale max|row| / 127 stored at scale_ref[idx]; fp8 as
+    row / head_scale, saturated (pallas_kernels/kv_quant.py). Nothing is stored unless `valid`."""
+    write = jnp.broadcast_to(valid, halves[0].shape)
+    if kind is not None:  # quantized from the value the float cache would hold
+        halves = [x.astype(dtype).astype(_F32) for x in halves]
+    if kind == "int8":
+        amax = jnp.maximum(jnp.max(jnp.abs(halves[0])), jnp.max(jnp.abs(halves[1])))
+        scale = amax / INT8_MAX
+        safe = jnp.where(scale > 0, scale, 1.0)
+        halves = [jnp.clip(_rne(x / safe), -INT8_MAX, INT8_MAX) for x in halves]
+        plgpu.store(scale_ref.at[(*idx[:-1], pl.ds(idx[-1], 1))], jnp.broadcast_to(scale, (1,)),
+                    mask=jnp.broadcast_to(valid, (1,)))
+    elif kind == "fp8":
+        halves = [jnp.clip(x / head_scale, -FP8_MAX, FP8_MAX) for x in halves]
+    for j, val in enumerate(halves):
+        plgpu.store(_half(ref, idx, j, pairing), val.astype(ref.dtype), mask=write)
+
+
 def _kernel(pos_ref, row_ref, inv_ref, parts_ref, *refs, n_heads: int, group: int, n_parts: int,
-            pairing: str, has_bias: bool):
+            pairing: str, has_bias: bool, kind: str | None):
     bias_ref = refs[0] if has_bias else None
-    q_ref, k_ref, v_ref = refs[-3:]
+    if kind == "int8":  # outputs q, k, v and the per-entry scales (aliased to the inputs)
+        q_ref, k_ref, v_ref, ks_ref, vs_ref = refs[-5:]
+    else:
+        q_ref, k_ref, v_ref = refs[-3:]
+        ks_ref = vs_ref = None
     b, h = pl.program_id(0), pl.program_id(1)
     pos = pos_ref[b]
     product = ProductRows(parts_ref, bias_ref, inv_ref, b, pos, n_parts=n_parts, pairing=pairing, dtype=q_ref.dtype)
-    cos, load, rotate = product.cos, product.half, product.rotated
+    load, rotate = product.half, product.rotated
 
     for g in range(group):  # G loads of D/2 values: no gathers or masks for any G
         head = h * group + g
@@ -100,14 +137,13 @@ def _kernel(pos_ref, row_ref, inv_ref, parts_ref, *refs, n_heads: int, group: in
             plgpu.store(_half(q_ref, (b, head), j, pairing), val.astype(q_ref.dtype))
 
     n_kv = pl.num_programs(1)
-    row = row_ref[b]
-    at = jnp.maximum(pos, 0)
-    write = jnp.broadcast_to(pos >= 0, cos.shape)
-    for j, val in enumerate(rotate(n_heads + h)):
-        plgpu.store(_half(k_ref, (row, h, at), j, pairing), val.astype(k_ref.dtype), mask=write)
-    for j in range(2):
-        val = load(n_heads + n_kv + h, j)
-        plgpu.store(_half(v_ref, (row, h, at), j, pairing), val.astype(v_ref.dtype), mask=write)
+    k_head = v_head = None
+    if kind == "fp8":  # the per-head scales: inputs after the bias
+        k_head, v_head = refs[int(has_bias)][h], refs[int(has_bias) + 1][h]
+    idx = (row_ref[b], h, jnp.maximum(pos, 0))
+    store = functools.partial(_store_row, idx=idx, valid=pos >= 0, kind=kind, pairing=pairing, dtype=q_ref.dtype)
+    store(k_ref, ks_ref, k_head, rotate(n_heads + h))
+    store(v_ref, vs_ref, v_head, [load(n_heads + n_kv + h, j) for j in range(2)])
 
 
 def split_view(x: jax.Array, pairing: str) -> jax.Array:
@@ -118,10 +154,12 @@ def split_view(x: jax.Array, pairing: str) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("n_heads", "pairing", "dtype", "interpret"))
 def rope_append_kernel(parts, bias, pos, k_cache, v_cache, inv_freq, rows, *, n_heads: int, pairing: str,
-                       dtype, interpret: bool = False):
+                       dtype, interpret: bool = False, k_scale=None, v_scale=None):
     """parts [S, B, (Hq + 2 Hkv) D]: the QKV product of one token per sequence as S partial sums;
     bias [(Hq + 2 Hkv) D] or None; pos [B] (-1: write nothing); rows [B] the cache rows; caches
-    [n_slots, Hkv, S, D]. -> (q [B, Hq, D] rotated, in `dtype`; k_cache; v_cache)."""
+    [n_slots, Hkv, S, D], float, or int8 / fp8 with their scales k_scale, v_scale (int8:
+    [n_slots, Hkv, S], written here; fp8: [Hkv], read). -> (q [B, Hq, D] rotated, in `dtype`;
+    k_cache; v_cache; k_scale; v_scale)."""
     n_slots, n_kv, _, d = k_cache.shape
     n_parts, B, n = parts.shape
     if d % 2 or (d // 2) & (d // 2 - 1):
@@ -129,23 +167,30 @@ def rope_append_kernel(parts, bias, pos, k_cache, v_cache, inv_freq, rows, *, n_
     if n != (n_heads + 2 * n_kv) * d:
         raise ValueError(f"rope_append: a product of {n} columns is not q, k, v of {n_heads} + 2 x {n_kv} heads "
                          f"of dim {d}")
+    kind = kind_of(k_cache.dtype)
+    for x, scale, name in ((k_cache, k_scale, "k"), (v_cache, v_scale, "v")):
+        check_scales(x, scale, name)
     group = n_heads // n_kv
     view = functools.partial(split_view, pairing=pairing)
     heads = lambda x: x.reshape(*x.shape[:-1], n_heads + 2 * n_kv, d)  # noqa: E731
-    bias_args = [] if bias is None else [view(heads(bias))]
+    before = [] if bias is None else [view(heads(bias))]
+    if kind == "fp8":
+        before += [k_scale.astype(_F32), v_scale.astype(_F32)]
+    caches = [view(k_cache), view(v_cache)] + ([k_scale, v_scale] if kind == "int8" else [])
     kernel = functools.partial(_kernel, n_heads=n_heads, group=group, n_parts=n_parts, pairing=pairing,
-                               has_bias=bias is not None)
-    k_at = 4 + len(bias_args)
-    q, k_out, v_out = pl.pallas_call(
+                               has_bias=bias is not None, kind=kind)
+    at = 4 + len(before)
+    outs = pl.pallas_call(
         kernel,
         grid=(B, n_kv),
-        out_shape=[jax.ShapeDtypeStruct((B, n_heads) + view(k_cache).shape[-2:], dtype),
-                   jax.ShapeDtypeStruct(view(k_cache).shape, k_cache.dtype),
-                   jax.ShapeDtypeStruct(view(v_cache).shape, v_cache.dtype)],
-        input_output_aliases={k_at: 1, k_at + 1: 2},
+        out_shape=[jax.ShapeDtypeStruct((B, n_heads) + view(k_cache).shape[-2:], dtype)]
+        + [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches],
+        input_output_aliases={at + i: 1 + i for i in range(len(caches))},
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="rope_append",
-    )(pos.astype(jnp.int32), rows.astype(jnp.int32), inv_freq.astype(_F32), view(heads(parts)), *bias_args,
-      view(k_cache), view(v_cache))
-    return q.reshape(B, n_heads, d), k_out.reshape(k_cache.shape), v_out.reshape(v_cache.shape)
+    )(pos.astype(jnp.int32), rows.astype(jnp.int32), inv_freq.astype(_F32), view(heads(parts)), *before, *caches)
+    q, k_out, v_out = outs[0].reshape(B, n_heads, d), outs[1].reshape(k_cache.shape), outs[2].reshape(v_cache.shape)
+    if kind == "int8":
+        k_scale, v_scale = outs[3], outs[4]
+    return q, k_out, v_out, k_scale, v_scale

@@ -4,6 +4,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kv_quant import kind_of, quantize_entries
+
 
 def apply_rope(x: jax.Array, pos: jax.Array, inv_freq: jax.Array, pairing: str) -> jax.Array:
     """x: [B, T, H, D]; pos: [B, T] absolute positions; inv_freq: [D/2].
@@ -34,6 +36,20 @@ def write_positions(cache: jax.Array, new: jax.Array, pos: jax.Array, rows: jax.
     return cache.at[rows, :, where].set(new.astype(cache.dtype), mode="drop")
 
 
+def write_entries(cache: jax.Array, scale, new: jax.Array, pos: jax.Array, rows: jax.Array):
+    """`write_positions` into a cache of any KV format (pallas_kernels/kv_quant.py): new quantized
+    as the cache stores it. scale: an int8 cache's per-entry scales [n_slots, Hkv, S] (written
+    beside the values), an fp8 cache's per-head scales (read), None for a float cache.
+    -> (cache, scale)."""
+    kind = kind_of(cache.dtype)
+    if kind is None:
+        return write_positions(cache, new, pos, rows), scale
+    values, entry_scales = quantize_entries(new, kind, scale)
+    if entry_scales is not None:
+        scale = write_positions(scale, entry_scales, pos, rows)
+    return write_positions(cache, values, pos, rows), scale
+
+
 def split_qkv(qkv: jax.Array, n_heads: int, n_kv_heads: int):
     """qkv [B, T, (Hq + 2 Hkv) D] -> q [B, T, Hq, D], k, v [B, T, Hkv, D]."""
     B, T, n = qkv.shape
@@ -42,15 +58,18 @@ def split_qkv(qkv: jax.Array, n_heads: int, n_kv_heads: int):
 
 
 def rope_append_reference(parts, bias, pos, k_cache, v_cache, inv_freq, rows, *, n_heads: int, pairing: str,
-                          dtype):
+                          dtype, k_scale=None, v_scale=None):
     """The QKV product given as S partial sums parts [S, B, T, (Hq + 2 Hkv) D] (plus bias, or None),
     summed and rounded to `dtype`; its queries and keys rotated for positions pos [B, T], keys and
-    values written into the caches [n_slots, Hkv, S, D] at those positions of rows `rows` [B].
-    -> (q [B, T, Hq, D] rotated, in `dtype`; k_cache; v_cache)."""
+    values written into the caches [n_slots, Hkv, S, D] at those positions of rows `rows` [B]
+    (`write_entries`: quantized for an int8 or fp8 cache, whose scales k_scale, v_scale come with it).
+    -> (q [B, T, Hq, D] rotated, in `dtype`; k_cache; v_cache; k_scale; v_scale)."""
     qkv = jnp.sum(parts.astype(jnp.float32), axis=0)
     if bias is not None:
         qkv = qkv + bias.astype(jnp.float32)
     q, k, v = split_qkv(qkv.astype(dtype), n_heads, k_cache.shape[1])
     q = apply_rope(q, pos, inv_freq, pairing)
     k = apply_rope(k, pos, inv_freq, pairing)
-    return q, write_positions(k_cache, k, pos, rows), write_positions(v_cache, v, pos, rows)
+    k_cache, k_scale = write_entries(k_cache, k_scale, k, pos, rows)
+    v_cache, v_scale = write_entries(v_cache, v_scale, v, pos, rows)
+    return q, k_cache, v_cache, k_scale, v_scale

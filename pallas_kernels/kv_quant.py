@@ -54,6 +54,14 @@ def quantize_fp8(x: jax.Array, scale: jax.Array, head_axis: int) -> jax.Array:
     return jnp.clip(xf, -FP8_MAX, FP8_MAX).astype(FP8)
 
 
+def quantize_entries(x: jax.Array, kind: str, head_scale) -> tuple[jax.Array, jax.Array | None]:
+    """New entries x [B, T, Hkv, D] as a `kind` cache stores them -> (values, their int8 scales
+    [B, T, Hkv], or None for fp8, whose per-head scale `head_scale` [Hkv] is given)."""
+    if kind == "int8":
+        return quantize_int8(x)
+    return quantize_fp8(x, head_scale, head_axis=2), None
+
+
 def dequantize(x: jax.Array, scale: jax.Array | None) -> jax.Array:
     """The float32 values of a cache array x [N, Hkv, ..., D] (see the module docstring);
     a float x (scale None) is returned as float32."""
