@@ -159,7 +159,8 @@ def test_long_context_decode_int8_at_128k():
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_engine_decodes_over_a_quantized_cache(tmp_path, kv_dtype):
     """A synthetic llama of the default model's shape (4 layers) on the GPU plan (bf16
-    activations, for_backend's layout; a quantized cache takes the plain attention path), prefill
+    activations, for_backend's layout; a quantized cache is written by kv_append's kernel and read
+    by the decode attention kernel), prefill
     and 16 decode steps fed the bf16 cache's greedy tokens: the quantized cache's logits within
     5% (int8) / 15% (fp8) of max |logit| of the bf16 cache's (on the CPU, 2 layers: 1.2% and 6%,
     test_kv_quant.py), and the same argmax wherever the bf16 cache's top-2 margin exceeds 0.5."""
