@@ -15,9 +15,11 @@
 
 Costs are timed as programs of many passes (a loop of 32 forward passes over a cache at the
 prompt's length, on the device), so they hold no host round trips. Tokens/s are the median of
-3 identical calls after a warm-up call (which compiles), decode time being the call's wall time
-less its time to the first token; plain decoding runs 32 steps per program call and speculative
-decoding 32 rounds (--rounds-per-dispatch). Writes <out>/speculative.json after each part and prints a
+3 identical calls after a warm-up call (which compiles): decode tokens/s count the tokens after
+the first over the time from the first token to the last, as GenerationResult reports them for
+both; (a) also gives the speedup of whole calls (all tokens over the call's wall time, prefill
+and setup included). Plain decoding runs 32 steps per program call and speculative decoding 32
+rounds (--rounds-per-dispatch). Writes <out>/speculative.json after each part and prints a
 table last. --skip-8b runs (a) alone, --skip-ngram (b) alone.
 """
 from __future__ import annotations
@@ -87,16 +89,19 @@ def say(msg: str) -> None:
 
 
 def timed_generate(model, prompt, repeats: int = 3, **kw):
-    """A warm-up call, then the median of `repeats` identical calls -> (result, decode tokens/s
-    by wall time). One call of a short reply varies by 10-20% from run to run on the H100."""
+    """A warm-up call, then `repeats` identical calls -> (result, decode tokens/s, call tokens/s),
+    medians. Decode: the tokens after the first over the time from the first token to the last
+    (GenerationResult.decode_tokens_per_s, measured alike for plain and speculative decoding).
+    Call: every token over the call's wall time, prefill and the call's setup included. One call
+    of a short reply varies by 10-20% from run to run on the H100."""
     rjax.generate(model, prompt, **kw)
-    rates = []
+    decode, call = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
         r = rjax.generate(model, prompt, **kw)
-        decode_s = time.perf_counter() - t0 - r.ttft_s
-        rates.append((len(r.tokens) - 1) / decode_s if decode_s > 0 else 0.0)
-    return r, float(np.median(rates))
+        call.append(len(r.tokens) / (time.perf_counter() - t0))
+        decode.append(r.decode_tokens_per_s)
+    return r, float(np.median(decode)), float(np.median(call))
 
 
 @functools.cache
@@ -143,21 +148,22 @@ def part_ngram(a, out: dict) -> None:
     rows = []
     for name, prompt in PROMPTS.items():
         kw = dict(max_new_tokens=a.max_new_tokens)
-        plain, plain_tps = timed_generate(model, prompt, steps_per_dispatch=32, **kw)
+        plain, plain_tps, plain_call = timed_generate(model, prompt, steps_per_dispatch=32, **kw)
         n_prompt = len(plain.prompt_tokens)
         row = dict(prompt=name, prompt_tokens=n_prompt, generated=len(plain.tokens), plain_tokens_per_s=plain_tps,
-                   by_k={})
+                   plain_call_tokens_per_s=plain_call, by_k={})
         S = len(plain.prompt_tokens) + a.max_new_tokens
         step_s = forward_cost(model.config, model.params, 1, n_prompt, engine.prompt_bucket(S))
         row["plain_step_s"] = step_s
         for k in a.ngram_k:
-            spec, tps = timed_generate(model, prompt, speculative="ngram", draft_tokens=k,
-                                        steps_per_dispatch=a.rounds_per_dispatch, **kw)
+            spec, tps, call = timed_generate(model, prompt, speculative="ngram", draft_tokens=k,
+                                              steps_per_dispatch=a.rounds_per_dispatch, **kw)
             s = spec.speculative
             verify_s = forward_cost(model.config, model.params, k + 1, n_prompt, engine.prompt_bucket(S))
             round_s = (len(spec.tokens) - 1) / tps / max(s["steps"], 1) if tps else None
             row["by_k"][k] = dict(
                 tokens_per_s=tps, speedup=tps / plain_tps if plain_tps else None, same_tokens=spec.tokens == plain.tokens,
+                call_tokens_per_s=call, call_speedup=call / plain_call if plain_call else None,
                 steps=s["steps"], drafted=s["drafted"], accepted=s["accepted"],
                 acceptance=s["accepted"] / s["drafted"] if s["drafted"] else 0.0,
                 tokens_per_round=(len(spec.tokens) - 1) / max(s["steps"], 1),
@@ -191,7 +197,7 @@ def part_draft_model(a, out: dict) -> None:
     say(f"(b) loaded the target in {load_s:.1f} s and its Q4_0 copy in {draft_load_s:.1f} s")
     prompt = "The history of the city begins with a small settlement by the river, " * 4
     kw = dict(raw=True, max_new_tokens=a.max_new_tokens)
-    plain, plain_tps = timed_generate(target, prompt, steps_per_dispatch=32, **kw)
+    plain, plain_tps, _ = timed_generate(target, prompt, steps_per_dispatch=32, **kw)
     n_prompt = len(plain.prompt_tokens)
     S = engine.prompt_bucket(n_prompt + a.max_new_tokens)
     target_step_s = forward_cost(target.config, target.params, 1, n_prompt, S)
@@ -200,8 +206,8 @@ def part_draft_model(a, out: dict) -> None:
                target_step_s=target_step_s, draft_step_s=draft_step_s, write_s=write_s, load_s=load_s,
                draft_load_s=draft_load_s, by_k={})
     for k in a.draft_k:
-        spec, tps = timed_generate(target, prompt, speculative=draft, draft_tokens=k,
-                                    steps_per_dispatch=a.rounds_per_dispatch, **kw)
+        spec, tps, _ = timed_generate(target, prompt, speculative=draft, draft_tokens=k,
+                                       steps_per_dispatch=a.rounds_per_dispatch, **kw)
         s = spec.speculative
         alpha = s["accepted"] / s["drafted"] if s["drafted"] else 0.0
         round_s = (len(spec.tokens) - 1) / tps / max(s["steps"], 1) if tps else None
@@ -233,13 +239,15 @@ def table(out: dict) -> str:
     lines = []
     if "ngram" in out:
         lines += ["(a) prompt lookup, default model, batch 1, greedy",
-                  f"{'prompt':16} {'K':>2} {'plain t/s':>9} {'spec t/s':>9} {'speedup':>7} {'accept':>6} "
+                  "  decode: tokens after the first / first token to last; call: all tokens / the call's wall time",
+                  f"{'prompt':16} {'K':>2} {'plain t/s':>9} {'spec t/s':>9} {'speedup':>7} {'call x':>6} {'accept':>6} "
                   f"{'tok/rnd':>7} {'verify ms':>9} {'round ms':>8} {'same':>4}"]
         for row in out["ngram"]["rows"]:
             for k, r in row["by_k"].items():
                 lines.append(f"{row['prompt']:16} {k:>2} {row['plain_tokens_per_s']:>9,.0f} {r['tokens_per_s']:>9,.0f} "
-                             f"{r['speedup']:>6.2f}x {r['acceptance']:>6.2f} {r['tokens_per_round']:>7.2f} "
-                             f"{r['verify_s'] * 1e3:>9.3f} {(r['round_s'] or 0) * 1e3:>8.3f} {str(r['same_tokens']):>4}")
+                             f"{r['speedup']:>6.2f}x {r['call_speedup']:>5.2f}x {r['acceptance']:>6.2f} "
+                             f"{r['tokens_per_round']:>7.2f} {r['verify_s'] * 1e3:>9.3f} {(r['round_s'] or 0) * 1e3:>8.3f} "
+                             f"{str(r['same_tokens']):>4}")
     if "draft_model" in out:
         d = out["draft_model"]
         lines += ["", f"(b) {Path(d['target']).stem} drafted by its own Q4_0 copy, batch 1, greedy "

@@ -19,6 +19,7 @@ dequantize in registers (pallas_kernels/kv_quant.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -226,6 +227,14 @@ def init_cache(cfg: ModelConfig, n_slots: int, max_len: int, dtype=jnp.float32, 
     if max_len > cfg.context_length:
         raise ValueError(f"cache length {max_len} exceeds the model's context length {cfg.context_length}")
     kv_dtype = check_kv_dtype(kv_dtype)
+    scales = fp8_head_scales(cfg, fp8_scales) if kv_dtype == "fp8" else None
+    return _empty_cache(cfg, n_slots, max_len, jnp.dtype(dtype).name, kv_dtype, scales)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _empty_cache(cfg: ModelConfig, n_slots: int, max_len: int, dtype: str, kv_dtype: str, fp8_scales) -> KVCache:
+    # One program makes every layer's arrays: one dispatch instead of one per array (a
+    # 32-layer cache is over 64 arrays, each a dispatch of its own when made eagerly).
     shape = (n_slots, cfg.n_kv_heads, max_len, cfg.head_dim)
     store = _STORAGE.get(kv_dtype, dtype)
     zeros = lambda sh, dt: tuple(jnp.zeros(sh, dt) for _ in range(cfg.n_layers))  # noqa: E731
@@ -236,6 +245,5 @@ def init_cache(cfg: ModelConfig, n_slots: int, max_len: int, dtype=jnp.float32, 
     if kv_dtype == "int8":
         ks, vs = zeros(shape[:3], jnp.float32), zeros(shape[:3], jnp.float32)
     else:
-        k, v = fp8_head_scales(cfg, fp8_scales)
-        ks, vs = tuple(k), tuple(v)
-    return KVCache(*common, k_scale=ks, v_scale=vs, compute_dtype=jnp.dtype(dtype).name)
+        ks, vs = tuple(fp8_scales[0]), tuple(fp8_scales[1])
+    return KVCache(*common, k_scale=ks, v_scale=vs, compute_dtype=dtype)

@@ -197,8 +197,9 @@ def _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed,
     generated = [[int(t)] for t in first_host]
     yield [[int(t)] for t in first_host]
 
-    # Decode speed is measured from the end of the first decode dispatch (which includes its
-    # compilation, unless cached) to the end of the last; with a single dispatch, over that one.
+    # Decode speed: the tokens after the first over the time from the first token on the host to
+    # the last (the programs were compiled above, so no dispatch includes a compilation), as
+    # speculative decoding measures it.
     dispatches: list[tuple[float, int]] = []
     t_prev = time.perf_counter()
     while not bool(np.all(np.asarray(state.done))):
@@ -211,13 +212,12 @@ def _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed,
         for g, r in zip(generated, new):
             g.extend(r)
         yield new
-    steady = dispatches[1:] or dispatches
-    decode_s = sum(d for d, _ in steady)
+    decode_s = sum(d for d, _ in dispatches)
     if stats is not None:
         eos = set(tok.eos_ids)
         stats.update(cache=cache, compile_s=compiled.total_s, ttft_s=ttft, decode_s=decode_s,
                      first_dispatch_s=dispatches[0][0] if dispatches else 0.0,
-                     decode_tokens_per_s=(sum(n for _, n in steady) / decode_s) if decode_s > 0 else 0.0,
+                     decode_tokens_per_s=(sum(n for _, n in dispatches) / decode_s) if decode_s > 0 else 0.0,
                      finish_reasons=["stop" if g and g[-1] in eos else
                                      "length" if len(g) >= max_new_tokens else "context" for g in generated])
 
