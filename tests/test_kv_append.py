@@ -84,6 +84,36 @@ def test_kernel_matches_reference_interpret(pairing, B, hq, hkv, d, dtype, n_par
     assert got[3:] == want[3:] == (None, None)  # a float cache has no scales
 
 
+@pytest.mark.parametrize("kind", [None, "int8"])
+def test_several_tokens_per_sequence_interpret(kind):
+    """A verification's T positions per sequence (some padding) in one kernel call: the
+    reference's queries, and its cache, each token at its own position of its sequence's row."""
+    B, T, hq, hkv, d, S = 2, 5, 8, 2, 64, 32
+    r = np.random.default_rng(3)
+    qkv = jnp.asarray(r.standard_normal((2, B, T, (hq + 2 * hkv) * d)) / 2, jnp.float32)
+    kc = jnp.asarray(r.standard_normal((3, hkv, S, d)), jnp.float32)
+    vc = jnp.asarray(r.standard_normal((3, hkv, S, d)), jnp.float32)
+    pos = jnp.asarray([[10, 11, 12, 13, 14], [3, 4, 5, -1, -1]], jnp.int32)
+    rows = jnp.asarray([2, 0], jnp.int32)
+    inv = 1.0 / THETA ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    scales = {}
+    if kind == "int8":
+        kc, vc, ks, vs = _quantized(kc, vc, kind)
+        scales = dict(k_scale=ks, v_scale=vs)
+    kw = dict(n_heads=hq, pairing="halves", dtype=jnp.float32, **scales)
+    want = rope_append_reference(qkv, None, pos, kc, vc, inv, rows, **kw)
+    got = rope_append(qkv, None, pos, kc, vc, inv, rows, **kw, implementation="interpret")
+    assert got[0].shape == (B, T, hq, d)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6, atol=1e-6)
+    for g, w in zip(got[1:3], want[1:3]):
+        np.testing.assert_allclose(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)),
+                                   rtol=1e-6, atol=1.0 if kind else 1e-6)  # int8: a code apart at most
+    if kind:
+        np.testing.assert_allclose(np.asarray(got[3]), np.asarray(want[3]), rtol=1e-6)
+    untouched = np.asarray(got[1].astype(jnp.float32))[0, :, 6:]  # row 0 past position 5: unwritten
+    np.testing.assert_array_equal(untouched, np.asarray(kc.astype(jnp.float32))[0, :, 6:])
+
+
 def test_dispatch_and_errors():
     qkv, pos, kc, vc, inv, rows = _inputs(2, 4, 2, 32, 2, 8, jnp.float32)
     kw = dict(n_heads=4, pairing="pairs", dtype=jnp.float32)
@@ -91,9 +121,6 @@ def test_dispatch_and_errors():
     want = rope_append_reference(qkv, None, pos, kc, vc, inv, rows, **kw)
     for g, w in zip(got[:3], want[:3]):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-    two = jnp.concatenate([qkv, qkv], axis=2)
-    with pytest.raises(ValueError, match="one token per sequence, got T=2"):
-        rope_append(two, None, jnp.concatenate([pos, pos], 1), kc, vc, inv, rows, **kw, implementation="interpret")
     with pytest.raises(ValueError, match="head dim 24"):
         q24, _, k24, v24, inv24, _ = _inputs(2, 4, 2, 24, 2, 8, jnp.float32)
         rope_append_kernel(q24[:, :, 0], None, pos[:, 0], k24, v24, inv24, rows, **kw, interpret=True)
@@ -229,3 +256,22 @@ def test_quantized_kernel_on_gpu(kind, B, hq, hkv, d):
         a, b = np.asarray(dequantize(g, gs)), np.asarray(dequantize(w, ws))
         step = np.abs(b).max(axis=-1, keepdims=True) / 127 if kind == "int8" else np.abs(b) / 8 + 2 ** -9
         assert np.all(np.abs(a - b) <= step * 1.01 + 1e-2 * np.abs(b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [2, 5, 9])
+def test_several_tokens_on_gpu(T):
+    """A verification's K + 1 positions of one sequence (llama-8b heads) through the kernel."""
+    hq, hkv, d = 32, 8, 128
+    r = np.random.default_rng(T)
+    qkv = jnp.asarray(r.standard_normal((2, 1, T, (hq + 2 * hkv) * d)) / 2, jnp.float32)
+    kc = jnp.asarray(r.standard_normal((2, hkv, 640, d)), jnp.bfloat16)
+    vc = jnp.asarray(r.standard_normal((2, hkv, 640, d)), jnp.bfloat16)
+    pos = 300 + jnp.arange(T, dtype=jnp.int32)[None]
+    rows, inv = jnp.asarray([1], jnp.int32), 1.0 / THETA ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    kw = dict(n_heads=hq, pairing="halves", dtype=jnp.bfloat16)
+    want = rope_append_reference(qkv, None, pos, kc, vc, inv, rows, **kw)
+    got = jax.jit(rope_append, static_argnames=("n_heads", "pairing", "dtype"))(qkv, None, pos, kc, vc, inv, rows,
+                                                                                 **kw)
+    for g, w in zip(got[:3], want[:3]):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-2, atol=1e-2)

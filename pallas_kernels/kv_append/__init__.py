@@ -1,5 +1,5 @@
-"""Rotary embedding and the append of new keys/values to the KV cache: a Pallas kernel for one
-decode token per sequence beside a plain-JAX reference.
+"""Rotary embedding and the append of new keys/values to the KV cache: a Pallas kernel for the
+few tokens per sequence of a decode step or a verification, beside a plain-JAX reference.
 
     rope_append(parts, bias, pos, k_cache, v_cache, inv_freq, rows, *, n_heads, pairing, dtype,
                 implementation=None, k_scale=None, v_scale=None)
@@ -12,7 +12,10 @@ padding, nothing written), caches [n_slots, Hkv, S, D], rows [B] the cache rows 
 sequences. An int8 or fp8 cache (pallas_kernels/kv_quant.py) comes with its scales and is
 written quantized: int8 scales [n_slots, Hkv, S], one per entry, are written beside the values
 and returned; fp8 scales [Hkv] are read. A float cache's scales are None. `implementation`:
-None picks the kernel on a GPU backend when T == 1 (decode) and the reference elsewhere; "reference", "pallas", "interpret" force one (the kernel needs T == 1).
+None picks the kernel on a GPU backend for up to MAX_ROWS tokens in all (decode, and the few
+positions per sequence a speculative verification writes) and the reference elsewhere;
+"reference", "pallas", "interpret" force one. The kernel takes the B x T tokens as B * T rows
+of one token each, every token of a sequence writing its own position of the sequence's row.
 """
 from __future__ import annotations
 
@@ -27,20 +30,19 @@ from .reference import apply_rope, rope_append_reference, split_qkv, write_entri
 __all__ = ["rope_append", "rope_append_kernel", "rope_append_reference", "apply_rope", "split_qkv",
            "write_positions", "write_entries", "MAX_ROWS"]
 
-MAX_ROWS = 256  # sequences per decode step up to which the kernel is used
+MAX_ROWS = 256  # tokens per call (sequences x positions) up to which the kernel is used
 
 
 def rope_append(parts: jax.Array, bias: jax.Array | None, pos: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                 inv_freq: jax.Array, rows: jax.Array, *, n_heads: int, pairing: str, dtype,
                 implementation: str | None = None, k_scale=None, v_scale=None):
-    _, B, T, _ = parts.shape
-    implementation = pick_implementation("rope_append", implementation, B if T == 1 else MAX_ROWS + 1, MAX_ROWS)
+    S, B, T, N = parts.shape
+    implementation = pick_implementation("rope_append", implementation, B * T, MAX_ROWS)
     if implementation == "reference":
         return rope_append_reference(parts, bias, pos, k_cache, v_cache, inv_freq, rows, n_heads=n_heads,
                                      pairing=pairing, dtype=dtype, k_scale=k_scale, v_scale=v_scale)
-    if T != 1:
-        raise ValueError(f"rope_append: the kernel takes one token per sequence, got T={T}")
-    q, *caches = rope_append_kernel(parts[:, :, 0], bias, pos[:, 0], k_cache, v_cache, inv_freq, rows,
-                                    n_heads=n_heads, pairing=pairing, dtype=jnp.dtype(dtype),
-                                    interpret=implementation == "interpret", k_scale=k_scale, v_scale=v_scale)
-    return q[:, None], *caches
+    q, *caches = rope_append_kernel(parts.reshape(S, B * T, N), bias, pos.reshape(B * T), k_cache, v_cache,
+                                    inv_freq, jnp.repeat(rows, T), n_heads=n_heads, pairing=pairing,
+                                    dtype=jnp.dtype(dtype), interpret=implementation == "interpret",
+                                    k_scale=k_scale, v_scale=v_scale)
+    return q.reshape(B, T, *q.shape[1:]), *caches

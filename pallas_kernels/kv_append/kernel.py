@@ -1,4 +1,4 @@
-"""Rotary embedding of one decode token's queries and keys, and its K/V written into the cache, as one kernel.
+"""Rotary embedding of a few tokens' queries and keys, and their K/V written into the cache, as one kernel.
 
 At decode, between the QKV product and attention XLA runs the sum of the split-K product's
 partial sums, the bias, the split into q, k and v, the rotation of q and of k, and one in-place
@@ -155,8 +155,9 @@ def split_view(x: jax.Array, pairing: str) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("n_heads", "pairing", "dtype", "interpret"))
 def rope_append_kernel(parts, bias, pos, k_cache, v_cache, inv_freq, rows, *, n_heads: int, pairing: str,
                        dtype, interpret: bool = False, k_scale=None, v_scale=None):
-    """parts [S, B, (Hq + 2 Hkv) D]: the QKV product of one token per sequence as S partial sums;
-    bias [(Hq + 2 Hkv) D] or None; pos [B] (-1: write nothing); rows [B] the cache rows; caches
+    """parts [S, B, (Hq + 2 Hkv) D]: the QKV product of B tokens as S partial sums; bias
+    [(Hq + 2 Hkv) D] or None; pos [B] (-1: write nothing); rows [B] each token's cache row (tokens
+    of one sequence share it, each at its own position); caches
     [n_slots, Hkv, S, D], float, or int8 / fp8 with their scales k_scale, v_scale (int8:
     [n_slots, Hkv, S], written here; fp8: [Hkv], read). -> (q [B, Hq, D] rotated, in `dtype`;
     k_cache; v_cache; k_scale; v_scale)."""
