@@ -224,7 +224,7 @@ def _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed,
 
 MAX_DRAFT_TOKENS = 16
 # draft_tokens="auto": the K of each dispatch chosen from these by the acceptance rate so far
-# (rjax.speculative.choose_k); K + 1 <= 8 verified positions stay on the decode attention kernel.
+# (rjax.speculative.choose_k); K + 1 <= 16 verified positions stay on the decode attention kernel.
 AUTO_DRAFT_TOKENS = (2, 4, 7)
 SELF_DRAFT_TYPES = ("q8_0", "q4_0")
 

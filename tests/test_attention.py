@@ -168,6 +168,8 @@ DECODE_CASES = {
     "t1-gqa4-f32-split3": (1, 8, 2, jnp.float32, None, 3),
     "t4-gqa2-bf16-window-split2": (4, 4, 2, jnp.bfloat16, 13, 2),
     "t8-gqa8-bf16-split4": (8, 8, 1, jnp.bfloat16, None, 4),
+    # A verification of 12 positions, 48 query rows per KV head (attention's bound is 64).
+    "t12-gqa4-bf16-split2": (12, 8, 2, jnp.bfloat16, None, 2),
     "t3-mha-f32-window-nosplit": (3, 2, 2, jnp.float32, 30, 1),
     # One token: q read in place; with one split the output is written without a combine step.
     "t1-gqa3-bf16-nosplit": (1, 9, 3, jnp.bfloat16, None, 1),
@@ -202,7 +204,8 @@ def test_decode_kernel_window_excludes_every_key(splits):
     assert np.all(np.asarray(out)[0] == 0) and rel_err(out, ref) < F32_TOL
 
 
-@pytest.mark.parametrize("page_size,block_k,T,splits", [(16, 64, 2, 3), (64, 32, 2, 3), (16, 32, 1, 1)])
+@pytest.mark.parametrize("page_size,block_k,T,splits", [(16, 64, 2, 3), (64, 32, 2, 3), (16, 32, 1, 1),
+                                                        (16, 32, 12, 2)])
 def test_paged_decode_kernel_matches_reference(page_size, block_k, T, splits):
     q, k, v, pos, kv_len = make_case(9, B=2, T=T, Hq=4, Hkv=2, S=256, D=64, dtype=jnp.bfloat16,
                                      kv_len=[250, 70], q_start=[250 - T, 70 - T])
@@ -225,7 +228,10 @@ def test_entry_points_dispatch_and_jit():
     auto = attention(q, k, v, pos, kv_len, scale=0.25, window=6)
     np.testing.assert_array_equal(np.asarray(auto), np.asarray(ref))
     jitted = jax.jit(functools.partial(attention, scale=0.25, window=6, implementation="interpret"))
-    assert rel_err(jitted(q, k, v, pos, kv_len), ref) < F32_TOL  # T = 12: prefill kernel
+    assert rel_err(jitted(q, k, v, pos, kv_len), ref) < F32_TOL  # T = 12, 24 query rows: decode kernel
+    wide = jnp.repeat(q, 4, axis=2)  # 8 query heads per KV head: 96 rows, the prefill kernel
+    assert rel_err(jitted(wide, k, v, pos, kv_len), attention_reference(wide, k, v, pos, kv_len, scale=0.25,
+                                                                         window=6)) < F32_TOL
     assert rel_err(jitted(q[:, -2:], k, v, pos[:, -2:], kv_len), ref[:, -2:]) < F32_TOL  # T = 2: decode kernel
     kp, table = paginate(k, 16, 6, seed=12)
     vp, _ = paginate(v, 16, 6, seed=12)
@@ -261,3 +267,12 @@ def test_decode_kernel_lowers_to_triton_for_h100(T, splits):
         warnings.simplefilter("ignore")
         lowered = decode_attention.trace(*args, scale=0.125, num_splits=splits).lower(lowering_platforms=("cuda",))
     assert "__gpu$xla.gpu.triton" in lowered.as_text()
+
+
+def test_decode_kernel_takes_a_verification():
+    """Up to 8 tokens always; 9-16 while the tile's query rows hold at most 64 x 128 values."""
+    from pallas_kernels.attention import _takes_decode
+
+    assert _takes_decode(8, 64, 4, 256) and _takes_decode(16, 32, 8, 128) and _takes_decode(9, 9, 3, 64)
+    assert not _takes_decode(9, 32, 4, 128) and not _takes_decode(17, 8, 8, 64)
+    assert not _takes_decode(16, 14, 2, 128) and not _takes_decode(9, 4, 1, 256)

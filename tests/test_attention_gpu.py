@@ -105,6 +105,26 @@ def test_decode_matches_reference(T, D, window):
         assert not np.any(np.asarray(out[-1], np.float32))
 
 
+@pytest.mark.parametrize("T", [9, 12, 16])
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_takes_a_verification(T, paged):
+    """9-16 query positions per sequence (llama-8b heads: up to 64 rows of 128) on the decode
+    kernels, contiguous and paged."""
+    B, Hq, Hkv, S, D = 3, 32, 8, 2048, 128
+    q, k, v = make(T, B, T, Hq, Hkv, S, D, jnp.bfloat16)
+    lens = np.array([2048, 1000, 40])
+    pos = jnp.asarray(lens[:, None] - T + np.arange(T)[None], jnp.int32)
+    kv_len = jnp.asarray(lens, jnp.int32)
+    ref = attention_reference(q, k, v, pos, kv_len, scale=D ** -0.5)
+    if paged:
+        kp, table = paginate(k, 64, seed=T)
+        vp, _ = paginate(v, 64, seed=T)
+        out = paged_decode_attention(q, kp, vp, table, pos, kv_len, scale=D ** -0.5)
+    else:
+        out = decode_attention(q, k, v, pos, kv_len, scale=D ** -0.5)
+    assert rel_err(out, ref) < BF16_TOL
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_one_token_merged_in_kernel_is_exact_every_call(paged):
     """One token over 16 splits, merged by whichever program arrives last: 50 calls match the
