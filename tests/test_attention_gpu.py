@@ -171,9 +171,9 @@ def test_paged_decode_and_prefill_match_reference(page_size):
 
 
 def test_entry_points_pick_the_kernels_on_gpu():
-    q, k, v = make(5, 2, 16, 8, 2, 512, 128, jnp.bfloat16)
-    pos = jnp.asarray(np.stack([np.arange(16) + 400, np.arange(16)]), jnp.int32)
-    kv_len = jnp.asarray([416, 16], jnp.int32)
+    q, k, v = make(5, 2, 32, 8, 2, 512, 128, jnp.bfloat16)  # 32 positions: past the decode kernel's 16
+    pos = jnp.asarray(np.stack([np.arange(32) + 400, np.arange(32)]), jnp.int32)
+    kv_len = jnp.asarray([432, 32], jnp.int32)
     ref = attention_reference(q, k, v, pos, kv_len, scale=0.1)
     step = jax.jit(lambda *a: attention(*a, scale=0.1))
     assert rel_err(step(q, k, v, pos, kv_len), ref) < BF16_TOL  # prefill kernel (Mosaic GPU)
