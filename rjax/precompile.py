@@ -53,10 +53,37 @@ class Program:
                                      if hasattr(x, "shape") and hasattr(x, "dtype") else x for x in leaves))
 
 
-# Programs this process has compiled, by Program.key: a workload that asks again (every
-# rjax.generate call asks for its two programs) finds them here without lowering them again,
-# which for a small model costs more than its whole decode (10-20 ms on the H100).
-_COMPILED: dict = {}
+class _Compiled:
+    """Programs this process has compiled, by Program.key: a workload that asks again (every
+    rjax.generate call asks for its two programs) finds them here without lowering them again,
+    which for a small model costs more than its whole decode (10-20 ms on the H100). Cleared with
+    JAX's own caches (jax.clear_caches), whose executables the calls use; where this JAX cannot
+    tell us, nothing is remembered."""
+
+    def __init__(self):
+        self.programs: dict = {}
+        try:
+            from jax._src.util import register_cache
+            register_cache(self, "rjax.precompile")
+            self.enabled = True
+        except (ImportError, AttributeError, TypeError):
+            self.enabled = False
+
+    def get(self, key):
+        return self.programs.get(key) if self.enabled else None
+
+    def put(self, key, exe) -> None:
+        if self.enabled:
+            self.programs[key] = exe
+
+    def cache_clear(self) -> None:
+        self.programs.clear()
+
+    def cache_info(self) -> str:
+        return f"{len(self.programs)} programs"
+
+
+_COMPILED = _Compiled()
 
 
 def _abstract(make: Callable[[], Any]):
@@ -150,8 +177,8 @@ def compile_programs(programs: Sequence[Program], workers: int | None = None, pr
         futures = []
         for p in programs:
             key = p.key()
-            if key in _COMPILED:
-                lowered_s[p.name], times[p.name], compiled[p.name] = 0.0, 0.0, _COMPILED[key]
+            if (exe := _COMPILED.get(key)) is not None:
+                lowered_s[p.name], times[p.name], compiled[p.name] = 0.0, 0.0, exe
                 bar.update()
                 continue
             t = time.perf_counter()
@@ -171,7 +198,7 @@ def compile_programs(programs: Sequence[Program], workers: int | None = None, pr
                 failed("compiling", name, err)
                 continue
             times[name], compiled[name] = dt, exe
-            _COMPILED[key] = exe
+            _COMPILED.put(key, exe)
     finally:  # on a failure: return now, leaving compiles already running to finish on their own
         pool.shutdown(wait=False, cancel_futures=True)
         bar.close()

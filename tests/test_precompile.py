@@ -143,3 +143,20 @@ def test_serving_engine_precompiles_every_shape_it_calls(model, page_size):
         done = {e.request_id: e.completion for e in eng.run() if e.finished}
     assert sorted(done) == sorted(ids) and all(len(done[i].tokens) == 3 for i in ids)
     assert "jit(prefill_into_slots)" not in compiles and "jit(decode_dispatch)" not in compiles
+
+
+def test_compiled_programs_are_remembered_until_jax_clears_its_caches(model):
+    """A program compiled once is not lowered again (rjax.generate asks for its programs on every
+    call); after jax.clear_caches() it is, as JAX's call would compile it again."""
+    cfg, params = model
+    program = decode_program(cfg, params, B, CACHE, jnp.float32, STEPS)
+    jax.clear_caches()
+    first = compile_programs([program])
+    with count_compiles() as compiles:
+        again = compile_programs([decode_program(cfg, params, B, CACHE, jnp.float32, STEPS)])
+    assert not compiles and again.lowered_s[program.name] == 0.0
+    assert again.compiled[program.name] is first.compiled[program.name]
+    jax.clear_caches()
+    with count_compiles() as compiles:
+        compile_programs([program])
+    assert "jit(decode_loop)" in compiles
