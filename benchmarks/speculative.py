@@ -246,7 +246,8 @@ def table(out: dict) -> str:
             for k, r in row["by_k"].items():
                 lines.append(f"{row['prompt']:16} {k:>2} {row['plain_tokens_per_s']:>9,.0f} {r['tokens_per_s']:>9,.0f} "
                              f"{r['speedup']:>6.2f}x {r['call_speedup']:>5.2f}x {r['acceptance']:>6.2f} "
-                             f"{r['tokens_per_round']:>7.2f} {r['verify_s'] * 1e3:>9.3f} {(r['round_s'] or 0) * 1e3:>8.3f} "
+                             f"{r['tokens_per_round']:>7.2f} {r['verify_s'] * 1e3:>9.3f} "
+                             f"{(r['round_s'] or 0) * 1e3:>8.3f} "
                              f"{str(r['same_tokens']):>4}")
     if "draft_model" in out:
         d = out["draft_model"]

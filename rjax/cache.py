@@ -101,7 +101,8 @@ class KVCache:
     def _with(self, layer: int, k, v, k_scale=None, v_scale=None, **changes):
         """This cache with layer `layer`'s K, V (and int8 scales, else unchanged) replaced."""
         if self.kv_dtype == "int8":
-            changes.update(k_scale=_replace(self.k_scale, layer, k_scale), v_scale=_replace(self.v_scale, layer, v_scale))
+            changes.update(k_scale=_replace(self.k_scale, layer, k_scale),
+                           v_scale=_replace(self.v_scale, layer, v_scale))
         return dataclasses.replace(self, k=_replace(self.k, layer, k), v=_replace(self.v, layer, v), **changes)
 
     def rope_write(self, layer: int, parts, bias, pos, slots, inv_freq, *, n_heads: int, pairing: str, dtype):
