@@ -254,30 +254,50 @@ def _attend(kv_len, pos, q, k_ref, v_ref, table_ref, out_refs, *, layout: CacheL
     # the one that arrives last merges them into the output. The barrier puts all of the
     # program's partial stores before the count's increment, whose release/acquire (at GPU
     # scope) makes the other programs' partials visible to the last one.
+    # A program keeps only its group's rows (padded to a power of two, not to the matrix
+    # tile's 16), packed split after split, so the last program reads every partial with one
+    # load of a few KB instead of a chain of one load per split.
     *o_refs, acc_ref, m_ref, l_ref, count_ref = out_refs
-    acc_ref[split] = acc
-    m_ref[split] = m
-    l_ref[split] = l
+    gp = pl.next_power_of_2(group)
+    slot, keep = pl.ds(split * gp, rows), r < gp
+    pltriton.store(acc_ref.at[slot, :], acc, mask=keep[:, None])
+    pltriton.store(m_ref.at[slot], m, mask=keep)
+    pltriton.store(l_ref.at[slot], l, mask=keep)
     if not interpret:
         pltriton.debug_barrier()
     arrived = pltriton.atomic_add(count_ref, (jnp.int32(0),), jnp.int32(1))
 
     @pl.when(arrived == num_splits - 1)
     def _merge():
+        n = pl.next_power_of_2(num_splits)
+        real = jax.lax.broadcasted_iota(jnp.int32, (n * gp,), 0) < num_splits * gp
         load = functools.partial(pltriton.load, volatile=True)  # past L1, which other SMs do not update
-        ms = [load(m_ref.at[jnp.int32(i)]) for i in range(num_splits)]
-        m_max = functools.reduce(jnp.maximum, ms)
+        packed = pl.ds(0, n * gp)
+        ms = load(m_ref.at[packed], mask=real, other=-jnp.inf).reshape(n, gp)
+        ls = load(l_ref.at[packed], mask=real, other=0.0).reshape(n, gp)
+        accs = load(acc_ref.at[packed, :], mask=real[:, None], other=0.0).reshape(n, gp, acc.shape[-1])
+        m_max = jnp.max(ms, axis=0)
         m_max = jnp.where(m_max > -jnp.inf, m_max, 0.0)  # no split saw a key
-        weights = [jnp.where(mi > -jnp.inf, jnp.exp2(mi - m_max), 0.0) for mi in ms]
-        den = sum(w * load(l_ref.at[jnp.int32(i)]) for i, w in enumerate(weights))
+        weights = jnp.where(ms > -jnp.inf, jnp.exp2(ms - m_max[None, :]), 0.0)
+        den = jnp.sum(weights * ls, axis=0)
         den = jnp.where(den > 0, den, 1.0)[:, None]
-        out = sum(w[:, None] * load(acc_ref.at[jnp.int32(i)]) for i, w in enumerate(weights)) / den
+        out = jnp.sum(weights[:, :, None] * accs, axis=0) / den
+        g = jax.lax.broadcasted_iota(jnp.int32, (gp,), 0)
+        out_rows = pl.ds(kv_head * group, gp)
         if quantize_out:  # the rows rounded to int8 per 32 values, for the output projection
-            q8.store_quantized_rows(out, o_refs, first_row, r < group, interpret)
+            q8.store_quantized_rows(out, o_refs, out_rows, g < group, interpret)
         else:
             (o_ref,) = o_refs
-            pltriton.store(o_ref.at[first_row, :], out.astype(o_ref.dtype), mask=(r < group)[:, None])
+            pltriton.store(o_ref.at[out_rows, :], out.astype(o_ref.dtype), mask=(g < group)[:, None])
         count_ref[0] = jnp.int32(0)  # every program has arrived: the count is free for the next call
+
+
+def _merge_slots(group: int, num_splits: int) -> int:
+    """Packed partial rows per KV head for the in-kernel merge: room for every split's slot (the
+    last one stored as a whole masked [rows] tile) and for the merge's power-of-two load."""
+    rows, _ = _group_rows(group)
+    gp = pl.next_power_of_2(group)
+    return max(pl.next_power_of_2(num_splits) * gp, (num_splits - 1) * gp + rows)
 
 
 def _combine(acc, m, l, row_pos, kv_len, window):
@@ -393,11 +413,8 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
         kernel = functools.partial(_rope_append_kernel, has_bias=rope.bias is not None, n_heads=Hq,
                                    n_parts=rope.parts.shape[0], pairing=rope.pairing, q_dtype=q.dtype, **attend_kw)
     n_out = _n_outputs(group, num_splits, quantize_out)
-    part = (B, Hkv, num_splits, rows)
     o_spec = pl.BlockSpec((None, Hq, D), lambda s, h, b: (b, 0, 0))
     o_shape = jax.ShapeDtypeStruct((B, Hq, D), q.dtype)
-    part_shapes = [jax.ShapeDtypeStruct(part + (D,), jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32),
-                   jax.ShapeDtypeStruct(part, jnp.float32)]
     aliases = {}
     if n_out == 1:
         out_specs, out_shape = [o_spec], [o_shape]
@@ -407,14 +424,17 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
             pl.BlockSpec((None, None, None, rows), lambda s, h, b: (b, h, s, 0)),
             pl.BlockSpec((None, None, None, rows), lambda s, h, b: (b, h, s, 0)),
         ]
-        out_shape = part_shapes
+        part = (B, Hkv, num_splits, rows)
+        out_shape = [jax.ShapeDtypeStruct(part + (D,), jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32),
+                     jax.ShapeDtypeStruct(part, jnp.float32)]
     else:
         # Each program sees all of its head's partial slots (the last one reads them all), and
         # the head's arrival count, aliased in place: zero on entry, and reset to zero by the
         # last program. A caller that keeps `arrivals` across calls (the KV cache does) spares
         # XLA a copy of fresh zeros at every call.
         count_spec = pl.BlockSpec((None, 1), lambda s, h, b: (b, h))
-        acc_spec = pl.BlockSpec((None, None, num_splits, rows, D), lambda s, h, b: (b, h, 0, 0, 0))
+        slots = _merge_slots(group, num_splits)
+        acc_spec = pl.BlockSpec((None, None, slots, D), lambda s, h, b: (b, h, 0, 0))
         o_specs, o_shapes = [o_spec], [o_shape]
         if quantize_out:
             # QuantizedX planes per head row: words [Hq, D/4], d and dsum32 [Hq, D/32], dsum16
@@ -425,11 +445,14 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
         out_specs = [
             *o_specs,
             acc_spec,
-            pl.BlockSpec((None, None, num_splits, rows), lambda s, h, b: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, num_splits, rows), lambda s, h, b: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, slots), lambda s, h, b: (b, h, 0)),
+            pl.BlockSpec((None, None, slots), lambda s, h, b: (b, h, 0)),
             count_spec,
         ]
-        out_shape = [*o_shapes, *part_shapes, jax.ShapeDtypeStruct((B, Hkv), jnp.int32)]
+        packed = (B, Hkv, slots)
+        out_shape = [*o_shapes, jax.ShapeDtypeStruct(packed + (D,), jnp.float32),
+                     jax.ShapeDtypeStruct(packed, jnp.float32), jax.ShapeDtypeStruct(packed, jnp.float32),
+                     jax.ShapeDtypeStruct((B, Hkv), jnp.int32)]
         extra_specs = [*extra_specs, count_spec]
         extra_args = [*extra_args, jnp.zeros((B, Hkv), jnp.int32) if arrivals is None else arrivals]
         aliases[1 + len(q_args) + 2 + len(scale_args) + len(extra_args) - 1] = n_out - 1
