@@ -171,6 +171,8 @@ DECODE_CASES = {
     # A verification of 12 positions, 48 query rows per KV head (attention's bound is 64).
     "t12-gqa4-bf16-split2": (12, 8, 2, jnp.bfloat16, None, 2),
     "t3-mha-f32-window-nosplit": (3, 2, 2, jnp.float32, 30, 1),
+    # smollm2's verification of 4 drafts: 5 tokens of 3 query heads, read as a padded 8 x 4 grid.
+    "t5-gqa3-bf16-split2": (5, 9, 3, jnp.bfloat16, None, 2),
     # One token: q read in place; with one split the output is written without a combine step.
     "t1-gqa3-bf16-nosplit": (1, 9, 3, jnp.bfloat16, None, 1),
     "t1-gqa3-f32-window-split2": (1, 6, 2, jnp.float32, 20, 2),

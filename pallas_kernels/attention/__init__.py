@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .decode import decode_attention, decode_rope_attention, paged_decode_attention
+from .decode import decode_attention, decode_rope_attention, paged_decode_attention, token_rows
 from .prefill import paged_prefill_attention, prefill_attention
 from .prefill_mgpu import mgpu_prefill_attention, supports as mgpu_prefill_supports
 from pallas_kernels.kv_quant import dequantize, kind_of, quantize_fp8, quantize_int8
@@ -36,15 +36,18 @@ __all__ = [
 ]
 
 # Query tokens per sequence up to which the decode kernel is used: always up to 8, and up to 16
-# while the tile's query rows (tokens x query heads per KV head) hold at most 64 x 128 values,
-# as llama-8b's 16 x 4 rows of 128 do. A speculative verification of 9-16 positions (llama-8b
+# while the tile's query rows (tokens x query heads per KV head, each padded to a power of two:
+# decode.token_rows) hold at most 64 x 128 values, as llama-8b's 16 x 4 rows of 128 do. A speculative verification of 9-16 positions (llama-8b
 # heads, 8k keys, H100): 27.5 us there against 100 us on the prefill kernel.
 MAX_DECODE_TOKENS = 16
 _DECODE_TILE = 64 * 128
 
 
 def _takes_decode(T: int, q_heads: int, kv_heads: int, head_dim: int) -> bool:
-    return T <= 8 or (T <= MAX_DECODE_TOKENS and T * (q_heads // kv_heads) * head_dim <= _DECODE_TILE)
+    Tp, Gp = token_rows(T, q_heads // kv_heads)
+    return T <= 8 or (T <= MAX_DECODE_TOKENS and Tp * Gp * head_dim <= _DECODE_TILE)
+
+
 _IMPLEMENTATIONS = (None, "reference", "pallas", "interpret")
 
 

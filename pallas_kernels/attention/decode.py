@@ -105,10 +105,12 @@ def merges_in_kernel(batch: int, kv_heads: int, num_keys: int, block_k: int, num
 
 def _kernel(kv_len_ref, row_pos_ref, q_ref, k_ref, v_ref, *rest, layout: CacheLayout, scale: float,
             window: int | None, block_k: int, num_splits: int, group: int | None, interpret: bool,
-            quantize_out: bool = False, quant: str | None = None):
-    """group: None, q_ref holds the padded query rows of this program and row_pos_ref their
-    positions; else (one query token) q_ref is the token's [Hq, D] heads, of which this KV head's
-    `group` rows are read (rows past them masked), and row_pos_ref the token's position.
+            quantize_out: bool = False, quant: str | None = None, tokens: tuple[int, int] | None = None):
+    """group: None, q_ref holds the program's KV head's queries [T, G, D] and row_pos_ref the
+    tokens' positions [T] (tokens: (T, G)); they are read as the rows of a [Tp, Gp] grid
+    (`token_rows`), padding masked. Else (one query token) q_ref is the token's [Hq, D] heads,
+    of which this KV head's `group` rows are read (rows past them masked), and row_pos_ref the
+    token's position.
     rest: the K and V scales (quant: "entry" or "head"), the page table (paged layout), the
     arrival counts' input (merged), then the outputs."""
     scales = None
@@ -116,7 +118,15 @@ def _kernel(kv_len_ref, row_pos_ref, q_ref, k_ref, v_ref, *rest, layout: CacheLa
         scales, rest = (rest[0], rest[1], quant), rest[2:]
     table_ref = rest[0] if layout.paged else None
     if group is None:
-        pos, q = row_pos_ref[...], q_ref[...]
+        T, G = tokens
+        Tp, Gp = token_rows(T, G)
+        t = jax.lax.broadcasted_iota(jnp.int32, (Tp,), 0)
+        g = jax.lax.broadcasted_iota(jnp.int32, (Gp,), 0)
+        real = (t < T)[:, None] & (g < G)[None, :]
+        token_pos = pltriton.load(row_pos_ref.at[pl.ds(0, Tp)], mask=t < T, other=-1)
+        pos = jnp.where(real, token_pos[:, None], -1).reshape(Tp * Gp)
+        q = pltriton.load(q_ref.at[pl.ds(0, Tp), pl.ds(0, Gp), :], mask=real[:, :, None], other=0)
+        q = q.reshape(Tp * Gp, q.shape[-1])
     else:
         rows, r = _group_rows(group)
         pos = jnp.where(r < group, row_pos_ref[()], -1)
@@ -183,6 +193,14 @@ def _split_range(pos, kv_len, block_k: int, window: int | None, num_splits: int,
     ranges = flash.block_ranges(pos, kv_len, block_k, window)
     per_split = flash.idiv(ranges.hi - ranges.lo + (num_splits - 1), num_splits)
     return ranges, ranges.lo + split * per_split, per_split
+
+
+def token_rows(T: int, G: int) -> tuple[int, int]:
+    """(Tp, Gp): several query tokens' rows form a [Tp, Gp] grid, row t * Gp + g for token t
+    and head g of the group, padded to powers of two and to at least 16 rows (the matrix tile),
+    so the kernel reads the queries in their own [T, G, D] layout, with no transpose or pad."""
+    Gp = pl.next_power_of_2(G)
+    return max(pl.next_power_of_2(T), pl.cdiv(16, Gp)), Gp
 
 
 def _group_rows(group: int):
@@ -359,12 +377,9 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
     quantize_out = quantize_out and T == 1 and num_splits > 1
     if quantize_out and D % 32:
         raise ValueError(f"decode_attention: quantize_out needs a head dim that is a multiple of 32, got {D}")
-    rows = max(16, pl.next_power_of_2(T * G))
+    Tp, Gp = token_rows(T, G)
+    rows = Tp * Gp
     kv_len = jnp.minimum(kv_len.astype(jnp.int32), layout.num_keys)  # never read past the cache
-
-    # Query rows of one KV head, token-major: row t*G + g is token t of query head kv_head*G + g.
-    row_pos = jnp.repeat(q_pos.astype(jnp.int32), G, axis=1)
-    row_pos = jnp.pad(row_pos, ((0, 0), (0, rows - T * G)), constant_values=-1)
     q_spec = pl.BlockSpec((None, Hq, D), lambda s, h, b: (b, 0, 0))
     if rope is not None:
         # The queries are built in the kernel's registers, from the product's parts.
@@ -383,12 +398,11 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
         q_args = [q_pos[:, 0].astype(jnp.int32), q[:, 0]]
         q_specs = [pl.BlockSpec((None,), lambda s, h, b: (b,)), q_spec]
     else:
+        # Several tokens: each program reads its KV head's [T, G, D] queries in place (see _kernel).
         group = None
-        q_rows = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Hkv, T * G, D)
-        q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - T * G), (0, 0)))
-        q_args = [row_pos, q_rows]
-        q_specs = [pl.BlockSpec((None, rows), lambda s, h, b: (b, 0)),
-                   pl.BlockSpec((None, None, rows, D), lambda s, h, b: (b, h, 0, 0))]
+        q_args = [q_pos.astype(jnp.int32), q.reshape(B, T, Hkv, G, D)]
+        q_specs = [pl.BlockSpec((None, T), lambda s, h, b: (b, 0)),
+                   pl.BlockSpec((None, T, None, G, D), lambda s, h, b: (b, 0, h, 0, 0))]
 
     if layout.paged:
         kv_spec = pl.BlockSpec((k.shape[0], None, layout.page_size, D), lambda s, h, b: (0, h, 0, 0))
@@ -406,7 +420,7 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
     quant, scale_specs = _scale_specs(k_scale, layout)
     scale_args = [] if quant is None else [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
     if rope is None:
-        kernel = functools.partial(_kernel, **attend_kw, quant=quant)
+        kernel = functools.partial(_kernel, **attend_kw, quant=quant, tokens=(T, G))
     elif quant is not None:
         raise ValueError("decode_rope_attention: a quantized cache is written by the cache's own write, not here")
     else:
@@ -483,8 +497,10 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
     elif n_out != 3:
         out = outs[0][:, None]
     else:
-        out = _combine(*outs, row_pos, kv_len, window)[:, :, : T * G]
-        out = out.reshape(B, Hkv, T, G, D).transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D).astype(q.dtype)
+        row_pos = jnp.broadcast_to(jnp.pad(q_pos.astype(jnp.int32), ((0, 0), (0, Tp - T)), constant_values=-1)[:, :, None],
+                                   (B, Tp, Gp)).reshape(B, rows)
+        out = _combine(*outs, row_pos, kv_len, window).reshape(B, Hkv, Tp, Gp, D)[:, :, :T, :G]
+        out = out.transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, D).astype(q.dtype)
     return (out, *caches) if rope is not None else out
 
 
