@@ -176,8 +176,6 @@ class ServingEngine:
         if config.max_len > dcfg.context_length:
             raise ValueError(f"draft: the draft model's context of {dcfg.context_length} tokens is shorter than "
                              f"ServingConfig.max_len {config.max_len}")
-        if params.tp is not None or dparams.tp is not None:
-            raise ValueError("draft: a draft model beside a tensor-parallel (split) model is not supported")
         return dcfg
 
     def _new_cache(self, cfg: ModelConfig, params: Params):

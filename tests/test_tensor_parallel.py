@@ -40,6 +40,8 @@ def check_equal(r: dict, engines: bool = True) -> None:
         if engines:  # rjax.generate's batch path and the serving engine, over the split model
             assert (r[f"{n}/generate"] == r["1/generate"]).all(), n
             assert (r[f"{n}/serving"] == r["1/serving"]).all(), n
+        if f"{n}/speculative" in r:  # drafted and verified: greedy, the plain engine's tokens
+            assert (r[f"{n}/speculative"] == r["1/serving"]).all(), n
 
 
 @pytest.mark.parametrize("n_heads, n_kv, n", [(9, 3, 2), (9, 3, 4), (9, 3, 8), (4, 1, 2), (4, 1, 8), (32, 8, 2),
@@ -76,9 +78,11 @@ def test_memory_plan_counts_one_device_and_says_which_tp_fits(tiny):
 
 def test_tiny_llama_split_over_2_4_8_devices(tiny_path, tmp_path):
     """3 KV heads and 9 q heads: padded to 4 / 12 (2 and 4 devices) and 8 / 16 (8 devices).
-    Also rjax.generate and the serving engine over the split model; and the params are split:
-    the fullest device holds about total / N."""
-    r = split_runs(tiny_path, tmp_path)
+    Also rjax.generate and the serving engine over the split model, plain and (over 2 devices)
+    speculative, with a draft model on one device beside the split target; and the params are split: the fullest
+    device holds about total / N."""
+    r = split_runs(tiny_path, tmp_path, "--draft-tp", "2")
+    assert "2/speculative" in r
     check_equal(r)
     for n in TPS:
         per_device, total = r[f"{n}/bytes"]

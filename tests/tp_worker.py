@@ -1,11 +1,12 @@
 """Runs in its own process with 8 forced host devices (tests/test_tensor_parallel.py starts it):
 a model on one device and split over 2, 4 and 8, the same prompts through each.
 
-    python tests/tp_worker.py MODEL OUT.npz [--tp 2,4,8] [--steps N] [--fuse] [--logits-only] [--gpu]
+    python tests/tp_worker.py MODEL OUT.npz [--tp 2,4,8] [--steps N] [--fuse] [--logits-only] [--draft-tp N] [--gpu]
 
 Writes, per run ("1" and each tp): the prefill and decode logits [steps + 1, B, vocab], the
-greedy tokens, rjax.generate's greedy ids, the serving engine's, and the fullest device's bytes
-of params next to the whole model's.
+greedy tokens, rjax.generate's greedy ids, the serving engine's (with --draft-tp also those of
+speculative serving at that split, drafted by the unsplit model), and the fullest device's bytes of params
+next to the whole model's.
 """
 from __future__ import annotations
 
@@ -37,7 +38,16 @@ def _padded(rows) -> np.ndarray:
     return out
 
 
-def run(model, steps: int, engines: bool = True) -> dict:
+def _serve(cfg, params, steps: int, **kw) -> np.ndarray:
+    """The serving engine's greedy tokens for PROMPTS (2 slots, paged)."""
+    eng = rjax.ServingEngine(cfg, params, rjax.ServingConfig(n_slots=2, max_len=64, page_size=8, steps_per_dispatch=4,
+                                                             prefill_buckets=(2,), **kw.pop("config", {})), **kw)
+    ids = [eng.submit(p, max_new_tokens=steps) for p in PROMPTS]
+    done = {e.request_id: e.completion.tokens for e in eng.run() if e.finished}
+    return _padded([done[i] for i in ids])
+
+
+def run(model, steps: int, engines: bool = True, draft=None) -> dict:
     cfg, params = model.config, model.params
     cache = tensor_parallel.place_cache(init_cache(cfg, len(PROMPTS), 64), params.tp)
     tokens, lengths = engine.pad_prompts(PROMPTS)
@@ -56,11 +66,11 @@ def run(model, steps: int, engines: bool = True) -> dict:
     for new in stream_ids(model, PROMPTS, max_new_tokens=steps):
         for g, t in zip(gen, new):
             g.extend(t)
-    eng = rjax.ServingEngine(cfg, params, rjax.ServingConfig(n_slots=2, max_len=64, page_size=8,
-                                                             steps_per_dispatch=4, prefill_buckets=(2,)))
-    ids = [eng.submit(p, max_new_tokens=steps) for p in PROMPTS]
-    done = {e.request_id: e.completion.tokens for e in eng.run() if e.finished}
-    return dict(out, generate=_padded(gen), serving=_padded([done[i] for i in ids]))
+    out = dict(out, generate=_padded(gen), serving=_serve(cfg, params, steps))
+    if draft is not None:  # speculative serving, a draft model (on one device) beside the split target
+        out["speculative"] = _serve(cfg, params, steps, config=dict(speculative="model", draft_tokens=3),
+                                    draft=(draft.config, draft.params))
+    return out
 
 
 def main(argv=None) -> int:
@@ -72,12 +82,15 @@ def main(argv=None) -> int:
     p.add_argument("--fuse", action="store_true", help="stack q/k/v and gate/up first, as on a GPU")
     p.add_argument("--logits-only", action="store_true", help="skip rjax.generate and the serving engine")
     p.add_argument("--gpu", action="store_true", help="on the machine's GPUs (default: 8 forced CPU devices)")
+    p.add_argument("--draft-tp", type=int, default=0,
+                   help="at this split, also serve with the model itself (on one device) as draft model")
     a = p.parse_args(argv)
     results = {}
     kw = dict(progress=False, fuse=a.fuse or None)
+    draft = rjax.load(a.model, **kw) if a.draft_tp else None
     for n in [1] + [int(t) for t in a.tp.split(",")]:
         model = rjax.load(a.model, **kw) if n == 1 else rjax.load(a.model, mesh=tensor_parallel.make_tp(n).mesh, **kw)
-        for k, v in run(model, a.steps, not a.logits_only).items():
+        for k, v in run(model, a.steps, not a.logits_only, draft if n == a.draft_tp else None).items():
             results[f"{n}/{k}"] = v
         print(f"tp={n}: {model.config.n_heads} q / {model.config.n_kv_heads} KV heads", file=sys.stderr, flush=True)
     np.savez(a.out, **results)
