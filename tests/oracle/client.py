@@ -1,9 +1,11 @@
 """Ask the oracle (transformers on CPU torch, in `.oracle-venv`) and cache its answers on disk.
 
-Each function runs `run_oracle.py` with the oracle interpreter in a subprocess — torch is never
-imported in the rjax env — and keeps the result under `<repo>/.cache/oracle/`, keyed by a hash of
-the subcommand, the model's content (sha256), the inputs, the oracle script's source and the oracle
-env's requirements. A second run of the suite reads the cache and starts no torch at all.
+Each function runs a `run_oracle.py` subcommand with the oracle interpreter in a subprocess — torch
+is never imported in the rjax env — and keeps the result under `<repo>/.cache/oracle/`, keyed by a
+hash of the subcommand, the model's content (sha256), the inputs, the oracle script's source and the
+oracle env's requirements. A second run of the suite reads the cache and starts no torch at all.
+The subprocess (`run_oracle.py serve`) is started on the first question and kept for the test
+process's next ones, so that a model is loaded into transformers once per test process.
 
 Parallel test workers asking for the same answer wait on a per-entry file lock; results are
 written to a temporary name and renamed into place, so a killed run leaves no half-written entry.
@@ -11,13 +13,16 @@ written to a temporary name and renamed into place, so a killed run leaves no ha
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import hashlib
 import json
 import os
+import selectors
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -113,14 +118,76 @@ def _oracle_python() -> Path:
     return ORACLE_PYTHON
 
 
+class _Server:
+    """The `run_oracle.py serve` process of this test process; its stderr goes to a temporary file,
+    whose tail explains a failure."""
+
+    def __init__(self):
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        env.pop("PYTHONPATH", None)  # the 3.12 env's paths must not leak into the 3.11 interpreter
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([str(_oracle_python()), str(ORACLE_SCRIPT), "serve"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=REPO_ROOT)
+
+    def ask(self, args: list[str]) -> dict | None:
+        """The reply to one command; None when the process ended or took longer than TIMEOUT_S."""
+        try:
+            self.proc.stdin.write(json.dumps(args) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            return None
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            if not sel.select(TIMEOUT_S):
+                return None
+        line = self.proc.stdout.readline()
+        return json.loads(line) if line else None
+
+    def log_tail(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-4000:].decode("utf-8", "replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+_server: _Server | None = None
+_server_lock = threading.Lock()
+
+
+@atexit.register
+def _stop_server() -> None:
+    global _server
+    if _server is not None:
+        _server.stop()
+        _server = None
+
+
 def _run(args: Sequence[str]) -> None:
-    cmd = [str(_oracle_python()), str(ORACLE_SCRIPT), *map(str, args)]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    env.pop("PYTHONPATH", None)  # the 3.12 env's paths must not leak into the 3.11 interpreter
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=TIMEOUT_S, cwd=REPO_ROOT)
-    if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr)[-4000:]
-        raise RuntimeError(f"oracle command failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
+    global _server
+    args = [str(a) for a in args]
+    _oracle_python()  # a missing env is named even while a server from before runs
+    with _server_lock:
+        if _server is None:
+            _server = _Server()
+        reply = _server.ask(args)
+        if reply is None:  # dead or hung: the next question starts a fresh process
+            server, _server = _server, None
+            server.proc.kill()
+            server.proc.wait()
+            tail = server.log_tail()
+            server.stop()
+            raise RuntimeError(f"oracle process ended or timed out (exit {server.proc.returncode}) on "
+                               f"{' '.join(args)}\n{tail}")
+    if not reply["ok"]:
+        raise RuntimeError(f"oracle command failed: {' '.join(args)}\n{reply['error'][-4000:]}")
 
 
 def _cached_file(key: str, suffix: str, build) -> Path:

@@ -11,6 +11,10 @@ writes. Every subcommand writes one output file or directory (`--out`):
   random-qwen2     a small random-weight Qwen2 checkpoint with its own tiny byte-level tokenizer -> dir
   random-model     a small random-weight llama / mistral / qwen2 / gemma3_text checkpoint, any config -> dir
 
+`serve` runs those subcommands one after another, read as JSON argument lists from stdin, each
+answered by one JSON line on stdout: the client keeps one such process per test process, so torch
+is imported and each model file is read and de-quantized once, not once per question.
+
 A model is named by path: a `.gguf` file (loaded through transformers' GGUF support, which
 de-quantizes to float32) or a Hugging Face checkpoint directory.
 """
@@ -19,9 +23,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -44,6 +50,10 @@ def _location(model: str) -> tuple[str, dict]:
     raise SystemExit(f"run_oracle: {model!r} is neither a .gguf file nor a checkpoint directory")
 
 
+# Loads are kept for the next command of a `serve` process (the model files never change under a
+# path: the client keys models by content, and cache entries are written once). Two models at most:
+# the real ones take about 1 GB each in float32.
+@functools.lru_cache(maxsize=2)
 def load_tokenizer(model: str):
     from transformers import AutoTokenizer
 
@@ -51,12 +61,22 @@ def load_tokenizer(model: str):
     return AutoTokenizer.from_pretrained(directory, **extra)
 
 
+@functools.lru_cache(maxsize=2)
 def load_model(model: str, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
     directory, extra = _location(model)
     loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **extra)
     return loaded.eval()
+
+
+def _read_gguf_once() -> None:
+    """transformers parses a GGUF file's header anew for its config, its weights and its tokenizer
+    (half a minute each for gemma3's 262,144-token vocabulary). The parsed reader only maps the
+    file read-only, so one per file serves them all."""
+    import gguf
+
+    gguf.GGUFReader = functools.lru_cache(maxsize=2)(gguf.GGUFReader)
 
 
 def _read_json(path: str):
@@ -177,7 +197,7 @@ def cmd_save_pretrained(args) -> None:
     stray = [k for k in list(missing) + list(unexpected) if not k.endswith("lm_head.weight")]
     if stray:
         raise SystemExit(f"run_oracle save-pretrained: state dict mismatch {stray[:10]}")
-    plain.generation_config = gguf_model.generation_config
+    plain.generation_config = copy.deepcopy(gguf_model.generation_config)
     plain = plain.to(dtype)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -404,5 +424,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def serve() -> int:
+    """Commands from stdin, one JSON argument list a line; after each, one JSON line on stdout:
+    {"ok": true} or {"ok": false, "error": "..."}. Ends at the end of stdin."""
+    # Replies go to the original stdout; whatever the libraries print goes to stderr.
+    replies = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    _read_gguf_once()
+    for line in sys.stdin:
+        try:
+            main(json.loads(line))
+            reply = {"ok": True}
+        except (Exception, SystemExit):  # argparse and the commands report errors as SystemExit
+            reply = {"ok": False, "error": traceback.format_exc()}
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(serve() if sys.argv[1:] == ["serve"] else main())
