@@ -1,10 +1,11 @@
-"""Decode attention: a few query tokens per sequence (1, or up to 8 when verifying drafts) over the cache.
+"""Decode attention: a few query tokens per sequence (1, or up to 16 when verifying drafts) over the cache.
 
 Decoding reads the whole visible cache for very little arithmetic, so the kernel is built to stream
 K/V at memory bandwidth:
-- One program serves all G query heads of one KV head for all T query tokens: the G*T query rows
-  (padded to a power of two >= 16 for the matrix units) form one tile against each K/V block, so
-  each cache block is read once, not G times.
+- One program serves all G query heads of one KV head for all T query tokens: the query rows
+  (one token: its G heads padded to >= 16 rows for the matrix units; several: a [T, G] grid with
+  each side padded to a power of two, read from the queries' own layout) form one tile against
+  each K/V block, so each cache block is read once, not G times.
 - Split-K ("flash decoding"): the visible key range of each sequence is cut into `num_splits` equal
   runs of blocks handled by separate programs, so a small batch still fills the GPU; each program
   writes an unnormalized partial (acc, running max, running sum). With one query token, the last
