@@ -75,12 +75,15 @@ TEXT = ("The library opens at nine in the morning on weekdays and at ten on Satu
         "floor can be booked for up to two hours.")
 
 # Prompts that quote a text or code and ask for it back, edited: most of the reply repeats it.
+# The default model (135M parameters) answers text_edit with a paraphrase (about 1.9 tokens
+# per round), text_digits with a copy (about 2.4-3).
 PROMPTS = {
     "code_rename": f"Here is some Python code:\n\n{CODE}\nRewrite the whole code with the variable `values` renamed "
                    f"to `xs`. Output only the code.",
     "code_docstrings": f"{CODE}\nRepeat this code exactly, but add a type hint to every function argument.",
     "text_edit": f"Here is a notice:\n\n{TEXT}\n\nRewrite the notice with the opening hours changed to eight in "
                  f"the morning. Keep everything else the same.",
+    "text_digits": f"{TEXT}\n\nRepeat this text exactly, but replace every number word with digits.",
 }
 
 

@@ -19,8 +19,8 @@ from typing import Iterator
 import jax.numpy as jnp
 
 from rjax.cache import KVCache, check_kv_dtype, init_cache
-from rjax.generation import (_visible, activation_dtype, cache_length, check_draft_tokens, check_prompt_lengths,
-                             check_request, check_text, load_drafter, stream_ids)
+from rjax.generation import (STEPS_PER_DISPATCH, _visible, activation_dtype, cache_length, check_draft_tokens,
+                             check_prompt_lengths, check_request, check_text, load_drafter, stream_ids)
 from rjax.loaders import Model
 from rjax.sampling import SamplingParams
 from rjax.speculative import ModelDrafter, SpeculativeStats, draft_cache_for, speculative_ids
@@ -102,7 +102,8 @@ class ChatSession:
                                temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed)
         else:
             check_request(self.model, [ids[keep:]], max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                          top_k=self.top_k, top_p=self.top_p, seed=seed, steps_per_dispatch=8, cache=cache)
+                          top_k=self.top_k, top_p=self.top_p, seed=seed, steps_per_dispatch=STEPS_PER_DISPATCH,
+                          cache=cache)
             steps = self._speculative(ids, keep, cache, draft_cache, seed, stats)
         self.messages = messages
         self.cache, self.cached_ids, self.reused_tokens = None, [], keep  # donated below
@@ -136,7 +137,9 @@ class ChatSession:
                                    sp=SamplingParams.make(1, self.temperature, self.top_k, self.top_p), seed=seed,
                                    drafter=drafter, draft_params=None if draft is None else draft.params,
                                    draft_cache=draft_cache, held=keep, stats=spec,
-                                   draft_tokens=AUTO_DRAFT_TOKENS if self.draft_tokens == "auto" else self.draft_tokens):
+                                   rounds_per_dispatch=STEPS_PER_DISPATCH,
+                                   draft_tokens=AUTO_DRAFT_TOKENS if self.draft_tokens == "auto"
+                                   else self.draft_tokens):
             yield [new]
         self.speculative_counts = dict(steps=spec.steps, drafted=spec.drafted, accepted=spec.accepted)
         stats.update(cache=spec.cache, draft_cache=spec.draft_cache if isinstance(drafter, ModelDrafter) else None)

@@ -147,14 +147,21 @@ class SpecState:
     accepted: jax.Array   # [] int32: of those, kept
 
 
-def initial_state(prompt, first: int, max_new_tokens: int, stop_ids, key, max_len: int) -> SpecState:
+def initial_state(prompt, first, max_new_tokens: int, stops, key, max_len: int) -> SpecState:
+    """The state after the prefill. `first` (the prefill's token) and `stops` may be device
+    arrays: nothing here waits for the prefill, so the host builds and sends this while it runs."""
     hist = np.zeros(max_len + 1, np.int32)
     hist[: len(prompt)] = prompt
-    hist[len(prompt)] = first
-    done = first in set(int(s) for s in stop_ids) or max_new_tokens <= 1 or len(prompt) >= max_len
+    ended = max_new_tokens <= 1 or len(prompt) >= max_len
+    return _start(jax.device_put(hist), first, stops, key, len(prompt), max_new_tokens, ended)
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+def _start(hist, first, stops, key, n_prompt: int, max_new_tokens: int, ended: bool) -> SpecState:
+    first = jnp.asarray(first, jnp.int32)
     z = jnp.int32(0)
-    return SpecState(jnp.int32(first), jnp.int32(-1), jnp.asarray(hist), jnp.int32(len(prompt) + 1), jnp.bool_(done),
-                     jnp.int32(max_new_tokens - 1), key, z, z, z)
+    return SpecState(first, jnp.int32(-1), hist.at[n_prompt].set(first), jnp.int32(n_prompt + 1),
+                     jnp.any(first == stops) | ended, jnp.int32(max_new_tokens - 1), key, z, z, z)
 
 
 def _propose(logits, key, sp: SamplingParams):
@@ -323,24 +330,25 @@ def speculative_ids(cfg: ModelConfig, params: Params, cache: KVCache, prompt: li
         _, draft_cache = engine.prefill(drafter.cfg, draft_params, draft_cache, tokens, lengths)
     else:
         draft_params = draft_cache = None
-    first = int(first[0])
-    yield [first]
-    stops = jnp.asarray(sorted(set(int(s) for s in stop_ids)) or [-1], jnp.int32)
-    state = initial_state(prompt, first, max_new_tokens, stop_ids, key, cache.max_len)
+    stops = jax.device_put(np.asarray(sorted(set(int(s) for s in stop_ids)) or [-1], np.int32))
+    state = initial_state(prompt, first[0], max_new_tokens, stops, key, cache.max_len)
+    yield [int(first[0])]
     candidates = tuple(draft_tokens) if isinstance(draft_tokens, (tuple, list)) else (draft_tokens,)
     cost_ratio = 0.0 if draft_params is None else _nbytes(draft_params) / max(_nbytes(params), 1)
     alpha = 0.5
-    while not bool(state.done):
+    done = bool(state.done)
+    while not done:
         k = choose_k(alpha, candidates, cost_ratio)
         before = (stats.drafted, stats.accepted)
         out, state, cache, draft_cache = speculative_loop(cfg, params, cache, state, sp, stops, drafter, draft_params,
                                                           draft_cache, k, rounds_per_dispatch)
-        stats.steps, stats.drafted, stats.accepted = int(state.steps), int(state.drafted), int(state.accepted)
+        # One read back of everything the host needs (a sync per value cost about 2 ms a dispatch).
+        out, done, *counts = jax.device_get((out, state.done, state.steps, state.drafted, state.accepted))
+        stats.steps, stats.drafted, stats.accepted = (int(c) for c in counts)
         stats.k_used.append(k)
         if stats.drafted > before[0]:
             alpha = 0.5 * alpha + 0.5 * (stats.accepted - before[1]) / (stats.drafted - before[0])
-        out = np.asarray(out).reshape(-1)
-        yield [int(t) for t in out if t >= 0]
+        yield [int(t) for t in out.reshape(-1) if t >= 0]
     stats.cache, stats.draft_cache = cache, draft_cache
 
 

@@ -118,6 +118,16 @@ def test_generate_two_and_33_prompts(models):
     _check_against_reference(model, [many[0], many[32]], [PROMPTS[0], PROMPTS[32]])
 
 
+def test_speculative_generate_one_and_two_prompts(models):
+    """Prompt lookup: one prompt (the batch-1 loop) and a list of two (the serving engine's
+    slots), each verification a pass of K + 1 positions; greedy tokens as the reference's."""
+    model = models["smollm2-135m"]
+    one = rjax.generate(model, PROMPTS[0], speculative="ngram", draft_tokens=4, **KW)
+    two = rjax.generate(model, PROMPTS[:2], speculative="ngram", draft_tokens=4, **KW)
+    _check_against_reference(model, [one, *two], [PROMPTS[0], *PROMPTS[:2]])
+    assert one.speculative["drafted"] > 0 and sum(r.speculative["drafted"] for r in two) > 0
+
+
 def test_serving_engine_with_mid_run_arrivals(models):
     """Requests arriving while others decode: each greedy completion equals its solo run."""
     model = models["smollm2-135m"]
