@@ -126,6 +126,23 @@ def test_paged_on_quantized_cache_matches_reference(kind, page_size):
     assert rel_err(out, ref) < BF16_TOL
 
 
+def test_int8_to_float16_in_kernel_is_exact():
+    """Every int8 value through the kernels' packed int8 -> float16 conversion (byte permutes
+    and a paired subtraction) equals a plain cast, in every position of a block."""
+    from jax.experimental import pallas as pl
+
+    from pallas_kernels.attention.kv_blocks import widen
+
+    x = jnp.asarray(np.random.default_rng(0).permutation(np.tile(np.arange(-128, 128), 64)).reshape(128, 128),
+                    jnp.int8)
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = widen(x_ref[...], jnp.float16, False)
+
+    out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, jnp.float16))(x)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(x).astype(np.float16))
+
+
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_one_token_merged_in_kernel_is_exact_every_call(kind):
     """16 splits merged by whichever program arrives last, 50 calls: equal bit for bit."""

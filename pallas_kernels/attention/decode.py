@@ -43,7 +43,7 @@ from pallas_kernels.int8_activations import kernel as q8
 from pallas_kernels.kv_append.kernel import ProductRows, split_view
 
 from . import flash
-from .kv_blocks import CacheLayout, check_block_k, fit_block_k, load_block, load_scales, to_compute
+from .kv_blocks import CacheLayout, check_block_k, fit_block_k, load_block, load_scales, to_compute, widen
 from .reference import check_shapes
 
 NUM_SMS_H100 = 132
@@ -242,9 +242,8 @@ def _attend(kv_len, pos, q, k_ref, v_ref, table_ref, out_refs, *, layout: CacheL
         else:
             ks, vs = head_scales
         dt = (q[0] if halves else q).dtype
-        k = tuple(x.astype(dt) for x in k) if halves else k.astype(dt)
-        return flash.attend_block(state, q, k, v.astype(dt), qk_scale=qk_scale, mask=mask,
-                                  k_scale=ks, v_scale=vs)
+        return flash.attend_block(state, q, widen(k, dt, interpret), widen(v, dt, interpret), qk_scale=qk_scale,
+                                  mask=mask, k_scale=ks, v_scale=vs)
 
     ranges, first, per_split = _split_range(pos, kv_len, block_k, window, num_splits, split)
     state = flash.init_state(rows, v_ref.shape[-1])

@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from . import flash
-from .kv_blocks import CacheLayout, check_block_k, fit_block_k, load_block, load_scales, to_compute
+from .kv_blocks import CacheLayout, check_block_k, fit_block_k, load_block, load_scales, to_compute, widen
 from .reference import check_shapes
 
 
@@ -44,7 +44,7 @@ def default_tiles(head_dim: int) -> dict:
 
 def _kernel(kv_len_ref, q_pos_ref, q_ref, k_ref, v_ref, *rest, layout: CacheLayout, scale: float,
             window: int | None, block_q: int, block_k: int, num_q_tiles: int, num_queries: int,
-            quant: str | None = None):
+            quant: str | None = None, interpret: bool = False):
     """rest: the K and V scales (quant "entry" or "head"), the page table (paged), the output."""
     scales = None
     if quant is not None:
@@ -77,8 +77,8 @@ def _kernel(kv_len_ref, q_pos_ref, q_ref, k_ref, v_ref, *rest, layout: CacheLayo
             ks, vs = (load_scales(r, table_ref, start, block_k, layout, bounds_check=masked) for r in scales)
         else:
             ks, vs = head_scales
-        return flash.attend_block(state, q, k.astype(q.dtype), v.astype(q.dtype), qk_scale=qk_scale, mask=mask,
-                                  k_scale=ks, v_scale=vs)
+        return flash.attend_block(state, q, widen(k, q.dtype, interpret), widen(v, q.dtype, interpret),
+                                  qk_scale=qk_scale, mask=mask, k_scale=ks, v_scale=vs)
 
     ranges = flash.block_ranges(pos, kv_len, block_k, window)
     state = flash.walk_blocks(ranges, flash.init_state(block_q, q.shape[-1]), step)
@@ -124,7 +124,7 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
         scale_specs, scale_args = [spec, spec], [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
     kernel = functools.partial(
         _kernel, layout=layout, scale=float(scale), window=window, block_q=block_q, block_k=block_k,
-        num_q_tiles=num_q_tiles, num_queries=T, quant=quant)
+        num_q_tiles=num_q_tiles, num_queries=T, quant=quant, interpret=interpret)
     return pl.pallas_call(
         kernel,
         grid=(Hq, num_q_tiles, B),
