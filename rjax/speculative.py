@@ -312,9 +312,10 @@ def speculative_ids(cfg: ModelConfig, params: Params, cache: KVCache, prompt: li
     left in `stats`.
 
     draft_tokens as a tuple of candidates: each dispatch takes the K `choose_k` picks for the
-    acceptance rate so far (a running average over dispatches, starting at 0.5) and a draft
-    step's cost estimated as the draft model's weight bytes over the target's (one program per
-    K used)."""
+    acceptance rate known when it is launched (a running average over dispatches, starting at
+    0.5) and a draft step's cost estimated as the draft model's weight bytes over the target's
+    (one program per K used). A dispatch is launched before the previous one is read back when
+    that rate picks the previous one's K (always, for one K), else after it."""
     stats = stats if stats is not None else SpeculativeStats()
     if isinstance(drafter, ModelDrafter) and (draft_params is None or draft_cache is None):
         raise ValueError("drafter: a ModelDrafter needs draft_params and a draft_cache")
@@ -336,19 +337,33 @@ def speculative_ids(cfg: ModelConfig, params: Params, cache: KVCache, prompt: li
     candidates = tuple(draft_tokens) if isinstance(draft_tokens, (tuple, list)) else (draft_tokens,)
     cost_ratio = 0.0 if draft_params is None else _nbytes(draft_params) / max(_nbytes(params), 1)
     alpha = 0.5
-    done = bool(state.done)
-    while not done:
-        k = choose_k(alpha, candidates, cost_ratio)
+
+    def launch(k, state, cache, draft_cache):
+        return k, speculative_loop(cfg, params, cache, state, sp, stops, drafter, draft_params, draft_cache, k,
+                                   rounds_per_dispatch)
+
+    call = None if bool(state.done) else launch(choose_k(alpha, candidates, cost_ratio), state, cache, draft_cache)
+    while call is not None:
+        k, (out, state, cache, draft_cache) = call
+        # The next call is launched before this one is read back when its K is already known:
+        # a launch costs the host about 3 ms (XLA updates the loop's CUDA graph), which then
+        # overlaps this call's rounds on the device. After the sequence has ended it runs no round.
+        k_next = choose_k(alpha, candidates, cost_ratio)
+        call = launch(k, state, cache, draft_cache) if k_next == k else None
         before = (stats.drafted, stats.accepted)
-        out, state, cache, draft_cache = speculative_loop(cfg, params, cache, state, sp, stops, drafter, draft_params,
-                                                          draft_cache, k, rounds_per_dispatch)
-        # One read back of everything the host needs (a sync per value cost about 2 ms a dispatch).
+        # One read back of everything the host needs (a sync per value cost about 1 ms a call).
         out, done, *counts = jax.device_get((out, state.done, state.steps, state.drafted, state.accepted))
         stats.steps, stats.drafted, stats.accepted = (int(c) for c in counts)
         stats.k_used.append(k)
         if stats.drafted > before[0]:
             alpha = 0.5 * alpha + 0.5 * (stats.accepted - before[1]) / (stats.drafted - before[0])
         yield [int(t) for t in out.reshape(-1) if t >= 0]
+        if call is not None:  # the caches are the launched call's (it adds nothing once done)
+            _, (_, _, cache, draft_cache) = call
+            if done:
+                call = None
+        elif not done:
+            call = launch(choose_k(alpha, candidates, cost_ratio), state, cache, draft_cache)
     stats.cache, stats.draft_cache = cache, draft_cache
 
 
