@@ -105,19 +105,22 @@ class KVCache:
                            v_scale=_replace(self.v_scale, layer, v_scale))
         return dataclasses.replace(self, k=_replace(self.k, layer, k), v=_replace(self.v, layer, v), **changes)
 
-    def rope_write(self, layer: int, parts, bias, pos, slots, inv_freq, *, n_heads: int, pairing: str, dtype):
+    def rope_write(self, layer: int, parts, bias, pos, slots, inv_freq, *, n_heads: int, pairing: str, dtype,
+                   qk_norm=None, eps: float = 0.0):
         """The fused QKV product as partial sums parts [S, B, T, (Hq + 2 Hkv) D] (plus bias or
-        None), summed and rounded to `dtype`: queries and keys rotated for positions pos [B, T],
+        None), summed and rounded to `dtype`: queries and keys (RMS-normed per head by qk_norm's
+        weights where given) rotated for positions pos [B, T],
         keys and values written as `write` does (quantized for an int8 or fp8 cache); one kernel
         at decode (pallas_kernels.kv_append). -> (q [B, T, Hq, D], cache)."""
         rows = jnp.arange(pos.shape[0]) if slots is None else slots
         q, k, v, ks, vs = rope_append(parts, bias, pos, self.k[layer], self.v[layer], inv_freq, rows, n_heads=n_heads,
                                       pairing=pairing, dtype=dtype, k_scale=self._scale(self.k_scale, layer),
-                                      v_scale=self._scale(self.v_scale, layer))
+                                      v_scale=self._scale(self.v_scale, layer), qk_norm=qk_norm, eps=eps)
         return q, self._with(layer, k, v, ks, vs)
 
     def rope_write_attend(self, layer: int, parts, bias, pos, inv_freq, *, n_heads: int, pairing: str, dtype,
-                          scale: float, window: int | None, quantize_out: bool = False):
+                          scale: float, window: int | None, quantize_out: bool = False, qk_norm=None,
+                          eps: float = 0.0):
         """`rope_write`, then `attend`, for one token per sequence in rows 0..B-1 (parts
         [S, B, 1, (Hq + 2 Hkv) D], pos [B, 1]), as one kernel on the GPU
         (pallas_kernels.attention.rope_attention); float caches only (the plan picks
@@ -128,7 +131,8 @@ class KVCache:
                              f"caches only, not {self.kv_dtype}")
         out, k, v, arrivals = rope_attention(parts[:, :, 0], bias, pos[:, 0], self.k[layer], self.v[layer], inv_freq,
                                              n_heads=n_heads, pairing=pairing, dtype=dtype, scale=scale,
-                                             window=window, arrivals=self.arrivals, quantize_out=quantize_out)
+                                             window=window, arrivals=self.arrivals, quantize_out=quantize_out,
+                                             qk_norm=qk_norm, eps=eps)
         return out, self._with(layer, k, v, arrivals=arrivals)
 
     def attend(self, layer: int, q, pos, slots, *, scale: float, window: int | None):

@@ -126,7 +126,8 @@ def attention(plan: Plan, lp: LayerPlan, layer: int, qkv, bias, q_norm, k_norm, 
     has the rotation kernel sum them), plus `bias`; q_norm, k_norm: per-head RMS norms (Gemma)
     or None. -> (output [B, T, Hq D], or rounded to int8 for the output product; cache)."""
     B, T = pos.shape
-    kw = dict(n_heads=n_heads, pairing=pairing, dtype=jnp.dtype(plan.dtype))
+    kw = dict(n_heads=n_heads, pairing=pairing, dtype=jnp.dtype(plan.dtype),
+              qk_norm=None if q_norm is None else (q_norm, k_norm), eps=eps)
     if lp.attention == "rope_attention":
         out, cache = cache.rope_write_attend(layer, qkv, bias, pos, inv_freq, **kw, scale=scale, window=window,
                                              quantize_out=lp.attn_out_int8)

@@ -101,8 +101,8 @@ def _norm_into(w_before, post_norm, consumers, rows, dtype, kw) -> str:
 
 def _rotates_in_kernel(p, paged: bool) -> bool:
     """Whether a layer's attention takes its QKV product whole into the kernels that rotate and
-    append (a fused QKV weight, no per-head norms, a contiguous cache)."""
-    return p.wqkv is not None and p.q_norm is None and not paged
+    append (a fused QKV weight and a contiguous cache; per-head q/k norms are applied there)."""
+    return p.wqkv is not None and not paged
 
 
 def _qkv_weights(p) -> list:

@@ -20,6 +20,7 @@ from pallas_kernels.attention import (
     attention, attention_reference, decode_attention, paged_attention, paged_attention_reference,
     paged_decode_attention, paged_prefill_attention, prefill_attention,
 )
+from pallas_kernels.attention import decode as decode_mod
 from pallas_kernels.attention.prefill_mgpu import mgpu_prefill_attention
 from pallas_kernels.attention.reference import gather_pages
 
@@ -193,6 +194,20 @@ def test_decode_kernel_matches_reference(name):
     assert out.dtype == q.dtype and out.shape == q.shape
     assert rel_err(out, ref) < (F32_TOL if dtype == jnp.float32 else BF16_TOL)
     assert np.all(np.asarray(out, np.float32)[1, 0] == 0) and np.all(np.asarray(out, np.float32)[2] == 0)
+
+
+@pytest.mark.parametrize("window,merged_in_kernel", [(None, False), (40, True)])
+def test_one_token_of_one_kv_head_over_many_blocks(window, merged_in_kernel):
+    """One KV head at batch 1 over more blocks than the in-kernel merge's splits can spread:
+    the splits' partials go to XLA's combine (about two waves of splits), unless a window keeps
+    the rows' keys short."""
+    S, block_k = 2048, 16
+    assert decode_mod.merges_in_kernel(1, 1, decode_mod.visible_keys(S, window, block_k), block_k) == merged_in_kernel
+    q, k, v, pos, kv_len = make_case(15, B=1, T=1, Hq=4, Hkv=1, S=S, D=32, dtype=jnp.float32,
+                                     kv_len=[2000], q_start=[1999])
+    ref = attention_reference(q, k, v, pos, kv_len, scale=0.2, window=window)
+    out = decode_attention(q, k, v, pos, kv_len, scale=0.2, window=window, block_k=block_k, interpret=True)
+    assert rel_err(out, ref) < F32_TOL
 
 
 @pytest.mark.parametrize("splits", [1, 2])

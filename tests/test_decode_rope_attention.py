@@ -34,10 +34,10 @@ def _inputs(B, hq, hkv, d, S, dtype, seed, n_parts, bias, fill):
     return parts, b, pos, kc, vc, inv
 
 
-def _reference(parts, bias, pos, kc, vc, inv, *, n_heads, pairing, dtype, scale, window):
+def _reference(parts, bias, pos, kc, vc, inv, *, n_heads, pairing, dtype, scale, window, qk_norm=None, eps=0.0):
     B = parts.shape[1]
     q, k2, v2, _, _ = rope_append_reference(parts[:, :, None], bias, pos[:, None], kc, vc, inv, jnp.arange(B),
-                                            n_heads=n_heads, pairing=pairing, dtype=dtype)
+                                            n_heads=n_heads, pairing=pairing, dtype=dtype, qk_norm=qk_norm, eps=eps)
     out = attention_reference(q, k2, v2, pos[:, None], pos + 1, scale=scale, window=window)
     return out.astype(dtype), k2, v2
 
@@ -69,6 +69,30 @@ def test_matches_the_references_interpret(pairing, B, hq, hkv, d, S, dtype, n_pa
     if B > 1:  # the inactive sequence: output zeros, its cache rows untouched
         assert not np.asarray(got[0][-1], np.float32).any()
         np.testing.assert_array_equal(np.asarray(got[1][-1]), np.asarray(kc[-1]))
+
+
+@pytest.mark.parametrize("pairing", ["pairs", "halves"])
+@pytest.mark.parametrize("S,window,merged", [(2048, None, False), (2048, 40, True), (128, None, True)])
+def test_query_key_norms_and_the_merge_interpret(pairing, S, window, merged):
+    """Gemma's shape: q and k RMS-normed per head before the rotation, one KV head at batch 1.
+    Over many blocks the splits' partials go to XLA's combine (`merges_in_kernel`), over a
+    window or a short cache the kernel merges them; either way the references' output and caches."""
+    from pallas_kernels.attention import decode as decode_mod
+
+    hq, hkv, d, dtype, eps, block_k = 4, 1, 64, jnp.float32, 1e-6, 16
+    visible = decode_mod.visible_keys(S, window, block_k)
+    assert decode_mod.merges_in_kernel(1, hkv, visible, block_k) == merged
+    parts, b, pos, kc, vc, inv = _inputs(1, hq, hkv, d, S, dtype, 7, 2, False, [S - 60])
+    r = np.random.default_rng(8)
+    norms = tuple(jnp.asarray(1 + 0.5 * r.standard_normal(d), jnp.float32) for _ in range(2))
+    kw = dict(n_heads=hq, pairing=pairing, dtype=dtype, scale=d ** -0.5, window=window, qk_norm=norms, eps=eps)
+    want = _reference(parts, b, pos, kc, vc, inv, **kw)
+    arrivals = jnp.zeros((1, hkv), jnp.int32)
+    got = decode_rope_attention(parts, b, pos, kc, vc, inv, **kw, block_k=block_k, interpret=True, arrivals=arrivals)
+    np.testing.assert_array_equal(np.asarray(got[3]), 0)
+    for g, w in zip(got[:3], want):
+        np.testing.assert_allclose(np.asarray(g, np.float32).reshape(w.shape), np.asarray(w, np.float32),
+                                   rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("pairing", ["pairs", "halves"])

@@ -114,6 +114,47 @@ def test_several_tokens_per_sequence_interpret(kind):
     np.testing.assert_array_equal(untouched, np.asarray(kc.astype(jnp.float32))[0, :, 6:])
 
 
+@pytest.mark.parametrize("pairing", ["pairs", "halves"])
+@pytest.mark.parametrize("kind", [None, "int8", "fp8"])
+def test_query_and_key_norms(pairing, kind):
+    """Gemma's per-head RMS norms of q and k before the rotation: the reference against numpy
+    (norm, then rotation), and the kernel (interpret mode) against the reference, into float and
+    quantized caches."""
+    B, hq, hkv, d, eps = 3, 4, 1, 64, 1e-6
+    qkv, pos, kc, vc, inv, rows = _inputs(B, hq, hkv, d, 4, 16, jnp.float32, seed=5, n_parts=2)
+    r = np.random.default_rng(6)
+    norms = tuple(jnp.asarray(1 + 0.5 * r.standard_normal(d), jnp.float32) for _ in range(2))
+    kw = dict(n_heads=hq, pairing=pairing, dtype=jnp.float32, qk_norm=norms, eps=eps)
+    if kind is None:
+        q, k2, _, _, _ = rope_append_reference(qkv, None, pos, kc, vc, inv, rows, **kw)
+        heads = np.asarray(qkv, np.float64).sum(0).reshape(B, hq + 2 * hkv, d)
+        inv64 = np.asarray(inv, np.float64)
+        for b in range(B):
+            p = int(pos[b, 0])
+            x = heads[b, :hq + hkv]
+            x = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+            x[:hq] *= np.asarray(norms[0], np.float64)
+            x[hq:] *= np.asarray(norms[1], np.float64)
+            np.testing.assert_allclose(np.asarray(q[b, 0]), _numpy_rope(x[:hq], p, inv64, pairing), rtol=1e-5,
+                                       atol=1e-5)
+            if p >= 0:
+                np.testing.assert_allclose(np.asarray(k2)[int(rows[b]), :, p], _numpy_rope(x[hq:], p, inv64, pairing),
+                                           rtol=1e-5, atol=1e-5)
+    scales = {}
+    if kind is not None:
+        kc, vc, ks, vs = _quantized(kc, vc, kind)
+        scales = dict(k_scale=ks, v_scale=vs)
+    want = rope_append_reference(qkv, None, pos, kc, vc, inv, rows, **kw, **scales)
+    got = rope_append(qkv, None, pos, kc, vc, inv, rows, **kw, **scales, implementation="interpret")
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-5)
+    for g, w in zip(got[1:3], want[1:3]):
+        np.testing.assert_allclose(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)),
+                                   rtol=1e-5, atol={None: 1e-5, "int8": 1.0, "fp8": 0.07}[kind])
+    with pytest.raises(ValueError, match="norm weights must be \\[64\\]"):
+        rope_append_kernel(qkv[:, :, 0], None, pos[:, 0], kc, vc, inv, rows, n_heads=hq, pairing=pairing,
+                           dtype=jnp.float32, qk_norm=(norms[0][:32], norms[1]), interpret=True, **scales)
+
+
 def test_dispatch_and_errors():
     qkv, pos, kc, vc, inv, rows = _inputs(2, 4, 2, 32, 2, 8, jnp.float32)
     kw = dict(n_heads=4, pairing="pairs", dtype=jnp.float32)

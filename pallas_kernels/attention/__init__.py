@@ -79,15 +79,16 @@ def attention(q, k, v, q_pos, kv_len, *, scale: float, window: int | None = None
 
 def rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, *, n_heads: int, pairing: str, dtype,
                    scale: float, window: int | None = None, arrivals=None, quantize_out: bool = False,
-                   implementation=None):
+                   implementation=None, qk_norm=None, eps: float = 0.0):
     """One decode token per sequence b (cache row b) from its QKV product's partial sums parts
     [S, B, (Hq + 2 Hkv) D]: q and k rotated for pos [B], k and v appended there, attention over
     positions 0..pos. arrivals: None or the kernel's [B, Hkv] int32 scratch, zero between calls
     (see decode_rope_attention). -> (out [B, 1, Hq, D], k_cache, v_cache, arrivals). The fused
     kernel on a GPU backend; elsewhere kv_append's reference, then this package's. quantize_out:
-    the kernel may hand the output over as a QuantizedX [B, 1] (see decode_rope_attention)."""
+    the kernel may hand the output over as a QuantizedX [B, 1] (see decode_rope_attention).
+    qk_norm, eps: an RMS norm of the query and key heads before the rotation (see rope_append)."""
     impl = _resolve(implementation)
-    kw = dict(n_heads=n_heads, pairing=pairing, dtype=dtype)
+    kw = dict(n_heads=n_heads, pairing=pairing, dtype=dtype, qk_norm=qk_norm, eps=eps)
     if impl == "reference":
         from pallas_kernels.kv_append import rope_append_reference
 

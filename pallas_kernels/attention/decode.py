@@ -10,7 +10,8 @@ K/V at memory bandwidth:
   runs of blocks handled by separate programs, so a small batch still fills the GPU; each program
   writes an unnormalized partial (acc, running max, running sum). With one query token, the last
   program of a KV head to finish (an atomic count per head says which) merges the partials and
-  writes the output, so the step is one launch; with several tokens a small XLA step merges them.
+  writes the output, so the step is one launch; with several tokens, or too few KV heads to fill
+  the GPU at the in-kernel merge's split limit (`merges_in_kernel`), a small XLA step merges them.
 - Key blocks no row can see (beyond kv_len, outside the window) are skipped; masks are applied only
   on edge blocks.
 - A quantized cache (int8 per entry, fp8 per head; pallas_kernels/kv_quant.py) is read as it is stored: each
@@ -87,26 +88,40 @@ def default_num_splits(batch: int, kv_heads: int, num_keys: int, block_k: int, m
     return max(1, min(pl.cdiv(2 * NUM_SMS_H100, programs), num_keys // (4 * block_k)))
 
 
-def _n_outputs(group: int | None, num_splits: int, quantized: bool = False) -> int:
+def _n_outputs(merged: bool, num_splits: int, quantized: bool = False) -> int:
     """The attention outputs of a program: the output alone (one token, one split); the output
     (or its four QuantizedX planes), the partials and the arrival count (one token, merged in
-    the kernel); or the partials."""
-    if group is None:
+    the kernel); or the partials (merged by XLA)."""
+    if not merged:
         return 3
     return 1 if num_splits == 1 else (8 if quantized else 5)
 
 
-def merges_in_kernel(batch: int, kv_heads: int, num_keys: int, block_k: int, num_splits: int | None) -> bool:
-    """Whether one decode token's attention merges its splits in the kernel (and can hand over
-    its output rounded to int8, `quantize_out`)."""
-    if num_splits is None:
-        num_splits = default_num_splits(batch, kv_heads, num_keys, block_k, merged_in_kernel=True)
-    return num_splits > 1
+def merges_in_kernel(batch: int, kv_heads: int, visible_keys: int, block_k: int) -> bool:
+    """Whether one query token's splits are merged in the kernel rather than by an XLA step.
+
+    The in-kernel merge takes at most MAX_MERGED_SPLITS splits (the last program holds every
+    partial in registers). Where the batch's (sequence, KV head) programs at that many splits
+    fill under half the GPU and each would walk a long run of blocks, the kernel leaves its
+    partials to XLA's combine instead, which takes any number of splits: gemma3-1b's heads (one
+    KV head, head dim 256) at batch 1 over 32k keys, H100, kernel time with the combine
+    (benchmarks/kv_dtype.py's chain): bf16 44.2 -> 23.0 us, int8 58.5 -> 20.0, fp8 55.7 -> 19.1.
+    Over a 512-key window the in-kernel merge stays faster (bf16 9.2 against 11.4 us), as it is
+    for llama-8b's eight KV heads (8k keys: 18.8 against 20.1 us; 32k: 51.7 against 59.6)."""
+    few = 2 * batch * kv_heads * MAX_MERGED_SPLITS < NUM_SMS_H100
+    return not (few and visible_keys > 4 * MAX_MERGED_SPLITS * block_k)
+
+
+def visible_keys(num_keys: int, window: int | None, block_k: int) -> int:
+    """The most cache positions one query row reads: the cache, or its sliding window (which
+    can straddle one more block)."""
+    return num_keys if window is None else min(num_keys, window + block_k)
 
 
 def _kernel(kv_len_ref, row_pos_ref, q_ref, k_ref, v_ref, *rest, layout: CacheLayout, scale: float,
             window: int | None, block_k: int, num_splits: int, group: int | None, interpret: bool,
-            quantize_out: bool = False, quant: str | None = None, tokens: tuple[int, int] | None = None):
+            quantize_out: bool = False, quant: str | None = None, tokens: tuple[int, int] | None = None,
+            merged: bool = False):
     """group: None, q_ref holds the program's KV head's queries [T, G, D] and row_pos_ref the
     tokens' positions [T] (tokens: (T, G)); they are read as the rows of a [Tp, Gp] grid
     (`token_rows`), padding masked. Else (one query token) q_ref is the token's [Hq, D] heads,
@@ -132,14 +147,16 @@ def _kernel(kv_len_ref, row_pos_ref, q_ref, k_ref, v_ref, *rest, layout: CacheLa
         rows, r = _group_rows(group)
         pos = jnp.where(r < group, row_pos_ref[()], -1)
         q = pltriton.load(q_ref.at[pl.ds(pl.program_id(1) * group, rows), :], mask=(r < group)[:, None], other=0)
-    _attend(kv_len_ref[()], pos, q, k_ref, v_ref, table_ref, rest[-_n_outputs(group, num_splits, quantize_out):],
+    _attend(kv_len_ref[()], pos, q, k_ref, v_ref, table_ref, rest[-_n_outputs(merged, num_splits, quantize_out):],
             layout=layout, scale=scale, window=window, block_k=block_k, num_splits=num_splits, group=group,
             interpret=interpret, quantize_out=quantize_out, scales=scales)
 
 
-def _rope_append_kernel(kv_len_ref, pos_ref, inv_ref, parts_ref, *refs, has_bias: bool, n_heads: int, n_parts: int,
+def _rope_append_kernel(kv_len_ref, pos_ref, inv_ref, parts_ref, *refs, has_bias: bool, has_norm: bool, eps: float,
+                        n_heads: int, n_parts: int,
                         pairing: str, q_dtype, interpret: bool, layout: CacheLayout, scale: float,
-                        window: int | None, block_k: int, num_splits: int, group: int, quantize_out: bool = False):
+                        window: int | None, block_k: int, num_splits: int, group: int, quantize_out: bool = False,
+                        merged: bool = True):
     """One decode token per sequence: `kv_append`'s pass, then the attention, in one program.
 
     The program of (split, KV head h, sequence b) builds its group's rotated query rows from the
@@ -152,19 +169,22 @@ def _rope_append_kernel(kv_len_ref, pos_ref, inv_ref, parts_ref, *refs, has_bias
     reassembled; with "pairs" the query halves are interleaved into [R, D] in registers."""
     bias_ref = refs[0] if has_bias else None
     refs = refs[1:] if has_bias else refs
+    norm_refs = tuple(refs[:2]) if has_norm else None  # the q and k norm weights
+    refs = refs[2:] if has_norm else refs
     # refs: the caches and (merged) the arrival counts as inputs (aliased), the attention's
     # outputs, then the caches as outputs.
-    out_refs, (k_ref, v_ref) = refs[-2 - _n_outputs(group, num_splits, quantize_out):-2], refs[-2:]
+    out_refs, (k_ref, v_ref) = refs[-2 - _n_outputs(merged, num_splits, quantize_out):-2], refs[-2:]
     split, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     pos, kv_len = pos_ref[()], kv_len_ref[()]
-    product = ProductRows(parts_ref, bias_ref, inv_ref, b, pos, n_parts=n_parts, pairing=pairing, dtype=q_dtype)
+    product = ProductRows(parts_ref, bias_ref, inv_ref, b, pos, n_parts=n_parts, pairing=pairing, dtype=q_dtype,
+                          norm_refs=norm_refs, eps=eps)
     rows, r = _group_rows(group)
     q1, q2 = product.rotated_rows(h * group, rows, r < group)
     halves = pairing == "halves"
     q = (q1.astype(q_dtype), q2.astype(q_dtype)) if halves else _interleave(q1, q2).astype(q_dtype)
 
     n_kv = pl.num_programs(1)
-    k_halves = [x.astype(k_ref.dtype) for x in product.rotated(n_heads + h)]
+    k_halves = [x.astype(k_ref.dtype) for x in product.rotated(n_heads + h, key=True)]
     v_row = product.row((product.half(n_heads + n_kv + h, 0), product.half(n_heads + n_kv + h, 1))).astype(v_ref.dtype)
     owner = (split == num_splits - 1) & (pos >= 0) & (pos < layout.num_keys)  # past the cache: write nothing
     at = jnp.maximum(pos, 0)
@@ -337,6 +357,8 @@ class RopeAppend(NamedTuple):
     bias: jax.Array | None    # [(Hq + 2 Hkv) D]
     inv_freq: jax.Array       # [D / 2]
     pairing: str
+    qk_norm: tuple | None = None  # RMS norm weights (q [D], k [D]) applied before the rotation
+    eps: float = 0.0
 
 
 def _scale_specs(k_scale, layout: CacheLayout):
@@ -371,10 +393,12 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
         raise ValueError(f"decode_attention: head dim {D} must be a power of two >= 16")
     block_k = fit_block_k(layout, block_k)
     check_block_k(layout, block_k)
+    visible = visible_keys(layout.num_keys, window, block_k)
+    merged = T == 1 and merges_in_kernel(B, Hkv, visible, block_k)
     if num_splits is None:
-        num_splits = default_num_splits(B, Hkv, layout.num_keys, block_k, merged_in_kernel=T == 1,
+        num_splits = default_num_splits(B, Hkv, visible, block_k, merged_in_kernel=merged,
                                         quantized=k_scale is not None)
-    quantize_out = quantize_out and T == 1 and num_splits > 1
+    quantize_out = quantize_out and merged and num_splits > 1
     if quantize_out and D % 32:
         raise ValueError(f"decode_attention: quantize_out needs a head dim that is a multiple of 32, got {D}")
     Tp, Gp = token_rows(T, G)
@@ -388,10 +412,12 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
         views = [rope.inv_freq.astype(jnp.float32), split_view(heads, rope.pairing)]
         if rope.bias is not None:
             views.append(split_view(rope.bias.reshape(-1, D), rope.pairing))
+        if rope.qk_norm is not None:
+            views += [split_view(w.astype(jnp.float32), rope.pairing) for w in rope.qk_norm]
         whole = lambda x: pl.BlockSpec(x.shape, lambda s, h, b, n=x.ndim: (0,) * n)  # noqa: E731
         q_args = [q_pos[:, 0].astype(jnp.int32), *views]
         q_specs = [pl.BlockSpec((None,), lambda s, h, b: (b,)), *map(whole, views)]
-    elif T == 1:
+    elif merged:
         # One token: the kernel reads its heads [Hq, D] in place and, with one split, writes
         # the normalized output in the same layout: no padding, transposes or combine step.
         group = G
@@ -416,7 +442,7 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
         k_arg = split_view(k, "halves")  # a bitcast; see _rope_append_kernel
         k_spec = pl.BlockSpec((None, None, k.shape[2], 2, D // 2), lambda s, h, b: (b, h, 0, 0, 0))
     attend_kw = dict(layout=layout, scale=float(scale), window=window, block_k=block_k, num_splits=num_splits,
-                     group=group, interpret=interpret, quantize_out=quantize_out)
+                     group=group, interpret=interpret, quantize_out=quantize_out, merged=merged)
     quant, scale_specs = _scale_specs(k_scale, layout)
     scale_args = [] if quant is None else [k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)]
     if rope is None:
@@ -424,9 +450,10 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
     elif quant is not None:
         raise ValueError("decode_rope_attention: a quantized cache is written by the cache's own write, not here")
     else:
-        kernel = functools.partial(_rope_append_kernel, has_bias=rope.bias is not None, n_heads=Hq,
+        kernel = functools.partial(_rope_append_kernel, has_bias=rope.bias is not None,
+                                   has_norm=rope.qk_norm is not None, eps=float(rope.eps), n_heads=Hq,
                                    n_parts=rope.parts.shape[0], pairing=rope.pairing, q_dtype=q.dtype, **attend_kw)
-    n_out = _n_outputs(group, num_splits, quantize_out)
+    n_out = _n_outputs(merged, num_splits, quantize_out)
     o_spec = pl.BlockSpec((None, Hq, D), lambda s, h, b: (b, 0, 0))
     o_shape = jax.ShapeDtypeStruct((B, Hq, D), q.dtype)
     aliases = {}
@@ -527,18 +554,19 @@ def decode_attention(q, k, v, q_pos, kv_len, *, scale: float, window: int | None
                  **_tiles(q.shape[-1], block_k, num_warps, num_stages, k_scale is not None))
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("n_heads", "pairing", "dtype", "quantize_out"))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("n_heads", "pairing", "dtype", "quantize_out", "eps"))
 def decode_rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, *, n_heads: int, pairing: str, dtype,
                           scale: float, window: int | None = None, block_k: int | None = None,
                           num_splits: int | None = None, num_warps: int | None = None,
                           num_stages: int | None = None, interpret: bool = False, arrivals=None,
-                          quantize_out: bool = False):
+                          quantize_out: bool = False, qk_norm=None, eps: float = 0.0):
     """One decode token per sequence, from its QKV product to its attention output in one kernel:
     the rotation of q and k and the append of k, v at `pos` [B] (-1: an inactive sequence, nothing
     written) into the contiguous caches [B, Hkv, S, D] (row b is sequence b), as
     `kv_append.rope_append`, then `decode_attention` over positions 0..pos. parts [S, B, (Hq + 2
     Hkv) D] are the product's float32 partial sums, bias [(Hq + 2 Hkv) D] or None, and `dtype` the
-    compute dtype they are rounded to. arrivals: None, or [B, Hkv] int32 zeros that the split
+    compute dtype they are rounded to; qk_norm: None, or the weights (q [D], k [D]) of an RMS norm
+    (epsilon `eps`) of every query and key head before the rotation. arrivals: None, or [B, Hkv] int32 zeros that the split
     merge counts in and leaves zero (kept by the caller across calls, it saves a copy per call).
     quantize_out: hand the output over rounded to int8 (a QuantizedX [B, 1] of Hq D values, for an
     int8 output projection) where the kernel merges its splits; else as an array.
@@ -552,7 +580,7 @@ def decode_rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, *, n_hea
     pos = pos.astype(jnp.int32)
     q = jax.ShapeDtypeStruct((B, 1, n_heads, D), jnp.dtype(dtype))
     return _call(q, k_cache, v_cache, None, pos[:, None], pos + 1, layout, scale=scale, window=window,
-                 num_splits=num_splits, interpret=interpret, rope=RopeAppend(parts, bias, inv_freq, pairing),
+                 num_splits=num_splits, interpret=interpret, rope=RopeAppend(parts, bias, inv_freq, pairing, qk_norm, eps),
                  arrivals=arrivals, quantize_out=quantize_out, **_tiles(D, block_k, num_warps, num_stages))
 
 

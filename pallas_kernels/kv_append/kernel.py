@@ -43,14 +43,29 @@ def _half(ref, idx: tuple, j: int, pairing: str):
 class ProductRows:
     """Rows (heads) of sequence b's QKV product inside a kernel program, from its split-K partial
     sums in the split view (`split_view`): summed with the bias, rounded to `dtype` (as the
-    product would have been), in float32; and rotated for position `pos`. Shared with the
-    decode attention kernel that runs this pass as its prologue (pallas_kernels.attention)."""
+    product would have been), in float32; RMS-normed per head where a norm weight is given
+    (Gemma's q and k norms, `norm_refs`: the q and k weights [D] in the split view, or None),
+    rounded again; and rotated for position `pos`. Shared with the decode attention kernel that
+    runs this pass as its prologue (pallas_kernels.attention)."""
 
-    def __init__(self, parts_ref, bias_ref, inv_ref, b, pos, *, n_parts: int, pairing: str, dtype):
+    def __init__(self, parts_ref, bias_ref, inv_ref, b, pos, *, n_parts: int, pairing: str, dtype,
+                 norm_refs=None, eps: float = 0.0):
         self.parts_ref, self.bias_ref, self.b = parts_ref, bias_ref, b
         self.n_parts, self.pairing, self.dtype = n_parts, pairing, dtype
+        self.q_norm, self.k_norm = norm_refs if norm_refs is not None else (None, None)
+        self.eps = eps
         angles = pos.astype(_F32) * inv_ref[...].astype(_F32)
         self.cos, self.sin = jnp.cos(angles), jnp.sin(angles)
+
+    def _normed(self, x1, x2, w_ref):
+        """Halves x1, x2 [..., D/2] of rows, each row divided by its RMS over D and weighted by
+        w_ref, in float32, rounded to the dtype (as the reference's rms_norm returns it)."""
+        if w_ref is None:
+            return x1, x2
+        ms = (jnp.sum(x1 * x1, axis=-1, keepdims=True) + jnp.sum(x2 * x2, axis=-1, keepdims=True)) / (2 * x1.shape[-1])
+        r = jax.lax.rsqrt(ms + self.eps)
+        w = [plgpu.load(_half(w_ref, (), j, self.pairing)).astype(_F32) for j in range(2)]
+        return tuple((x * r * wj).astype(self.dtype).astype(_F32) for x, wj in zip((x1, x2), w))
 
     def half(self, head, j):
         """Half j of row `head`: its partial sums and bias, rounded to the dtype."""
@@ -61,14 +76,15 @@ class ProductRows:
             x = x + plgpu.load(_half(self.bias_ref, (head,), j, self.pairing)).astype(_F32)
         return x.astype(self.dtype).astype(_F32)
 
-    def rotated(self, head):
-        """(first, second) rotation half of row `head`, rotated."""
-        x1, x2 = self.half(head, 0), self.half(head, 1)
+    def rotated(self, head, key: bool):
+        """(first, second) rotation half of row `head` (a key's, else a query's), normed as
+        its kind is, rotated."""
+        x1, x2 = self._normed(self.half(head, 0), self.half(head, 1), self.k_norm if key else self.q_norm)
         return x1 * self.cos - x2 * self.sin, x2 * self.cos + x1 * self.sin
 
     def rotated_rows(self, first_head, n: int, valid):
-        """(first, second) rotation half, rotated, of the n rows (heads) from `first_head`, each
-        [n, D/2]; rows where `valid` [n] is false read nothing and hold zeros."""
+        """(first, second) rotation half, normed and rotated, of the n query rows (heads) from
+        `first_head`, each [n, D/2]; rows where `valid` [n] is false read nothing and hold zeros."""
         heads, mask = pl.ds(first_head, n), valid[:, None]
 
         def half(j):
@@ -79,7 +95,7 @@ class ProductRows:
                 x = x + plgpu.load(at(self.bias_ref, heads), mask=mask, other=0).astype(_F32)
             return x.astype(self.dtype).astype(_F32)
 
-        x1, x2 = half(0), half(1)
+        x1, x2 = self._normed(half(0), half(1), self.q_norm)
         cos, sin = self.cos[None, :], self.sin[None, :]
         return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
@@ -119,8 +135,12 @@ def _store_row(ref, scale_ref, head_scale, halves, idx: tuple, valid, *, kind: s
 
 
 def _kernel(pos_ref, row_ref, inv_ref, parts_ref, *refs, n_heads: int, group: int, n_parts: int,
-            pairing: str, has_bias: bool, kind: str | None):
+            pairing: str, has_bias: bool, has_norm: bool, eps: float, kind: str | None):
+    # refs: the bias, the q and k norm weights, an fp8 cache's head scales (each where given),
+    # the caches (aliased), then the outputs.
     bias_ref = refs[0] if has_bias else None
+    norm_refs = tuple(refs[int(has_bias):int(has_bias) + 2]) if has_norm else None
+    n_before = int(has_bias) + 2 * int(has_norm)
     if kind == "int8":  # outputs q, k, v and the per-entry scales (aliased to the inputs)
         q_ref, k_ref, v_ref, ks_ref, vs_ref = refs[-5:]
     else:
@@ -128,21 +148,22 @@ def _kernel(pos_ref, row_ref, inv_ref, parts_ref, *refs, n_heads: int, group: in
         ks_ref = vs_ref = None
     b, h = pl.program_id(0), pl.program_id(1)
     pos = pos_ref[b]
-    product = ProductRows(parts_ref, bias_ref, inv_ref, b, pos, n_parts=n_parts, pairing=pairing, dtype=q_ref.dtype)
+    product = ProductRows(parts_ref, bias_ref, inv_ref, b, pos, n_parts=n_parts, pairing=pairing, dtype=q_ref.dtype,
+                          norm_refs=norm_refs, eps=eps)
     load, rotate = product.half, product.rotated
 
     for g in range(group):  # G loads of D/2 values: no gathers or masks for any G
         head = h * group + g
-        for j, val in enumerate(rotate(head)):
+        for j, val in enumerate(rotate(head, key=False)):
             plgpu.store(_half(q_ref, (b, head), j, pairing), val.astype(q_ref.dtype))
 
     n_kv = pl.num_programs(1)
     k_head = v_head = None
-    if kind == "fp8":  # the per-head scales: inputs after the bias
-        k_head, v_head = refs[int(has_bias)][h], refs[int(has_bias) + 1][h]
+    if kind == "fp8":  # the per-head scales: inputs after the bias and norms
+        k_head, v_head = refs[n_before][h], refs[n_before + 1][h]
     idx = (row_ref[b], h, jnp.maximum(pos, 0))
     store = functools.partial(_store_row, idx=idx, valid=pos >= 0, kind=kind, pairing=pairing, dtype=q_ref.dtype)
-    store(k_ref, ks_ref, k_head, rotate(n_heads + h))
+    store(k_ref, ks_ref, k_head, rotate(n_heads + h, key=True))
     store(v_ref, vs_ref, v_head, [load(n_heads + n_kv + h, j) for j in range(2)])
 
 
@@ -152,15 +173,16 @@ def split_view(x: jax.Array, pairing: str) -> jax.Array:
     return x.reshape(*x.shape[:-1], *((2, d // 2) if pairing == "halves" else (d // 2, 2)))
 
 
-@functools.partial(jax.jit, static_argnames=("n_heads", "pairing", "dtype", "interpret"))
+@functools.partial(jax.jit, static_argnames=("n_heads", "pairing", "dtype", "interpret", "eps"))
 def rope_append_kernel(parts, bias, pos, k_cache, v_cache, inv_freq, rows, *, n_heads: int, pairing: str,
-                       dtype, interpret: bool = False, k_scale=None, v_scale=None):
+                       dtype, interpret: bool = False, k_scale=None, v_scale=None, qk_norm=None, eps: float = 0.0):
     """parts [S, B, (Hq + 2 Hkv) D]: the QKV product of B tokens as S partial sums; bias
     [(Hq + 2 Hkv) D] or None; pos [B] (-1: write nothing); rows [B] each token's cache row (tokens
     of one sequence share it, each at its own position); caches
     [n_slots, Hkv, S, D], float, or int8 / fp8 with their scales k_scale, v_scale (int8:
-    [n_slots, Hkv, S], written here; fp8: [Hkv], read). -> (q [B, Hq, D] rotated, in `dtype`;
-    k_cache; v_cache; k_scale; v_scale)."""
+    [n_slots, Hkv, S], written here; fp8: [Hkv], read); qk_norm: None, or the weights (q [D],
+    k [D]) of an RMS norm (epsilon `eps`) of every query and key head before the rotation.
+    -> (q [B, Hq, D] rotated, in `dtype`; k_cache; v_cache; k_scale; v_scale)."""
     n_slots, n_kv, _, d = k_cache.shape
     n_parts, B, n = parts.shape
     if d % 2 or (d // 2) & (d // 2 - 1):
@@ -168,6 +190,9 @@ def rope_append_kernel(parts, bias, pos, k_cache, v_cache, inv_freq, rows, *, n_
     if n != (n_heads + 2 * n_kv) * d:
         raise ValueError(f"rope_append: a product of {n} columns is not q, k, v of {n_heads} + 2 x {n_kv} heads "
                          f"of dim {d}")
+    if qk_norm is not None and any(w.shape != (d,) for w in qk_norm):
+        raise ValueError(f"rope_append: the q and k norm weights must be [{d}], got "
+                         f"{[tuple(w.shape) for w in qk_norm]}")
     kind = kind_of(k_cache.dtype)
     for x, scale, name in ((k_cache, k_scale, "k"), (v_cache, v_scale, "v")):
         check_scales(x, scale, name)
@@ -175,11 +200,13 @@ def rope_append_kernel(parts, bias, pos, k_cache, v_cache, inv_freq, rows, *, n_
     view = functools.partial(split_view, pairing=pairing)
     heads = lambda x: x.reshape(*x.shape[:-1], n_heads + 2 * n_kv, d)  # noqa: E731
     before = [] if bias is None else [view(heads(bias))]
+    if qk_norm is not None:
+        before += [view(w.astype(_F32)) for w in qk_norm]
     if kind == "fp8":
         before += [k_scale.astype(_F32), v_scale.astype(_F32)]
     caches = [view(k_cache), view(v_cache)] + ([k_scale, v_scale] if kind == "int8" else [])
     kernel = functools.partial(_kernel, n_heads=n_heads, group=group, n_parts=n_parts, pairing=pairing,
-                               has_bias=bias is not None, kind=kind)
+                               has_bias=bias is not None, has_norm=qk_norm is not None, eps=float(eps), kind=kind)
     at = 4 + len(before)
     outs = pl.pallas_call(
         kernel,

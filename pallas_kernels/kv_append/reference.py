@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.kv_quant import kind_of, quantize_entries
+from pallas_kernels.rms_norm.reference import rms_norm
 
 
 def apply_rope(x: jax.Array, pos: jax.Array, inv_freq: jax.Array, pairing: str) -> jax.Array:
@@ -58,16 +59,20 @@ def split_qkv(qkv: jax.Array, n_heads: int, n_kv_heads: int):
 
 
 def rope_append_reference(parts, bias, pos, k_cache, v_cache, inv_freq, rows, *, n_heads: int, pairing: str,
-                          dtype, k_scale=None, v_scale=None):
+                          dtype, k_scale=None, v_scale=None, qk_norm=None, eps: float = 0.0):
     """The QKV product given as S partial sums parts [S, B, T, (Hq + 2 Hkv) D] (plus bias, or None),
     summed and rounded to `dtype`; its queries and keys rotated for positions pos [B, T], keys and
     values written into the caches [n_slots, Hkv, S, D] at those positions of rows `rows` [B]
     (`write_entries`: quantized for an int8 or fp8 cache, whose scales k_scale, v_scale come with it).
+    qk_norm: None, or the weights (q [D], k [D]) of an RMS norm (epsilon `eps`) of every query and
+    key head before the rotation (Gemma).
     -> (q [B, T, Hq, D] rotated, in `dtype`; k_cache; v_cache; k_scale; v_scale)."""
     qkv = jnp.sum(parts.astype(jnp.float32), axis=0)
     if bias is not None:
         qkv = qkv + bias.astype(jnp.float32)
     q, k, v = split_qkv(qkv.astype(dtype), n_heads, k_cache.shape[1])
+    if qk_norm is not None:
+        q, k = rms_norm(q, qk_norm[0], eps), rms_norm(k, qk_norm[1], eps)
     q = apply_rope(q, pos, inv_freq, pairing)
     k = apply_rope(k, pos, inv_freq, pairing)
     k_cache, k_scale = write_entries(k_cache, k_scale, k, pos, rows)
