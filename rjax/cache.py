@@ -123,17 +123,13 @@ class KVCache:
                           eps: float = 0.0):
         """`rope_write`, then `attend`, for one token per sequence in rows 0..B-1 (parts
         [S, B, 1, (Hq + 2 Hkv) D], pos [B, 1]), as one kernel on the GPU
-        (pallas_kernels.attention.rope_attention); float caches only (the plan picks
-        `rope_write` and `attend` for a quantized one). -> (attention output [B, 1, Hq, D], or
+        (pallas_kernels.attention.rope_attention). -> (attention output [B, 1, Hq, D], or
         with quantize_out possibly a QuantizedX [B, 1] of it, cache)."""
-        if self.quantized:
-            raise ValueError(f"KVCache.rope_write_attend: the one-kernel rotate, append and attend writes float "
-                             f"caches only, not {self.kv_dtype}")
-        out, k, v, arrivals = rope_attention(parts[:, :, 0], bias, pos[:, 0], self.k[layer], self.v[layer], inv_freq,
-                                             n_heads=n_heads, pairing=pairing, dtype=dtype, scale=scale,
-                                             window=window, arrivals=self.arrivals, quantize_out=quantize_out,
-                                             qk_norm=qk_norm, eps=eps)
-        return out, self._with(layer, k, v, arrivals=arrivals)
+        out, k, v, arrivals, ks, vs = rope_attention(
+            parts[:, :, 0], bias, pos[:, 0], self.k[layer], self.v[layer], inv_freq, n_heads=n_heads, pairing=pairing,
+            dtype=dtype, scale=scale, window=window, arrivals=self.arrivals, quantize_out=quantize_out,
+            qk_norm=qk_norm, eps=eps, k_scale=self._scale(self.k_scale, layer), v_scale=self._scale(self.v_scale, layer))
+        return out, self._with(layer, k, v, ks, vs, arrivals=arrivals)
 
     def attend(self, layer: int, q, pos, slots, *, scale: float, window: int | None):
         k, v = self.k[layer], self.v[layer]

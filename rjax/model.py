@@ -118,7 +118,7 @@ def plan_of(cfg: ModelConfig, params: Params, cache, tokens: jax.Array, slots, d
     model: `tp_axis` names the mesh axis its row-parallel products are summed over)."""
     B, T = tokens.shape
     return plan_for(cfg, params, B, T, dtype, paged=cache.paged, slots=slots is not None, tuning=tuning,
-                    kv_quantized=cache.quantized, tp_axis=tp_axis)
+                    tp_axis=tp_axis)
 
 
 def hidden_states(cfg: ModelConfig, params: Params, cache, tokens: jax.Array, pos: jax.Array,

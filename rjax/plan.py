@@ -119,14 +119,13 @@ def _kernels(ws, rows, dtype, kw) -> str:
 
 def plan_for(cfg: ModelConfig, params, batch: int, tokens: int, dtype, *, paged: bool = False, slots: bool = False,
              gpu: bool | None = None, implementation: str | None = None, tuning: Tuning = TUNING,
-             kv_quantized: bool = False, tp_axis: str | None = None) -> Plan:
+             tp_axis: str | None = None) -> Plan:
     """The plan of a forward pass of `batch` sequences x `tokens` tokens in `dtype` over `params`
     (their types and shapes only), on a paged or contiguous cache, with cache rows given
     (`slots`) or rows 0..batch-1. `gpu`: plan for a GPU backend (default: the current one);
     `implementation`: what runs the planned kernels (default: "pallas" on a GPU plan, else
-    "reference"; "interpret" or "reference" run a GPU plan on a CPU, for tests). kv_quantized:
-    the cache stores int8 or fp8 K/V: the rotate-and-append kernel quantizes what it writes,
-    and the one kernel that also attends (float caches only) is not planned. tp_axis: plan one
+    "reference"; "interpret" or "reference" run a GPU plan on a CPU, for tests). An int8 or fp8
+    cache is written quantized by the kernels that rotate and append. tp_axis: plan one
     device's shard of a split model, whose output and down products are summed across that mesh
     axis before the norm after them, so neither fuses its add + norm nor leaves the norm pending."""
     gpu = jax.default_backend() == "gpu" if gpu is None else gpu
@@ -139,7 +138,7 @@ def plan_for(cfg: ModelConfig, params, batch: int, tokens: int, dtype, *, paged:
     for i, p in enumerate(layers):
         if not _rotates_in_kernel(p, paged):
             attention = "xla"
-        elif not kv_quantized and not slots and gpu and tokens == 1 and batch <= tuning.fused_rope_max_rows:
+        elif not slots and gpu and tokens == 1 and batch <= tuning.fused_rope_max_rows:
             attention = "rope_attention"
         else:
             attention = "rope_append"

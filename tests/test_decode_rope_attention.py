@@ -96,6 +96,42 @@ def test_query_key_norms_and_the_merge_interpret(pairing, S, window, merged):
 
 
 @pytest.mark.parametrize("pairing", ["pairs", "halves"])
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("B,hq,hkv,S,window,norm", [(3, 8, 2, 96, None, False), (1, 4, 1, 2048, None, True),
+                                                    (1, 4, 1, 2048, 40, False)])
+def test_quantized_cache_interpret(pairing, kind, B, hq, hkv, S, window, norm):
+    """An int8 or fp8 cache: the token's key and value written quantized as kv_append writes them
+    (an int8 entry's scale beside it), the attention over the quantized cache with the token's
+    own entry as the cache then holds it; against kv_append's reference, then the attention
+    reference, on the same quantized caches. (1, 4, 1, 2048): the splits merged by XLA."""
+    from pallas_kernels.kv_quant import FP8, dequantize, quantize_int8
+
+    d, dtype = 64, jnp.float32
+    fill = [S - 30, 17, 0][:B]
+    parts, b, pos, kc, vc, inv = _inputs(B, hq, hkv, d, S, dtype, 11, 2, True, fill)
+    if kind == "int8":
+        (kc, ks), (vc, vs) = quantize_int8(kc), quantize_int8(vc)
+    else:
+        ks, vs = jnp.full((hkv,), 0.5, jnp.float32), jnp.linspace(1.0, 2.0, hkv, dtype=jnp.float32)
+        kc, vc = (kc / ks[:, None, None]).astype(FP8), (vc / vs[:, None, None]).astype(FP8)
+    r = np.random.default_rng(12)
+    norms = tuple(jnp.asarray(1 + 0.5 * r.standard_normal(d), jnp.float32) for _ in range(2)) if norm else None
+    kw = dict(n_heads=hq, pairing=pairing, dtype=dtype, qk_norm=norms, eps=1e-6)
+    q, kw_, vw, ksw, vsw = rope_append_reference(parts[:, :, None], b, pos[:, None], kc, vc, inv, jnp.arange(B), **kw,
+                                                 k_scale=ks, v_scale=vs)
+    want = attention_reference(q, kw_, vw, pos[:, None], pos + 1, scale=d ** -0.5, window=window, k_scale=ksw,
+                               v_scale=vsw)
+    got = decode_rope_attention(parts, b, pos, kc, vc, inv, **kw, scale=d ** -0.5, window=window, block_k=16,
+                                interpret=True, arrivals=jnp.zeros((B, hkv), jnp.int32), k_scale=ks, v_scale=vs)
+    np.testing.assert_array_equal(np.asarray(got[3]), 0)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want), rtol=2e-3, atol=2e-3)
+    for g, gs, w, ws in ((got[1], got[4], kw_, ksw), (got[2], got[5], vw, vsw)):
+        x, y = np.asarray(dequantize(g, gs)), np.asarray(dequantize(w, ws))
+        quantum = np.abs(y).max(-1, keepdims=True) / 127 if kind == "int8" else np.abs(y) / 8 + 2 ** -9
+        assert np.all(np.abs(x - y) <= quantum * 1.001)
+
+
+@pytest.mark.parametrize("pairing", ["pairs", "halves"])
 @pytest.mark.parametrize("case", [1, 2, 3])
 def test_quantized_output_interpret(pairing, case):
     """With quantize_out and its splits merged in the kernel, the output comes rounded to int8 per
@@ -156,6 +192,28 @@ def test_lowers_to_triton_for_h100():
             assert "__gpu$xla.gpu.triton" in lowered.as_text()
 
 
+def test_quantized_and_normed_lower_to_triton_for_h100():
+    """int8 and fp8 caches, q/k norms, and the XLA-merged splits of one KV head over 32k keys."""
+    from jax._src.pallas.triton import gpu_info
+
+    h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+    S = jax.ShapeDtypeStruct
+    with warnings.catch_warnings(), mock.patch.object(gpu_info, "get_gpu_info", lambda: h100):
+        warnings.simplefilter("ignore")
+        for kind, hkv, d, keys, pairing in (("int8", 8, 128, 1024, "pairs"), ("fp8", 8, 128, 1024, "halves"),
+                                            ("int8", 1, 256, 32768, "halves")):
+            n = (4 * hkv + 2 * hkv) * d
+            dt = jnp.int8 if kind == "int8" else jnp.float8_e4m3fn
+            kv = S((1, hkv, keys, d), dt)
+            scale = S((1, hkv, keys) if kind == "int8" else (hkv,), jnp.float32)
+            norm = (S((d,), jnp.float32), S((d,), jnp.float32))
+            lowered = decode_rope_attention.trace(
+                S((2, 1, n), jnp.float32), None, S((1,), jnp.int32), kv, kv, S((d // 2,), jnp.float32),
+                n_heads=4 * hkv, pairing=pairing, dtype=jnp.bfloat16, scale=0.088, qk_norm=norm, eps=1e-6,
+                k_scale=scale, v_scale=scale).lower(lowering_platforms=("cuda",))
+            assert "__gpu$xla.gpu.triton" in lowered.as_text()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("pairing", ["pairs", "halves"])
 @pytest.mark.parametrize("B,hq,hkv,d,splits", [(1, 9, 3, 64, None), (1, 32, 8, 128, None), (8, 32, 8, 128, 3)])
@@ -178,6 +236,31 @@ def test_gpu_matches_the_two_kernels(pairing, B, hq, hkv, d, splits):
     assert isinstance(xq, QuantizedX)
     np.testing.assert_allclose(np.asarray(dequantize_x(xq)), np.asarray(want, np.float32).reshape(B, 1, hq * d),
                                rtol=0, atol=float(np.asarray(xq.d).max()) + 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("pairing", ["pairs", "halves"])
+@pytest.mark.parametrize("B,hq,hkv,d,S", [(1, 32, 8, 128, 1024), (8, 32, 8, 128, 8192), (1, 4, 1, 256, 32768)])
+def test_gpu_quantized_matches_the_two_kernels(kind, pairing, B, hq, hkv, d, S):
+    """A quantized cache: the same entries, scales and (up to the order of the sums) output as
+    kv_append's kernel followed by the decode attention kernel."""
+    from pallas_kernels.kv_quant import FP8, quantize_int8
+
+    fill = [S - 100 - 61 * i for i in range(B)]
+    parts, b, pos, kc, vc, inv = _inputs(B, hq, hkv, d, S, jnp.float32, 13, 4, False, fill)
+    if kind == "int8":
+        (kc, ks), (vc, vs) = quantize_int8(kc), quantize_int8(vc)
+    else:
+        ks, vs = jnp.full((hkv,), 0.5, jnp.float32), jnp.full((hkv,), 1.5, jnp.float32)
+        kc, vc = (kc / 0.5).astype(FP8), (vc / 1.5).astype(FP8)
+    kw = dict(n_heads=hq, pairing=pairing, dtype=jnp.bfloat16)
+    q, k2, v2, ks2, vs2 = rope_append_kernel(parts, b, pos, kc, vc, inv, jnp.arange(B), **kw, k_scale=ks, v_scale=vs)
+    want = decode_attention(q[:, None], k2, v2, pos[:, None], pos + 1, scale=d ** -0.5, k_scale=ks2, v_scale=vs2)
+    got = decode_rope_attention(parts, b, pos, kc, vc, inv, **kw, scale=d ** -0.5, k_scale=ks, v_scale=vs)
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
+    for g, w in zip(got[1:3] + got[4:], (k2, v2, ks2, vs2)):
+        np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
 
 
 @pytest.mark.parametrize("kernels", ["reference", "interpret"])
@@ -224,3 +307,23 @@ def test_model_decode_step_takes_it_when_planned(tmp_path, monkeypatch, kernels)
     assert calls, "the fused path was not taken"
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S,window", [(32768, None), (32768, 512), (1024, None)])
+def test_gpu_gemma_heads_with_norms(S, window):
+    """gemma3-1b's heads (4 query, 1 KV, head dim 256) with q/k norms at batch 1: over 32k keys
+    the splits go to XLA's combine, over a window or 1k keys the kernel merges them; the output
+    and the written rows against the references in float32."""
+    hq, hkv, d, dtype = 4, 1, 256, jnp.bfloat16
+    parts, b, pos, kc, vc, inv = _inputs(1, hq, hkv, d, S, dtype, 9, 1, False, [S - 100])
+    r = np.random.default_rng(10)
+    norms = tuple(jnp.asarray(1 + 0.5 * r.standard_normal(d), jnp.float32) for _ in range(2))
+    kw = dict(n_heads=hq, pairing="halves", scale=d ** -0.5, window=window, qk_norm=norms, eps=1e-6)
+    want = _reference(parts, b, pos, kc.astype(jnp.float32), vc.astype(jnp.float32), inv, dtype=jnp.float32, **kw)
+    got = decode_rope_attention(parts, b, pos, kc, vc, inv, dtype=dtype, **kw, arrivals=jnp.zeros((1, hkv), jnp.int32))
+    np.testing.assert_array_equal(np.asarray(got[3]), 0)
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0]), rtol=0, atol=3e-2)
+    p = S - 100
+    for g, w in zip(got[1:3], want[1:]):
+        np.testing.assert_allclose(np.asarray(g[0, :, p], np.float32), np.asarray(w[0, :, p]), rtol=2e-2, atol=2e-2)

@@ -316,14 +316,19 @@ def _greedy(cfg, params, cache, slot, n):
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
-def test_quantized_decode_step_through_the_append_kernel(tmp_path, monkeypatch, kv_dtype):
-    """A GPU plan's one-token step over a quantized cache rotates, quantizes and appends in
-    kv_append's kernel (rope_append; the one kernel that also attends is for float caches): run
-    in interpret mode, the same logits and cache as the plan that rotates in XLA and quantizes
-    in KVCache.write (attention "xla"), up to an entry landing one quantum away (the two sum the
-    QKV product in another order)."""
+@pytest.mark.parametrize("fused", [True, False], ids=["rope_attention", "rope_append"])
+def test_quantized_decode_step_through_the_kernels(tmp_path, monkeypatch, kv_dtype, fused):
+    """A GPU plan's one-token step over a quantized cache rotates, quantizes and appends in one
+    kernel that also attends (rope_attention), or in kv_append's kernel before the attention
+    (rope_append, for batches past Tuning.fused_rope_max_rows): run in interpret mode, the same
+    logits and cache as the plan that rotates in XLA and quantizes in KVCache.write (attention
+    "xla"), up to an entry landing one quantum away (the two sum the QKV product in another
+    order)."""
     import dataclasses
 
+    import pallas_kernels.attention as attention
+    import pallas_kernels.kv_append as kv_append
+    from pallas_kernels.quant_matmul import TUNING
     from rjax.bench import load_for_bench
     from rjax.layout import fuse_projections
     from rjax.model import forward
@@ -333,24 +338,28 @@ def test_quantized_decode_step_through_the_append_kernel(tmp_path, monkeypatch, 
     path = write_synthetic(tmp_path / "m.gguf", "smollm2-135m", "q4_1", n_layers=2, vocab_size=512,
                            tokenizer_from="builtin")
     cfg, params, _ = load_for_bench(path, progress=False)
-    params = fuse_projections(params)  # as on a GPU: the kernel takes the fused QKV product
-    kw = dict(gpu=True, implementation="interpret")
-    assert {lp.attention for lp in plan_for(cfg, params, 2, 1, jnp.float32, **kw).layers} == {"rope_attention"}
-    plan = plan_for(cfg, params, 2, 1, jnp.float32, **kw, kv_quantized=True)
-    assert {lp.attention for lp in plan.layers} == {"rope_append"}
-    import pallas_kernels.kv_append as kv_append
+    params = fuse_projections(params)  # as on a GPU: the kernels take the fused QKV product
+    tuning = TUNING.replace(fused_rope_max_rows=256 if fused else 0, quantized_attention_out=False)
+    plan = plan_for(cfg, params, 2, 1, jnp.float32, gpu=True, implementation="interpret", tuning=tuning)
+    assert {lp.attention for lp in plan.layers} == {"rope_attention" if fused else "rope_append"}
 
     calls = []
-    kernel = kv_append.rope_append_kernel
-    monkeypatch.setattr(kv_append, "pick_implementation",
-                        lambda op, impl, rows, most: impl or ("interpret" if rows <= most else "reference"))
-    monkeypatch.setattr(kv_append, "rope_append_kernel", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    if fused:
+        resolve = attention._resolve
+        monkeypatch.setattr(attention, "_resolve", lambda impl: "interpret" if impl is None else resolve(impl))
+        kernel = attention.rope_attention
+        monkeypatch.setattr("rjax.cache.rope_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    else:
+        kernel = kv_append.rope_append_kernel
+        monkeypatch.setattr(kv_append, "pick_implementation",
+                            lambda op, impl, rows, most: impl or ("interpret" if rows <= most else "reference"))
+        monkeypatch.setattr(kv_append, "rope_append_kernel", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     in_xla = dataclasses.replace(plan, layers=tuple(dataclasses.replace(lp, attention="xla", out_norm="norm")
                                                     for lp in plan.layers))
     tokens, lengths = engine.pad_prompts([[5, 6, 7, 8, 9], [11, 12]])
     cache = init_cache(cfg, 2, 64, kv_dtype=kv_dtype)
     _, cache = engine.prefill(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
-    calls.clear()  # the prefill's few positions took the kernel too; count the step's
+    calls.clear()  # the prefill's few positions took the append kernel too; count the step's
     step, pos = jnp.asarray([[3], [4]], jnp.int32), jnp.asarray(lengths)[:, None]
     got_logits, got = forward(cfg, params, cache, step, pos, plan=plan)
     assert len(calls) == cfg.n_layers, "the kernel did not run"

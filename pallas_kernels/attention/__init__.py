@@ -79,26 +79,31 @@ def attention(q, k, v, q_pos, kv_len, *, scale: float, window: int | None = None
 
 def rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, *, n_heads: int, pairing: str, dtype,
                    scale: float, window: int | None = None, arrivals=None, quantize_out: bool = False,
-                   implementation=None, qk_norm=None, eps: float = 0.0):
+                   implementation=None, qk_norm=None, eps: float = 0.0, k_scale=None, v_scale=None):
     """One decode token per sequence b (cache row b) from its QKV product's partial sums parts
     [S, B, (Hq + 2 Hkv) D]: q and k rotated for pos [B], k and v appended there, attention over
     positions 0..pos. arrivals: None or the kernel's [B, Hkv] int32 scratch, zero between calls
     (see decode_rope_attention). -> (out [B, 1, Hq, D], k_cache, v_cache, arrivals). The fused
     kernel on a GPU backend; elsewhere kv_append's reference, then this package's. quantize_out:
     the kernel may hand the output over as a QuantizedX [B, 1] (see decode_rope_attention).
-    qk_norm, eps: an RMS norm of the query and key heads before the rotation (see rope_append)."""
+    qk_norm, eps: an RMS norm of the query and key heads before the rotation (see rope_append).
+    A quantized cache comes with its scales k_scale, v_scale, written quantized (see
+    decode_rope_attention). -> (out, k_cache, v_cache, arrivals, k_scale, v_scale)."""
     impl = _resolve(implementation)
     kw = dict(n_heads=n_heads, pairing=pairing, dtype=dtype, qk_norm=qk_norm, eps=eps)
     if impl == "reference":
         from pallas_kernels.kv_append import rope_append_reference
 
         B = parts.shape[1]
-        q, k_cache, v_cache, _, _ = rope_append_reference(parts[:, :, None], bias, pos[:, None], k_cache, v_cache,
-                                                          inv_freq, jnp.arange(B), **kw)
-        out = attention_reference(q, k_cache, v_cache, pos[:, None], pos + 1, scale=scale, window=window)
-        return out.astype(dtype), k_cache, v_cache, arrivals
+        q, k_cache, v_cache, k_scale, v_scale = rope_append_reference(
+            parts[:, :, None], bias, pos[:, None], k_cache, v_cache, inv_freq, jnp.arange(B), **kw, k_scale=k_scale,
+            v_scale=v_scale)
+        out = attention_reference(q, k_cache, v_cache, pos[:, None], pos + 1, scale=scale, window=window,
+                                  k_scale=k_scale, v_scale=v_scale)
+        return out.astype(dtype), k_cache, v_cache, arrivals, k_scale, v_scale
     return decode_rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, **kw, scale=scale, window=window,
-                                 interpret=impl == "interpret", arrivals=arrivals, quantize_out=quantize_out)
+                                 interpret=impl == "interpret", arrivals=arrivals, quantize_out=quantize_out,
+                                 k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, q_pos, kv_len, *, scale: float, window: int | None = None,

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.kv_quant import FP8_MAX, INT8_MAX, check_scales, kind_of
+from pallas_kernels.kv_quant import FP8, FP8_MAX, INT8_MAX, check_scales, kind_of
 
 _F32 = jnp.float32
 
@@ -114,22 +114,32 @@ def _rne(x):
     return f + jnp.where((d > 0.5) | ((d == 0.5) & odd), 1.0, 0.0)
 
 
-def _store_row(ref, scale_ref, head_scale, halves, idx: tuple, valid, *, kind: str | None, pairing: str, dtype):
-    """Store one row (two rotation halves in float32) at ref[idx], as the cache stores it: cast
-    to the cache dtype; int8 with its scale max|row| / 127 stored at scale_ref[idx]; fp8 as
-    row / head_scale, saturated (pallas_kernels/kv_quant.py). Nothing is stored unless `valid`."""
-    write = jnp.broadcast_to(valid, halves[0].shape)
-    if kind is not None:  # quantized from the value the float cache would hold
-        halves = [x.astype(dtype).astype(_F32) for x in halves]
+def quantize_row(halves, kind: str, head_scale, dtype):
+    """One row's two rotation halves (float32) as a `kind` cache stores them, quantized from the
+    value a float cache would hold (rounded to `dtype`; pallas_kernels/kv_quant.py): (the halves
+    in the cache's value domain, to be cast to its dtype; an int8 row's scale max|row| / 127, else
+    None; the values the cache then holds, dequantized, in float32)."""
+    halves = [x.astype(dtype).astype(_F32) for x in halves]
     if kind == "int8":
         amax = jnp.maximum(jnp.max(jnp.abs(halves[0])), jnp.max(jnp.abs(halves[1])))
         scale = amax / INT8_MAX
         safe = jnp.where(scale > 0, scale, 1.0)
-        halves = [jnp.clip(_rne(x / safe), -INT8_MAX, INT8_MAX) for x in halves]
-        plgpu.store(scale_ref.at[(*idx[:-1], pl.ds(idx[-1], 1))], jnp.broadcast_to(scale, (1,)),
-                    mask=jnp.broadcast_to(valid, (1,)))
-    elif kind == "fp8":
-        halves = [jnp.clip(x / head_scale, -FP8_MAX, FP8_MAX) for x in halves]
+        codes = [jnp.clip(_rne(x / safe), -INT8_MAX, INT8_MAX) for x in halves]
+        return codes, scale, [c * scale for c in codes]
+    values = [jnp.clip(x / head_scale, -FP8_MAX, FP8_MAX) for x in halves]
+    return values, None, [x.astype(FP8).astype(_F32) * head_scale for x in values]
+
+
+def _store_row(ref, scale_ref, head_scale, halves, idx: tuple, valid, *, kind: str | None, pairing: str, dtype):
+    """Store one row (two rotation halves in float32) at ref[idx], as the cache stores it: cast
+    to the cache dtype, or quantized (`quantize_row`; an int8 row's scale stored at
+    scale_ref[idx]). Nothing is stored unless `valid`."""
+    write = jnp.broadcast_to(valid, halves[0].shape)
+    if kind is not None:
+        halves, scale, _ = quantize_row(halves, kind, head_scale, dtype)
+        if scale is not None:
+            plgpu.store(scale_ref.at[(*idx[:-1], pl.ds(idx[-1], 1))], jnp.broadcast_to(scale, (1,)),
+                        mask=jnp.broadcast_to(valid, (1,)))
     for j, val in enumerate(halves):
         plgpu.store(_half(ref, idx, j, pairing), val.astype(ref.dtype), mask=write)
 
