@@ -19,7 +19,8 @@ K/V at memory bandwidth:
   scales multiply the scores and the probabilities that weight V, so the step reads 1 byte per
   cached value plus the scales.
 - `decode_rope_attention` runs kv_append's pass (the QKV product's partial sums summed, q and k
-  rotated, k and v written into the cache) as the prologue of the same programs, so a decode
+  normed per head where the model does so and rotated, k and v written into the cache, quantized
+  for an int8 or fp8 one) as the prologue of the same programs, so a decode
   step spends one launch per layer on both: each program builds its group's rotated query rows
   in registers and attends over the keys before the token's position; the last split folds the
   token's own key and value in from registers and writes them into the cache.
