@@ -5,8 +5,9 @@ partial sums, the bias, the split into q, k and v, the rotation of q and of k, a
 update per cache (k, v): five or six fusions of a few kilobytes each, every one a launch of
 1-1.5 us. This kernel does all of it in one launch. One program per (sequence, KV head) sums
 the partials (and bias) of the G query rows of that KV head's group and of its key and value
-row, rounds them to the compute dtype (as the product would have been), rotates them in
-float32 with angles computed from the position,
+row, rounds them to the compute dtype (as the product would have been), applies a model's
+per-head q and k RMS norms (Gemma's) where given, rotates them in float32 with angles computed
+from the position,
 writes the rotated queries, and stores the key and value at the sequence's position in the
 caches, which are aliased to the outputs (XLA updates the donated cache in place). A negative
 position (an inactive slot) writes nothing to the caches. An int8 or fp8 cache is written
