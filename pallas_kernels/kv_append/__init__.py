@@ -11,8 +11,9 @@ bias or None, `dtype` the compute dtype the sum is rounded to, pos [B, T] the ab
 padding, nothing written), caches [n_slots, Hkv, S, D], rows [B] the cache rows of the B
 sequences. qk_norm: None, or the weights (q [D], k [D]) of an RMS norm (epsilon `eps`) of every
 query and key head before the rotation (Gemma's). An int8 or fp8 cache
-(pallas_kernels/kv_quant.py) comes with its scales and is written quantized: int8 scales [n_slots, Hkv, S], one per entry, are written beside the values
-and returned; fp8 scales [Hkv] are read. A float cache's scales are None. `implementation`:
+(pallas_kernels/kv_quant.py) comes with its scales and is written quantized: int8 scales
+[n_slots, Hkv, S], one per entry, are written beside the values and returned; fp8 scales [Hkv]
+are read. A float cache's scales are None. `implementation`:
 None picks the kernel on a GPU backend for up to MAX_ROWS tokens in all (decode, and the few
 positions per sequence a speculative verification writes) and the reference elsewhere;
 "reference", "pallas", "interpret" force one. The kernel takes the B x T tokens as B * T rows
