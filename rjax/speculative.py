@@ -224,9 +224,18 @@ def _round(cfg, params, cache: KVCache, st: SpecState, sp, stop_ids, drafter, dp
         logq, n = None, jnp.minimum(found, room)
     t = jnp.arange(k + 1, dtype=jnp.int32)
     tokens = jnp.concatenate([st.last[None], drafts])
-    logits, cache = forward(cfg, params, cache, tokens[None], jnp.where(t <= n, held + t, -1)[None], None,
+
+    def verify():
+        logits, c = forward(cfg, params, cache, tokens[None], jnp.where(t <= n, held + t, -1)[None], None,
                             cache.dtype)
-    m, nxt = accept(logits[0], drafts, n, k_accept, sp, logq)
+        return logits[0], c
+
+    def step():  # nothing drafted: a plain one-token step, cheaper than K + 1 positions
+        logits, c = forward(cfg, params, cache, st.last[None, None], held[None, None], None, cache.dtype)
+        return jnp.broadcast_to(logits[0], (k + 1, logits.shape[-1])), c  # accept reads row 0 only
+
+    logits, cache = jax.lax.cond(n > 0, verify, step)
+    m, nxt = accept(logits, drafts, n, k_accept, sp, logq)
     emitted = jnp.where(t < m, jnp.concatenate([drafts, jnp.zeros(1, jnp.int32)]), nxt)
     stop = jnp.any(emitted[:, None] == stop_ids[None, :], axis=-1) & (t <= m)
     e = jnp.minimum(jnp.where(jnp.any(stop), jnp.argmax(stop) + 1, m + 1), st.remaining)

@@ -100,12 +100,12 @@ def default_num_splits(batch: int, kv_heads: int, num_keys: int, block_k: int, m
 
 
 def _n_outputs(merged: bool, num_splits: int, quantized: bool = False) -> int:
-    """The attention outputs of a program: the output alone (one token, one split); the output
-    (or its four QuantizedX planes), the partials and the arrival count (one token, merged in
-    the kernel); or the partials (merged by XLA)."""
-    if not merged:
-        return 3
-    return 1 if num_splits == 1 else (8 if quantized else 5)
+    """The attention outputs of a program: the output alone (one split); the output (or its
+    four QuantizedX planes), the partials and the arrival count (one token, merged in the
+    kernel); or the partials (several tokens over several splits, merged by XLA)."""
+    if num_splits == 1:
+        return 1
+    return (8 if quantized else 5) if merged else 3
 
 
 def merges_in_kernel(batch: int, kv_heads: int, visible_keys: int, block_k: int) -> bool:
@@ -160,7 +160,7 @@ def _kernel(kv_len_ref, row_pos_ref, q_ref, k_ref, v_ref, *rest, layout: CacheLa
         q = pltriton.load(q_ref.at[pl.ds(pl.program_id(1) * group, rows), :], mask=(r < group)[:, None], other=0)
     _attend(kv_len_ref[()], pos, q, k_ref, v_ref, table_ref, rest[-_n_outputs(merged, num_splits, quantize_out):],
             layout=layout, scale=scale, window=window, block_k=block_k, num_splits=num_splits, group=group,
-            interpret=interpret, quantize_out=quantize_out, scales=scales)
+            interpret=interpret, quantize_out=quantize_out, scales=scales, tokens=tokens)
 
 
 def _rope_append_kernel(kv_len_ref, pos_ref, inv_ref, parts_ref, *refs, has_bias: bool, has_norm: bool, eps: float,
@@ -265,7 +265,7 @@ def _group_rows(group: int):
 
 def _attend(kv_len, pos, q, k_ref, v_ref, table_ref, out_refs, *, layout: CacheLayout, scale: float,
             window: int | None, block_k: int, num_splits: int, group: int | None, interpret: bool,
-            new_key=None, quantize_out: bool = False, scales=None):
+            new_key=None, quantize_out: bool = False, scales=None, tokens: tuple[int, int] | None = None):
     """The program's attention over its split of the cache, written to `out_refs` (see _kernel).
 
     pos [R]: the query rows' positions (-1: padding); q [R, D], or its two rotation halves with
@@ -310,9 +310,20 @@ def _attend(kv_len, pos, q, k_ref, v_ref, table_ref, out_refs, *, layout: CacheL
         r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
         first_row = pl.ds(kv_head * group, rows)
     if len(out_refs) == 1:
-        # One split and one token: the normalized rows go straight to the [Hq, D] output
-        # (a row that sees no key has l == 0 and gets zeros), so no combine step runs.
+        # One split: the normalized rows go straight to the output, [Hq, D] for one token and
+        # [T, Hq, D] for several (a row that sees no key has l == 0 and gets zeros), so no
+        # combine step runs.
         (o_ref,) = out_refs
+        if group is None:
+            # A padding token's rows (pos -1 among real ones) walked the blocks unmasked: zeroed.
+            out = flash.finish(state, pos, kv_len, window)
+            T, G = tokens
+            Tp, Gp = token_rows(T, G)
+            t = jax.lax.broadcasted_iota(jnp.int32, (Tp, Gp, 1), 0)
+            g = jax.lax.broadcasted_iota(jnp.int32, (Tp, Gp, 1), 1)
+            pltriton.store(o_ref.at[pl.ds(0, Tp), pl.ds(kv_head * G, Gp), :],
+                           out.reshape(Tp, Gp, -1).astype(o_ref.dtype), mask=(t < T) & (g < G))
+            return
         out = acc / jnp.where(l > 0, l, 1.0)[:, None]
         pltriton.store(o_ref.at[first_row, :], out.astype(o_ref.dtype), mask=(r < group)[:, None])
         return
@@ -491,6 +502,9 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
     n_out = _n_outputs(merged, num_splits, quantize_out)
     o_spec = pl.BlockSpec((None, Hq, D), lambda s, h, b: (b, 0, 0))
     o_shape = jax.ShapeDtypeStruct((B, Hq, D), q.dtype)
+    if group is None:  # several tokens: [B, T, Hq, D], written whole where one split runs
+        o_spec = pl.BlockSpec((None, T, Hq, D), lambda s, h, b: (b, 0, 0, 0))
+        o_shape = jax.ShapeDtypeStruct((B, T, Hq, D), q.dtype)
     aliases = {}
     if n_out == 1:
         out_specs, out_shape = [o_spec], [o_shape]
@@ -565,7 +579,7 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
         words, d, dsum32, dsum16 = (x.reshape(B, 1, -1) for x in outs[:4])
         out = QuantizedX(words, d, dsum32, dsum16, jnp.dtype(q.dtype))
     elif n_out != 3:
-        out = outs[0][:, None]
+        out = outs[0] if group is None else outs[0][:, None]
     else:
         row_pos = jnp.broadcast_to(jnp.pad(q_pos.astype(jnp.int32), ((0, 0), (0, Tp - T)), constant_values=-1)[:, :, None],
                                    (B, Tp, Gp)).reshape(B, rows)
