@@ -47,7 +47,7 @@ class ChatSession:
     seed: int = 0
     kv_dtype: str | None = None   # how the cache stores K/V (rjax.cache.KV_DTYPES; None: bf16)
     speculative: object = None    # as rjax.generate's: "ngram", "self:q4_0", a draft model, or None
-    draft_tokens: int | str = 4   # drafts per verification, or "auto"
+    draft_tokens: int | str | None = None   # drafts per verification, "auto", or None: the drafter's default
     cache: KVCache | None = None
     cached_ids: list[int] = dataclasses.field(default_factory=list)  # what the cache holds, in order
     reused_tokens: int = 0  # prompt tokens taken from the cache in the last turn
@@ -128,7 +128,7 @@ class ChatSession:
 
     def _speculative(self, ids, keep, cache, draft_cache, seed, stats: dict):
         """The reply's tokens by speculative decoding; leaves the caches and counts in `stats`."""
-        from rjax.generation import AUTO_DRAFT_TOKENS
+        from rjax.generation import AUTO_DRAFT_TOKENS, default_draft_tokens
 
         drafter, draft = self.drafter
         spec = SpeculativeStats()
@@ -139,7 +139,8 @@ class ChatSession:
                                    draft_cache=draft_cache, held=keep, stats=spec,
                                    rounds_per_dispatch=STEPS_PER_DISPATCH,
                                    draft_tokens=AUTO_DRAFT_TOKENS if self.draft_tokens == "auto"
-                                   else self.draft_tokens):
+                                   else default_draft_tokens(self.model.config, drafter)
+                                   if self.draft_tokens is None else self.draft_tokens):
             yield [new]
         self.speculative_counts = dict(steps=spec.steps, drafted=spec.drafted, accepted=spec.accepted)
         stats.update(cache=spec.cache, draft_cache=spec.draft_cache if isinstance(drafter, ModelDrafter) else None)

@@ -21,9 +21,10 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding (prints accepted/drafted counts): 'ngram' (prompt lookup), "
                         "'self:q4_0' or 'self:q8_0' (the model requantized drafts for itself), or a draft model "
                         "with the same tokenizer (catalog name, .gguf file, Hugging Face directory)")
-    p.add_argument("--draft-tokens", type=_draft_tokens, default=4,
-                   help="tokens drafted per verification, or 'auto' (chosen per dispatch by the acceptance rate; "
-                        "default 4)")
+    p.add_argument("--draft-tokens", type=_draft_tokens, default=None,
+                   help="tokens drafted per verification, or 'auto' (chosen per dispatch by the acceptance rate); "
+                        "default: for prompt lookup as many as the verification keeps on the decode attention "
+                        "kernel (15, or 7 for wide query groups), for a draft model 4")
     p.add_argument("--kv-dtype", choices=("bf16", "int8", "fp8"), default="bf16",
                    help="KV cache: bf16 (unquantized, in the activation dtype: float32 on the CPU), int8 (one "
                         "scale per token and head) or fp8 (e4m3, one scale per head) (default bf16)")

@@ -30,7 +30,7 @@ from rjax.sampling import check_sampling
 # What the serving engine can draft with: prompt lookup, or a draft model (given to the
 # ServingEngine beside the target: arrays have no place in this static config).
 SPECULATIVE = (None, "ngram", "model")
-MAX_DRAFT_TOKENS = 16
+MAX_DRAFT_TOKENS = 16  # drafts per verification, here and in rjax.generate
 
 
 @dataclasses.dataclass(frozen=True)

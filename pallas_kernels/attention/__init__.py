@@ -32,7 +32,7 @@ __all__ = [
     "attention", "paged_attention", "attention_reference", "paged_attention_reference",
     "prefill_attention", "mgpu_prefill_attention", "paged_prefill_attention", "decode_attention",
     "paged_decode_attention", "decode_rope_attention", "rope_attention",
-    "MAX_DECODE_TOKENS", "kind_of", "quantize_int8", "quantize_fp8", "dequantize",
+    "MAX_DECODE_TOKENS", "decode_positions", "kind_of", "quantize_int8", "quantize_fp8", "dequantize",
 ]
 
 # Query tokens per sequence up to which the decode kernel is used: always up to 8, and up to 16
@@ -46,6 +46,12 @@ _DECODE_TILE = 64 * 128
 def _takes_decode(T: int, q_heads: int, kv_heads: int, head_dim: int) -> bool:
     Tp, Gp = token_rows(T, q_heads // kv_heads)
     return T <= 8 or (T <= MAX_DECODE_TOKENS and Tp * Gp * head_dim <= _DECODE_TILE)
+
+
+def decode_positions(q_heads: int, kv_heads: int, head_dim: int) -> int:
+    """The most query positions per sequence the decode kernel takes for these heads (more go
+    to the prefill kernels): 8, or up to 16 while its tile holds them."""
+    return max(T for T in range(1, MAX_DECODE_TOKENS + 1) if _takes_decode(T, q_heads, kv_heads, head_dim))
 
 
 _IMPLEMENTATIONS = (None, "reference", "pallas", "interpret")
