@@ -126,21 +126,27 @@ def test_paged_on_quantized_cache_matches_reference(kind, page_size):
     assert rel_err(out, ref) < BF16_TOL
 
 
-def test_int8_to_float16_in_kernel_is_exact():
-    """Every int8 value through the kernels' packed int8 -> float16 conversion (byte permutes
-    and a paired subtraction) equals a plain cast, in every position of a block."""
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_packed_widening_in_kernel_is_exact(kind):
+    """Every int8 / e4m3 value through the kernels' packed conversion to float16 (byte permutes,
+    then a paired subtraction or a shift and mask), in every position of a block, equals a
+    plain cast times `widened_unit` (e4m3's two NaN codes aside, which no cache holds)."""
     from jax.experimental import pallas as pl
 
-    from pallas_kernels.attention.kv_blocks import widen
+    from pallas_kernels.attention.kv_blocks import widen, widened_unit
 
-    x = jnp.asarray(np.random.default_rng(0).permutation(np.tile(np.arange(-128, 128), 64)).reshape(128, 128),
-                    jnp.int8)
+    codes = np.random.default_rng(0).permutation(np.tile(np.arange(256, dtype=np.uint8), 64)).reshape(128, 128)
+    x = jnp.asarray(codes.view(np.int8) if kind == "int8" else codes.view(jnp.float8_e4m3fn))
 
     def kernel(x_ref, o_ref):
         o_ref[...] = widen(x_ref[...], jnp.float16, False)
 
-    out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, jnp.float16))(x)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(x).astype(np.float16))
+    out = np.asarray(pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, jnp.float16))(x))
+    unit = widened_unit(x.dtype, jnp.float16, False)
+    assert unit == (1.0 if kind == "int8" else 2.0 ** -8)
+    want = np.asarray(x).astype(np.float32) * unit
+    real = ~np.isnan(want)
+    np.testing.assert_array_equal(out[real].astype(np.float32), want[real])
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])

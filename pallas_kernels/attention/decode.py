@@ -46,7 +46,8 @@ from pallas_kernels.kv_append.kernel import ProductRows, quantize_row, split_vie
 from pallas_kernels.kv_quant import check_scales, kind_of
 
 from . import flash
-from .kv_blocks import CacheLayout, check_block_k, fit_block_k, load_block, load_scales, to_compute, widen
+from .kv_blocks import (CacheLayout, check_block_k, fit_block_k, load_block, load_scales, to_compute, widen,
+                        widened_unit)
 from .reference import check_shapes
 
 NUM_SMS_H100 = 132
@@ -276,9 +277,12 @@ def _attend(kv_len, pos, q, k_ref, v_ref, table_ref, out_refs, *, layout: CacheL
     halves = isinstance(q, tuple)
     rows = (q[0] if halves else q).shape[0]
     qk_scale = scale * flash.LOG2E
-    head_scales = (scales[0][()], scales[1][()]) if scales is not None and scales[2] == "head" else None
+    head_scales = None
     if scales is not None:
         q = to_compute(q)
+        if scales[2] == "head":
+            unit = widened_unit(k_ref.dtype, (q[0] if halves else q).dtype, interpret)
+            head_scales = (scales[0][()] / unit, scales[1][()] / unit)
 
     def step(block, state, masked):
         start = block * block_k

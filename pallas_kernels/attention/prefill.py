@@ -26,7 +26,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from . import flash
-from .kv_blocks import CacheLayout, check_block_k, fit_block_k, load_block, load_scales, to_compute, widen
+from .kv_blocks import (CacheLayout, check_block_k, fit_block_k, load_block, load_scales, to_compute, widen,
+                        widened_unit)
 from .reference import check_shapes
 
 
@@ -62,9 +63,12 @@ def _kernel(kv_len_ref, q_pos_ref, q_ref, k_ref, v_ref, *rest, layout: CacheLayo
         q = q_ref[...]
     kv_len = kv_len_ref[()]
     qk_scale = scale * flash.LOG2E
-    head_scales = (scales[0][()], scales[1][()]) if quant == "head" else None
+    head_scales = None
     if quant is not None:
         q = to_compute(q)
+        if quant == "head":
+            unit = widened_unit(k_ref.dtype, q.dtype, interpret)
+            head_scales = (scales[0][()] / unit, scales[1][()] / unit)
 
     def step(block, state, masked):
         start = block * block_k
