@@ -11,7 +11,8 @@ What it measures, in one run on one GPU:
   per call from a profiler trace of a chain of calls over distinct per-layer caches (as a
   model's layers read them: from memory, not L2), the K/V bytes it must read (values and
   scales) over that time, and that rate as a fraction of the copy bandwidth; also the chain's
-  wall time per call.
+  wall time per call, and the read floor: the same chain with each call one XLA reduction that
+  only reads those bytes (what a launch that reads them costs at that size).
 - `decode`: engine.decode_loop tokens/s (32 steps per dispatch, the median of 3 timed
   dispatches after a warm one) of synthetic llama-8b Q4_K (`rjax synth`) at batch 1 and 16 with
   contexts 8k, 32k and 128k, and of gemma3-1b's shape (Q4_K) at 32k, per KV dtype. The cache is
@@ -129,9 +130,38 @@ def attention_kernel(kv: str, B: int, S: int, bw: float, Hq=32, Hkv=8, D=128, ca
     if n_kernel != calls:
         raise RuntimeError(f"the trace holds {n_kernel} decode attention kernels, expected {calls}")
     t = kernel_ns / n_kernel * 1e-9
+    floor = read_floor(layers, calls)
     return dict(kv_dtype=kv, batch=B, keys=S, heads=[Hq, Hkv, D], layers=n_layers, us_per_call=t * 1e6,
                 wall_us_per_call=wall * 1e6, kv_bytes=int(nbytes), gb_per_s=nbytes / t / 1e9,
-                copy_fraction=nbytes / t / bw)
+                copy_fraction=nbytes / t / bw, read_floor_us=floor * 1e6, read_floor_copy_fraction=nbytes / floor / bw)
+
+
+def read_floor(layers, calls: int) -> float:
+    """Seconds per call of the same chain reading the same K/V (and int8 scales) with no
+    attention: one XLA row reduction per call over K + V, plus an int8 cache's per-entry scales
+    added to the row sums, each call's input made to depend on the last call's output so none is
+    merged or elided. What a launch that only reads the bytes costs at this size, against the
+    copy rate's ideal. (Multiplying each row by its scale before the sum, as an earlier version
+    did, made XLA's reduction twice as slow as the attention kernel.)"""
+    from profile_decode import traced_kernel_times
+
+    n_layers = len(layers)
+
+    @jax.jit
+    def chain(layers):
+        acc = None
+        for i in range(calls):
+            k, v, ks, vs = layers[i % n_layers]
+            x = k.astype(jnp.float32) + v.astype(jnp.float32)
+            if acc is not None:
+                x = x + acc[..., None] * 0.0
+            acc = jnp.sum(x, axis=-1)
+            if ks is not None and ks.ndim > 1:
+                acc = acc + ks + vs
+        return acc
+
+    total, count = traced_kernel_times(chain, (layers,))
+    return sum(total.values()) * 1e-9 / calls
 
 
 # ---- decode through the engine --------------------------------------------------------------------
@@ -249,13 +279,15 @@ def table(result: dict) -> str:
                  + f") on {result['device']}")
     if result.get("attention"):
         lines.append("\ndecode attention kernel, llama-8b heads: kernel us per call (profiler), GB/s of K/V, % of copy; "
-                     "chain wall us per call")
+                     "chain wall us per call; the read floor (one reduction that only reads the same bytes) us, % of copy")
         for a in result["attention"]:
             if "error" in a:
                 lines.append(f"  {a['kv_dtype']:5} B={a['batch']:<3} {a.get('keys', '?'):>6} keys: {a['error'][:60]}")
                 continue
             lines.append(f"  {a['kv_dtype']:5} B={a['batch']:<3} {a['keys']:>6} keys {a['us_per_call']:9.1f} us "
-                         f"{a['gb_per_s']:8.0f} GB/s {100 * a['copy_fraction']:5.1f}%  wall {a['wall_us_per_call']:8.1f} us")
+                         f"{a['gb_per_s']:8.0f} GB/s {100 * a['copy_fraction']:5.1f}%  wall {a['wall_us_per_call']:8.1f} us"
+                         + (f"  floor {a['read_floor_us']:8.1f} us {100 * a['read_floor_copy_fraction']:5.1f}%"
+                            if "read_floor_us" in a else ""))
     for name, m in result.get("models", {}).items():
         lines.append(f"\n{name} {m['quant']}: decode tokens/s (batch x context), % of copy for weights + KV")
         rows: dict = {}
