@@ -137,12 +137,13 @@ def attention_kernel(kv: str, B: int, S: int, bw: float, Hq=32, Hkv=8, D=128, ca
 
 
 def read_floor(layers, calls: int) -> float:
-    """Seconds per call of the same chain reading the same K/V (and int8 scales) with no
-    attention: one XLA row reduction per call over K + V, plus an int8 cache's per-entry scales
-    added to the row sums, each call's input made to depend on the last call's output so none is
-    merged or elided. What a launch that only reads the bytes costs at this size, against the
-    copy rate's ideal. (Multiplying each row by its scale before the sum, as an earlier version
-    did, made XLA's reduction twice as slow as the attention kernel.)"""
+    """Seconds per call of the same chain reading the same K/V values with no attention: one XLA
+    row reduction per call over K + V, each call's input made to depend on the last call's
+    output so none is merged or elided. What a launch that only reads the bytes costs at this
+    size, against the copy rate's ideal. An int8 cache's per-entry scales (4 bytes a row of
+    head-dim values, 3% at head dim 128) are left out: multiplying each row by its scale before
+    the sum made XLA's reduction twice as slow as the attention kernel, and a second reduction
+    would add a launch."""
     from profile_decode import traced_kernel_times
 
     n_layers = len(layers)
@@ -151,13 +152,11 @@ def read_floor(layers, calls: int) -> float:
     def chain(layers):
         acc = None
         for i in range(calls):
-            k, v, ks, vs = layers[i % n_layers]
+            k, v = layers[i % n_layers][:2]
             x = k.astype(jnp.float32) + v.astype(jnp.float32)
             if acc is not None:
                 x = x + acc[..., None] * 0.0
             acc = jnp.sum(x, axis=-1)
-            if ks is not None and ks.ndim > 1:
-                acc = acc + ks + vs
         return acc
 
     total, count = traced_kernel_times(chain, (layers,))
