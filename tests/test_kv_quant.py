@@ -102,6 +102,71 @@ def test_fp8_error_relative_above_the_subnormals_and_saturates():
     np.testing.assert_array_equal(np.abs(xq[~inside]), np.broadcast_to(s * FP8_MAX, x_.shape)[~inside])
 
 
+def _run_ptx(asm: str, word: np.ndarray) -> list[np.ndarray]:
+    """Execute the few PTX instructions of a packed widening on uint32 words in numpy: `$2` is the
+    input register, `$0` and `$1` the outputs (as Triton's inline asm numbers them)."""
+    regs = {"$2": word.astype(np.uint64)}
+
+    def val(x):
+        return regs[x] if x in regs else np.uint64(int(x, 0))
+
+    def lanes(x):
+        return x.astype(np.uint32).view(np.uint16).view(np.float16).astype(np.float32)
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        a = [val(x) for x in src]
+        if op == "mov.b32":
+            out = a[0] + 0 * regs["$2"]
+        elif op == "xor.b32":
+            out = a[0] ^ a[1]
+        elif op == "and.b32":
+            out = a[0] & a[1]
+        elif op == "shl.b32":
+            out = (a[0] << a[1]) & np.uint64(0xFFFFFFFF)
+        elif op == "prmt.b32":  # bytes of {b, a}; selector nibble bit 3 replicates the byte's sign
+            pool = a[0] | (a[1] << np.uint64(32))
+            out = np.zeros_like(pool)
+            for i in range(4):
+                nib = (int(a[2]) >> (4 * i)) & 0xF
+                byte = (pool >> np.uint64(8 * (nib & 7))) & np.uint64(0xFF)
+                if nib & 8:
+                    byte = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
+                out = out | (byte << np.uint64(8 * i))
+        elif op == "sub.f16x2":
+            diff = (lanes(a[0]) - lanes(a[1])).astype(np.float16)
+            out = diff.view(np.uint16).view(np.uint32).astype(np.uint64)
+        else:
+            raise AssertionError(f"unknown instruction {op}")
+        regs[d] = out
+    return [lanes(regs["$0"]), lanes(regs["$1"])]
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_packed_widening_ptx_gives_every_value(kind):
+    """The kernels' packed int8 / e4m3 -> float16 conversions (kv_blocks' inline PTX), run
+    instruction by instruction in numpy over all 256 byte values in each of the four positions
+    of a word: each lane is the value times `widened_unit` (e4m3's NaN codes aside)."""
+    from pallas_kernels.attention import kv_blocks
+
+    dtype = jnp.int8 if kind == "int8" else jnp.float8_e4m3fn
+    asm = kv_blocks._by_asm(dtype, jnp.float16, interpret=False)
+    unit = kv_blocks.widened_unit(dtype, jnp.float16, interpret=False)
+    codes = np.arange(256, dtype=np.uint8)
+    for shift in range(4):
+        word_bytes = np.roll(np.stack([codes, codes[::-1], codes ^ 0x80, codes ^ 0x7F], -1), shift, axis=-1)
+        lo, hi = _run_ptx(asm, np.ascontiguousarray(word_bytes).view("<u4")[:, 0])
+        got = np.concatenate([lo.reshape(-1, 2), hi.reshape(-1, 2)], axis=-1)  # $0: bytes 0, 1; $1: 2, 3
+        want = np.asarray(jnp.asarray(word_bytes.view(np.int8 if kind == "int8" else jnp.float8_e4m3fn))
+                          .astype(jnp.float32)) * unit
+        real = ~np.isnan(want)
+        np.testing.assert_array_equal(got[real], want[real])
+
+
 # ---- attention: reference and kernels -------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
