@@ -5,7 +5,9 @@ rms_norm(x) * w_norm), `glu` (act(gate) * up), `attention`. How is decided by th
 is given: where the kernel after a norm applies it (the residual stream then travels as a
 PendingNorm until that product hands the sum back), where activations are handed over rounded
 to int8 (QuantizedX), where the GLU is left to the down product (GatedX), where a product sums
-its split-K partials itself. Those types live here and in the kernels, never in the model.
+its split-K partials itself, where the product before a norm adds and norms in its own kernel
+(the normed rows handed over as int8, or with the norm's scale pending: NormedRows). Those
+types live here and in the kernels, never in the model.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import jax.numpy as jnp
 from pallas_kernels.int8_activations import GatedX, QuantizedX, dequantize_x, quantize
 from pallas_kernels.kv_append import apply_rope, split_qkv
 from pallas_kernels.quant_matmul import qmatmul, qmatmul_add_norm, qmatmul_pending_norm
-from pallas_kernels.rms_norm import PendingNorm, add_rms_norm, rms_norm
+from pallas_kernels.rms_norm import NormedRows, PendingNorm, add_rms_norm, rms_norm
 from gguf_blocks import reference
 from gguf_blocks.qtensor import QTensor, Weight
 from rjax.plan import LayerPlan, Plan
@@ -42,7 +44,7 @@ def _impl(plan: Plan) -> str | None:
 
 
 def _plain(x):
-    if isinstance(x, GatedX):
+    if isinstance(x, (GatedX, NormedRows)):
         return x.materialize()
     return dequantize_x(x).astype(x.dtype) if isinstance(x, QuantizedX) else x
 
@@ -90,8 +92,9 @@ def project(plan: Plan, s: Stream, ws: list, *, partials: bool = False):
 def add_norm(plan: Plan, how: str, s: Stream, a, w: Weight, post_norm, norm_w: jax.Array, eps: float) -> Stream:
     """x + post_norm(a @ w.T) (post_norm: None, or the block output's own RMS norm weight), and
     that sum RMS-normed by norm_w for the next products, the fusion `how` as planned."""
-    if how == "product":
-        x, h, counts = qmatmul_add_norm(a, w, s.x, norm_w, eps, s.counts, plan.dtype, implementation=_impl(plan))
+    if how in ("product", "product_rows"):
+        x, h, counts = qmatmul_add_norm(a, w, s.x, norm_w, eps, s.counts, plan.dtype, rows=how == "product_rows",
+                                        implementation=_impl(plan), tuning=plan.tuning)
         return Stream(x, h, counts)
     parts = matmul(a, w, partials=True, plan=plan)
     if plan.tp_axis is not None:  # one device's share of a row-parallel product: sum the devices'

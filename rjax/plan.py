@@ -12,6 +12,9 @@ Where a norm can run (`Norm`):
 - "norm_int8": the same kernel, its output rounded to int8 for int8 products;
 - "product": the product before the norm adds its output to the residual and norms the sum in
   its own kernel (int8 GEMV at one row), the normed rows rounded to int8 with the scale pending;
+- "product_rows": the same on the float kernel's tensor-core tiles (a few rows: a speculative
+  verification's positions, a small batch), the normed rows in the activations' dtype with the
+  scale pending (NormedRows) for products on those tiles;
 - "pending": left to the one product after it, whose kernel sums, norms and multiplies.
 Where the GLU act(gate) * up runs (`glu`): "xla" (a fusion of its own), "int8" (the kernel that
 rounds x for an int8 down product), or "down" (the down product applies it as it loads x).
@@ -68,7 +71,7 @@ class Plan:
     @property
     def counts(self) -> bool:
         """Whether some product fuses an add + norm (and needs its zeroed group counts)."""
-        return any("product" in (lp.ffn_norm, lp.out_norm) for lp in self.layers)
+        return any(how.startswith("product") for lp in self.layers for how in (lp.ffn_norm, lp.out_norm))
 
     def __str__(self) -> str:
         head = ("layers", "q/k/v", "attention", "o", "ffn norm", "gate/up", "glu", "down", "out norm")
@@ -94,6 +97,8 @@ def _norm_into(w_before, post_norm, consumers, rows, dtype, kw) -> str:
         return "norm"
     if post_norm is None and qm.fuses_add_norm(w_before, rows, dtype, consumers, **kw):
         return "product"
+    if post_norm is None and qm.fuses_add_norm_rows(w_before, rows, dtype, consumers, **kw):
+        return "product_rows"
     if len(consumers) == 1 and qm.takes_pending_norm(consumers[0], rows, dtype, **kw):
         return "pending"
     return "norm_int8" if all(qm.takes_quantized_x(c, rows, dtype, **kw) for c in consumers) else "norm"
@@ -181,7 +186,7 @@ def plan_for(cfg: ModelConfig, params, batch: int, tokens: int, dtype, *, paged:
 def _summed_first(how: str, consumers, rows, dtype, kw) -> str:
     """A norm after an all-reduced product runs on its own: the product's kernel sees only this
     device's partial sum."""
-    if how not in ("product", "pending"):
+    if how not in ("product", "product_rows", "pending"):
         return how
     ok = consumers is not None and all(qm.takes_quantized_x(c, rows, dtype, **kw) for c in consumers)
     return "norm_int8" if ok else "norm"

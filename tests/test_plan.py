@@ -78,13 +78,18 @@ def test_gpu_program_traces_for_every_path(gpu_models, shape):
 
 def test_plan_choices(gpu_models):
     """The measured choices, as the plan states them: smollm2's Q4_1 layers at one row leave the
-    norms to the next product and the GLU to the down product; llama's Q4_K layers do the add +
+    norms to the next product and the GLU to the down product, at five rows the products before
+    the norms add and norm; llama's Q4_K layers do the add +
     norm in the int8 products and hand attention's output over in int8; batched, Q4_K goes to
     the wgmma kernel; a paged cache or a CPU plan defers nothing."""
     sm = gpu_models("smollm2-135m", "q4_1")
     p = plan_for(sm.config, sm.params, 1, 1, jnp.bfloat16, gpu=True)
     assert p.layers[0].ffn_norm == "pending" and p.layers[0].glu == "down" and p.layers[0].out_norm == "pending"
     assert p.layers[-1].out_norm == "norm" and p.layers[0].attention == "rope_attention"
+    # a verification's 5 positions: the output and down products add and norm in their kernels
+    p5 = plan_for(sm.config, sm.params, 1, 5, jnp.bfloat16, gpu=True)
+    assert (p5.layers[0].ffn_norm, p5.layers[0].out_norm, p5.layers[-1].out_norm, p5.counts) == \
+        ("product_rows", "product_rows", "norm", True)
     paged = plan_for(sm.config, sm.params, 1, 1, jnp.bfloat16, gpu=True, paged=True, slots=True)
     assert paged.layers[0].out_norm == "norm" and paged.layers[0].attention == "xla"
     assert paged.layers[0].ffn_norm == "pending"

@@ -3,14 +3,17 @@
     qmatmul(x, w, *, implementation=None) -> x @ dequantize(w).T    x: (..., K), w: QTensor (N, K)
     qmatmul(x, w, partials=True) -> (S, ..., N) float32 partial sums of that product (S >= 1):
         a split-K decode kernel's unsummed output, for a consumer that adds them in its own pass
-    qmatmul_add_norm(x, w, residual, norm_w, eps, counts, out_dtype) -> (residual + x @ w.T,
-        rms_norm(that) * norm_w as a QuantizedX with the norm pending, counts): the residual
-        add and the norm between two int8 decode products done by the first one's kernel
+    qmatmul_add_norm(x, w, residual, norm_w, eps, counts, out_dtype, rows=False) -> (residual +
+        x @ w.T, rms_norm(that) * norm_w with the norm's scale pending, counts): the residual
+        add and the norm between two decode products done by the first one's kernel; the
+        normed rows as a QuantizedX (two int8 GEMVs) or with rows=True a NormedRows (the float
+        kernel's tensor-core tiles)
     qmatmul_pending_norm(x, w, partials=False) -> (x @ w.T for the normed rows of the
         PendingNorm x, the summed residual)
 
 x may be a plain array, a QuantizedX (rounded to int8 by its producer), a GatedX (a GLU's
-[gate | up], applied by the kernel as it loads x) or, for qmatmul_pending_norm, a PendingNorm.
+[gate | up], applied by the kernel as it loads x), a NormedRows (normed rows whose scale the
+kernel applies to its sums) or, for qmatmul_pending_norm, a PendingNorm.
 Which kernel takes a product, and which of those inputs it takes, is answered for a product's
 shape, type, dtype and backend by `kernel_for` and the `takes_*` / `fuses_add_norm` questions,
 from a `Tuning` (gemv.py); a model's plan (rjax.plan) asks them once and its ops follow.
@@ -33,16 +36,16 @@ from pallas_kernels.quant_matmul import gemv
 from pallas_kernels.quant_matmul.gemm import qmatmul_gemm
 from pallas_kernels.quant_matmul.gemv import MAX_M, TUNING, Tuning, default_int8_config, qmatmul_gemv
 from pallas_kernels.quant_matmul.int8_gemv import int8_gemv_add_norm
-from pallas_kernels.quant_matmul.kernel import fused_qmatmul
+from pallas_kernels.quant_matmul.kernel import fused_qmatmul, fused_qmatmul_add_norm
 from pallas_kernels.quant_matmul.reference import qmatmul_reference
 from pallas_kernels.quant_matmul.tiles import FORMATS
-from pallas_kernels.rms_norm.pending import PendingNorm
+from pallas_kernels.rms_norm.pending import NormedRows, PendingNorm
 from gguf_blocks.qtensor import QTensor
 
 IMPLEMENTATIONS = ("reference", "pallas", "interpret")
 
 __all__ = ["qmatmul", "qmatmul_add_norm", "qmatmul_pending_norm", "supports", "kernel_for", "takes_quantized_x",
-           "takes_gated_x", "takes_pending_norm", "fuses_add_norm", "runs_int8_gemv", "Tuning", "TUNING",
+           "takes_gated_x", "takes_pending_norm", "fuses_add_norm", "fuses_add_norm_rows", "runs_int8_gemv", "Tuning", "TUNING",
            "IMPLEMENTATIONS", "MAX_M"]
 
 
@@ -118,6 +121,29 @@ def fuses_add_norm(w, rows: int, dtype, consumers, *, gpu: bool | None = None, t
     return bool(consumers) and all(runs_int8_gemv(c, rows, dtype, **kw) for c in consumers)
 
 
+def _rows_tiles(w, rows: int, dtype, tuning: Tuning):
+    """The float kernel's tensor-core tiles x (rows, K) @ w runs on (bf16x2 or not)."""
+    return gemv.bf16x2_config(w, rows, dtype, tuning) or gemv.default_gemv_config(w.qtype, rows, *w.shape)
+
+
+def fuses_add_norm_rows(w, rows: int, dtype, consumers, *, gpu: bool | None = None, tuning: Tuning = TUNING) -> bool:
+    """Whether x (rows, K) @ w, then the residual add and an RMS norm whose output feeds the
+    products `consumers`, can run as one kernel handing over a NormedRows
+    (`qmatmul_add_norm(rows=True)`): on the float kernel's tensor-core tiles for w and for every
+    consumer (which apply the norm's scale), for 2..tuning.rows_add_norm_max_m rows in one M
+    tile, N and the tiles' rows whole 32-value groups."""
+    kw = dict(gpu=gpu, tuning=tuning)
+
+    def on_tiles(v):
+        return _decode_product(v, rows, gpu) and kernel_for(v, rows, dtype, **kw) in ("float", "bf16x2")
+
+    if not (2 <= rows <= tuning.rows_add_norm_max_m and consumers and on_tiles(w) and w.shape[0] % 32 == 0):
+        return False
+    cfg = _rows_tiles(w, rows, dtype, tuning)
+    return (cfg.method == "mma" and cfg.block_n % 32 == 0 and rows <= cfg.block_m
+            and all(on_tiles(c) and c.shape[1] % 32 == 0 for c in consumers))
+
+
 def _check_implementation(implementation: str | None, w: QTensor) -> str:
     if implementation is None:
         return "pallas" if jax.default_backend() == "gpu" and supports(w.qtype) else "reference"
@@ -127,22 +153,36 @@ def _check_implementation(implementation: str | None, w: QTensor) -> str:
 
 
 def qmatmul_add_norm(x: jax.Array | QuantizedX, w: QTensor, residual: jax.Array, norm_w: jax.Array, eps: float,
-                     counts: jax.Array, out_dtype, *, implementation: str | None = None):
+                     counts: jax.Array, out_dtype, *, rows: bool = False, implementation: str | None = None,
+                     tuning: Tuning = TUNING):
     """residual (..., N) + x (..., K) @ dequantize(w).T, and rms_norm of that sum times norm_w
-    rounded to int8 with the norm's scale pending (a QuantizedX with `ss`, which the int8
-    kernels and `dequantize_x` apply), in the product's kernel; counts (N / 32,) int32 zeros,
-    handed back zeroed. -> (new residual float32, normed QuantizedX, counts)."""
+    with the norm's scale pending, in the product's kernel: rounded to int8 (a QuantizedX with
+    `ss`, which the int8 kernels and `dequantize_x` apply) by the int8 GEMV, or with `rows` in
+    out_dtype (a NormedRows) by the float kernel's tensor-core tiles. counts (N / 32,) int32
+    zeros, handed back zeroed. -> (new residual float32, normed rows, counts)."""
     implementation = _check_implementation(implementation, w)
     n, k = w.shape
     lead = residual.shape[:-1]
-    rows = math.prod(lead)
+    m = math.prod(lead)
     if implementation == "reference":
-        plain = dequantize_x(x).astype(x.dtype) if isinstance(x, QuantizedX) else x
-        x_out = residual + qmatmul_reference(plain.reshape(rows, k), w).astype(jnp.float32).reshape(residual.shape)
+        if isinstance(x, (GatedX, NormedRows)):
+            plain = x.materialize()
+        else:
+            plain = dequantize_x(x).astype(x.dtype) if isinstance(x, QuantizedX) else x
+        x_out = residual + qmatmul_reference(plain.reshape(m, k), w).astype(jnp.float32).reshape(residual.shape)
+        if rows:
+            ss = jnp.sum(jnp.square(x_out).reshape(*lead, n // 32, 32), axis=-1)
+            return x_out, NormedRows((x_out * norm_w).astype(out_dtype), ss, float(eps)), counts
         return x_out, quantize_normed(x_out, norm_w, eps, out_dtype), counts
-    x2 = x.reshape(rows) if isinstance(x, QuantizedX) else x.reshape(rows, k)
-    x_out, xq, counts = int8_gemv_add_norm(x2, w, residual.reshape(rows, n), norm_w, counts,
-                                           default_int8_config(w.qtype, rows, n, k), eps, out_dtype,
+    if rows:
+        x_out, normed, counts = fused_qmatmul_add_norm(
+            x.reshape(m) if isinstance(x, (GatedX, NormedRows)) else x.reshape(m, k), w,
+            _rows_tiles(w, m, out_dtype, tuning), residual.reshape(m, n), norm_w, counts, float(eps),
+            interpret=implementation == "interpret")
+        return x_out.reshape(residual.shape), normed.reshape(*lead), counts
+    x2 = x.reshape(m) if isinstance(x, QuantizedX) else x.reshape(m, k)
+    x_out, xq, counts = int8_gemv_add_norm(x2, w, residual.reshape(m, n), norm_w, counts,
+                                           default_int8_config(w.qtype, m, n, k), eps, out_dtype,
                                            interpret=implementation == "interpret")
     return x_out.reshape(residual.shape), xq.reshape(*lead), counts
 
@@ -177,9 +217,9 @@ def qmatmul(x: jax.Array | QuantizedX | GatedX, w: QTensor, *, implementation: s
     lead = x.shape[:-1]
     rows = math.prod(lead)
     decode = implementation != "reference" and 0 < rows <= MAX_M and supports(w.qtype)
-    if isinstance(x, GatedX) and not decode:
+    if isinstance(x, (GatedX, NormedRows)) and not decode:
         x = x.materialize()
-    if isinstance(x, GatedX):
+    if isinstance(x, (GatedX, NormedRows)):
         x2 = x.reshape(rows)
     elif isinstance(x, QuantizedX):
         x2 = x.reshape(rows)

@@ -29,7 +29,7 @@ from pallas_kernels.quant_matmul import int8_gemv as int8
 from pallas_kernels.quant_matmul import wgmma_skinny as wgmma
 from pallas_kernels.quant_matmul.kernel import TileConfig, fused_qmatmul
 from pallas_kernels.quant_matmul.tiles import supports_bf16x2
-from pallas_kernels.rms_norm.pending import PendingNorm
+from pallas_kernels.rms_norm.pending import NormedRows, PendingNorm
 from gguf_blocks.qtensor import QTensor
 
 MAX_M = 64
@@ -99,6 +99,10 @@ class Tuning:
     pending_norm_max_m: int = 1
     # Programs whose rows exceed this many tiles take more weight rows (each loads x's whole row).
     pending_norm_max_tiles: int = 640
+    # Products of up to this many rows on the float kernel's tensor-core tiles whose output goes
+    # through the residual add and an RMS norm into other such products do that add and norm
+    # in their own kernel (a speculative verification's positions: two norm kernels fewer per layer).
+    rows_add_norm_max_m: int = 16
     # The float kernel's tensor-core tiles dequantize Q4_K/Q4_0/Q4_1 with bf16x2 PTX for up to
     # this many rows (14336x4096 M=16: 30.8 against 50.0 us). 0 turns it off.
     bf16x2_max_m: int = MAX_M
@@ -222,7 +226,7 @@ def uses_wgmma(w: QTensor, m: int, x, interpret: bool, tuning: Tuning = TUNING) 
     least wgmma_min_values values."""
     least = Tuning.get(tuning.wgmma_min_values, w.qtype)
     return (not interpret and least is not None and Tuning.get(tuning.wgmma_min_m, w.qtype, 2) <= m <= tuning.wgmma_max_m
-            and not isinstance(x, (GatedX, int8.QuantizedX, PendingNorm))
+            and not isinstance(x, (GatedX, int8.QuantizedX, PendingNorm, NormedRows))
             and jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16) and wgmma.supports(w)
             and w.shape[0] * w.shape[1] >= least)
 

@@ -4,6 +4,8 @@
         -> (x + sum(parts), normed)
     PendingNorm(residual, parts, w, eps, dtype)   the same add + norm left to the next
         product's kernel (pending.py); .materialize() -> add_rms_norm's result
+    NormedRows(x, ss, eps)   normed rows from the product before, their scale left to the
+        next product's kernel (pending.py); .materialize() -> the normed rows
 
 x (..., K) is the float32 residual stream, parts (S, ..., K) the block output as S partial
 sums (or None), w (K,) the norm weight. With `quantize` the normed activations come as a
@@ -22,10 +24,11 @@ from pallas_kernels.implementation import pick_implementation, rows_of
 from pallas_kernels.int8_activations import quantize_x
 
 from .kernel import add_rms_norm_kernel
-from .pending import PendingNorm
+from .pending import NormedRows, PendingNorm
 from .reference import add_rms_norm_reference, rms_norm
 
-__all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_kernel", "rms_norm", "PendingNorm", "MAX_ROWS"]
+__all__ = ["add_rms_norm", "add_rms_norm_reference", "add_rms_norm_kernel", "rms_norm", "PendingNorm", "NormedRows",
+           "MAX_ROWS"]
 
 MAX_ROWS = 64
 
