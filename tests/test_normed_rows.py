@@ -85,6 +85,18 @@ def test_consumer_applies_the_scale(qtype, cfg):
                                   np.asarray(qmatmul(rows.materialize(), w, implementation="reference")))
 
 
+def test_every_decode_kernel_takes_it():
+    """Off the tensor-core tiles (one row on CUDA-core tiles, rows on the int8 GEMV) the rows
+    are materialized first: the same numbers as passing the normed rows."""
+    r = np.random.default_rng(5)
+    for qtype, m in ((QType.Q4_1, 1), (QType.Q8_0, 2)):
+        h = jnp.asarray(r.standard_normal((m, 256)), jnp.float32)
+        rows = NormedRows(h.astype(jnp.bfloat16), jnp.square(h).reshape(m, 8, 32).sum(-1), EPS)
+        w = _w(qtype, 64, 256, seed=6)
+        np.testing.assert_array_equal(np.asarray(qmatmul(rows, w, implementation="interpret"), np.float32),
+                                      np.asarray(qmatmul(rows.materialize(), w, implementation="interpret"), np.float32))
+
+
 def test_reference_path():
     """The reference (CPU plans, tests) computes what the kernel hands over, in plain JAX."""
     w = _w(QType.Q4_1, 64, 192)

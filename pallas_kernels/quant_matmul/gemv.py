@@ -294,11 +294,15 @@ def qmatmul_gemv(x: jax.Array, w: QTensor, *, config: TileConfig | None = None,
     names. With `partials`: the split-K partial sums (S, M, N), float32."""
     m, (n, k) = x.shape[0], w.shape
     path = decode_path(x, w, config=config, interpret=interpret, tuning=tuning)
+    cfg = None
+    if path == "float":
+        cfg = (config or (None if isinstance(x, GatedX) else bf16x2_config(w, m, x.dtype, tuning))
+               or default_gemv_config(w.qtype, m, n, k))
+    if isinstance(x, NormedRows) and (cfg is None or cfg.method != "mma"):
+        x = x.materialize()  # only the tensor-core tiles apply the rows' scale
     if path == "int8_gemv":
         return int8.int8_gemv(x, w, default_int8_config(w.qtype, m, n, k), interpret=interpret,
                               partials=partials)
     if path == "wgmma":
         return wgmma.wgmma_matmul(x, w, partials=partials)
-    cfg = (config or (None if isinstance(x, GatedX) else bf16x2_config(w, m, x.dtype, tuning))
-           or default_gemv_config(w.qtype, m, n, k))
     return fused_qmatmul(x, w, cfg, interpret=interpret, partials=partials)
