@@ -196,6 +196,26 @@ def test_decode_kernel_on_quantized_kv(kind, T, splits, window):
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_decode_kernel_default_tiles_at_head_dim_128(kind):
+    """llama-8b's group of 4 query heads per KV head at head dim 128, one token: the default
+    tiles take 64-key blocks and merge up to 32 splits in the kernel (the H100's batch-1 launch);
+    the output is the reference's on the same cache."""
+    from pallas_kernels.attention import decode as decode_mod
+
+    S, D = 2048, 128
+    assert decode_mod.default_tiles(D, quantized=True)["block_k"] == 64
+    limit = decode_mod.merged_split_limit(True, 4, D)
+    assert limit == 32 and decode_mod.merged_split_limit(False, 4, D) == 16
+    assert decode_mod.merges_in_kernel(1, 2, S, 64, limit)
+    assert decode_mod.default_num_splits(1, 2, S, 64, merged_in_kernel=True, quantized=True, limit=limit) == 32
+    q, k, v, pos, kv_len = case(9, B=1, T=1, Hq=8, Hkv=2, S=S, D=D, pos_start=[S - 5])
+    (kq, ks), (vq, vs) = quantize(k, kind), quantize(v, kind)
+    ref = attention_reference(q, kq, vq, pos, kv_len, scale=D ** -0.5, k_scale=ks, v_scale=vs)
+    out = decode_attention(q, kq, vq, pos, kv_len, scale=D ** -0.5, interpret=True, k_scale=ks, v_scale=vs)
+    assert rel_err(out, ref) < KERNEL_TOL
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("window", [None, 70])
 def test_prefill_kernel_on_quantized_kv(kind, window):
     q, k, v, pos, kv_len = case(4, B=2, T=40, Hq=4, Hkv=2, S=256, D=64, pos_start=[150, 0])

@@ -51,33 +51,51 @@ from .kv_blocks import (CacheLayout, check_block_k, fit_block_k, load_block, loa
 from .reference import check_shapes
 
 NUM_SMS_H100 = 132
+MAX_MERGED_SPLITS = 16  # see merged_split_limit
 
 
 def default_tiles(head_dim: int, quantized: bool = False) -> dict:
-    """Block size and launch shape measured best on the H100 (docs/kernels.md). A quantized
-    block is half the bytes of a 16-bit one, so a fourth stage fits in the same shared memory
-    and keeps as many bytes in flight: int8 at 32k keys, batch 16, two splits, 411 against
-    455 us with three stages."""
-    stages = 4 if quantized else 3
-    if head_dim <= 128:
-        return dict(block_k=128, num_warps=4, num_stages=stages)
-    return dict(block_k=64, num_warps=4, num_stages=stages)
+    """Block size and launch shape measured best on the H100 (docs/kernels.md): 128 keys (64
+    past head dim 128) in 3 stages; a quantized block, half a 16-bit block's bytes, in 4.
+
+    At head dim 128 a quantized block is 64 keys: the program's shared memory halves, so at
+    batch 1 twice the splits run (`merged_split_limit`), two programs to an SM, one overlapping
+    its arithmetic (casts, scales) with the other's loads. llama-8b heads, int8, one token, H100:
+    32k keys 36.5 -> 31.1 us (32 splits of 64-key blocks in 3 stages against 16 of 128-key
+    blocks in 4), 8k 16.5 -> 13.4, 128k 105.0 -> 98.6; batch 16 (2 splits) in 4 stages, 8k
+    103.5 -> 98.5, 32k 377.1 -> 365.0."""
+    block_k = 64 if quantized and head_dim == 128 else (128 if head_dim <= 128 else 64)
+    return dict(block_k=block_k, num_warps=4, num_stages=4 if quantized else 3)
 
 
-def stages_for(blocks_per_split: int, head_dim: int, quantized: bool) -> int:
+def stages_for(blocks_per_split: int, head_dim: int, quantized: bool, num_splits: int = 1) -> int:
     """Pipeline stages: `default_tiles`' where a split walks several blocks; two where it walks
     one (a sliding window, or a short cache spread over many splits), where deeper stages only
     hold shared memory. gemma3-1b's heads (head dim 256), one token over a 512-key window, 9
     splits, H100: bf16 8.1 -> 7.2 us, int8 13.7 -> 10.7, fp8 13.2 -> 9.6 (the fused kernel with
-    its rotation and append)."""
-    return 2 if blocks_per_split <= 1 else default_tiles(head_dim, quantized)["num_stages"]
+    its rotation and append). Three for a quantized cache's batch-1 launch of more than 16
+    splits: llama-8b heads, int8, 32 splits, 8k keys 14.7 -> 13.4 us, 32k 32.1 -> 31.1, 128k
+    99.7 -> 98.6 (at batch 16, 2 splits, 4 stages stay faster: 32k 379 against 365 us)."""
+    if blocks_per_split <= 1:
+        return 2
+    if quantized and num_splits > MAX_MERGED_SPLITS:
+        return 3
+    return default_tiles(head_dim, quantized)["num_stages"]
 
 
-MAX_MERGED_SPLITS = 16
+def merged_split_limit(quantized: bool, group: int, head_dim: int) -> int:
+    """The most splits the in-kernel merge takes: 16, or 32 for a quantized cache's 64-key
+    blocks at head dim 128 (`default_tiles`) with up to 4 query heads per KV head. The last
+    program holds every split's partial rows (the group's, padded to a power of two) in
+    registers: 32 x 4 x 128 floats, as 16 splits hold at head dim 256. A 16-bit cache was slower
+    with 32 splits (8k keys, batch 1: 17.1 -> 19.7 us)."""
+    if quantized and head_dim == 128 and pl.next_power_of_2(group) <= 4:
+        return 2 * MAX_MERGED_SPLITS
+    return MAX_MERGED_SPLITS
 
 
 def default_num_splits(batch: int, kv_heads: int, num_keys: int, block_k: int, merged_in_kernel: bool,
-                       quantized: bool = False) -> int:
+                       quantized: bool = False, limit: int = MAX_MERGED_SPLITS) -> int:
     """Merged in the kernel (one query token): up to one wave of programs, down to one key block
     per split. At batch 1 the time is the latency of a program's chain of blocks: 8 splits of one
     block took 4.7 against 8.0 us for one split of a 1,024-key smollm2 cache
@@ -96,7 +114,7 @@ def default_num_splits(batch: int, kv_heads: int, num_keys: int, block_k: int, m
     programs = batch * kv_heads
     if merged_in_kernel:
         waves = 2 if quantized else 1
-        return max(1, min(waves * NUM_SMS_H100 // programs, num_keys // block_k, MAX_MERGED_SPLITS))
+        return max(1, min(waves * NUM_SMS_H100 // programs, num_keys // block_k, limit))
     return max(1, min(pl.cdiv(2 * NUM_SMS_H100, programs), num_keys // (4 * block_k)))
 
 
@@ -109,19 +127,19 @@ def _n_outputs(merged: bool, num_splits: int, quantized: bool = False) -> int:
     return (8 if quantized else 5) if merged else 3
 
 
-def merges_in_kernel(batch: int, kv_heads: int, visible_keys: int, block_k: int) -> bool:
+def merges_in_kernel(batch: int, kv_heads: int, visible_keys: int, block_k: int,
+                     limit: int = MAX_MERGED_SPLITS) -> bool:
     """Whether one query token's splits are merged in the kernel rather than by an XLA step.
 
-    The in-kernel merge takes at most MAX_MERGED_SPLITS splits (the last program holds every
-    partial in registers). Where the batch's (sequence, KV head) programs at that many splits
+    The in-kernel merge takes at most `limit` splits (`merged_split_limit`). Where the batch's (sequence, KV head) programs at that many splits
     fill under half the GPU and each would walk a long run of blocks, the kernel leaves its
     partials to XLA's combine instead, which takes any number of splits: gemma3-1b's heads (one
     KV head, head dim 256) at batch 1 over 32k keys, H100, kernel time with the combine
     (benchmarks/kv_dtype.py's chain): bf16 44.2 -> 23.0 us, int8 58.5 -> 20.0, fp8 55.7 -> 19.1.
     Over a 512-key window the in-kernel merge stays faster (bf16 9.2 against 11.4 us), as it is
     for llama-8b's eight KV heads (8k keys: 18.8 against 20.1 us; 32k: 51.7 against 59.6)."""
-    few = 2 * batch * kv_heads * MAX_MERGED_SPLITS < NUM_SMS_H100
-    return not (few and visible_keys > 4 * MAX_MERGED_SPLITS * block_k)
+    few = 2 * batch * kv_heads * limit < NUM_SMS_H100
+    return not (few and visible_keys > 4 * limit * block_k)
 
 
 def visible_keys(num_keys: int, window: int | None, block_k: int) -> int:
@@ -443,13 +461,14 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
     block_k = fit_block_k(layout, block_k)
     check_block_k(layout, block_k)
     visible = visible_keys(layout.num_keys, window, block_k)
-    merged = T == 1 and merges_in_kernel(B, Hkv, visible, block_k)
+    limit = merged_split_limit(k_scale is not None, G, D)
+    merged = T == 1 and merges_in_kernel(B, Hkv, visible, block_k, limit)
     if num_splits is None:
         num_splits = default_num_splits(B, Hkv, visible, block_k, merged_in_kernel=merged,
-                                        quantized=k_scale is not None)
+                                        quantized=k_scale is not None, limit=limit)
     quantize_out = quantize_out and merged and num_splits > 1
     if num_stages is None:
-        num_stages = stages_for(pl.cdiv(pl.cdiv(visible, block_k), num_splits), D, k_scale is not None)
+        num_stages = stages_for(pl.cdiv(pl.cdiv(visible, block_k), num_splits), D, k_scale is not None, num_splits)
     if quantize_out and D % 32:
         raise ValueError(f"decode_attention: quantize_out needs a head dim that is a multiple of 32, got {D}")
     Tp, Gp = token_rows(T, G)
