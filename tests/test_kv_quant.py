@@ -199,11 +199,15 @@ def test_decode_kernel_on_quantized_kv(kind, T, splits, window):
 def test_decode_kernel_default_tiles_at_head_dim_128(kind):
     """llama-8b's group of 4 query heads per KV head at head dim 128, one token: the default
     tiles take 64-key blocks and merge up to 32 splits in the kernel (the H100's batch-1 launch);
-    the output is the reference's on the same cache."""
+    the output is the reference's on the same cache, contiguous and paged."""
     from pallas_kernels.attention import decode as decode_mod
 
     S, D = 2048, 128
     assert decode_mod.default_tiles(D, quantized=True)["block_k"] == 64
+    # A paged cache: 64-key blocks at batch 1 of 8 KV heads, 128-key ones from batch 2.
+    assert decode_mod.default_tiles(D, quantized=True, paged_programs=8)["block_k"] == 64
+    assert decode_mod.default_tiles(D, quantized=True, paged_programs=16)["block_k"] == 128
+    assert decode_mod.default_tiles(D)["block_k"] == 128
     limit = decode_mod.merged_split_limit(True, 4, D)
     assert limit == 32 and decode_mod.merged_split_limit(False, 4, D) == 16
     assert decode_mod.merges_in_kernel(1, 2, S, 64, limit)
@@ -212,6 +216,11 @@ def test_decode_kernel_default_tiles_at_head_dim_128(kind):
     (kq, ks), (vq, vs) = quantize(k, kind), quantize(v, kind)
     ref = attention_reference(q, kq, vq, pos, kv_len, scale=D ** -0.5, k_scale=ks, v_scale=vs)
     out = decode_attention(q, kq, vq, pos, kv_len, scale=D ** -0.5, interpret=True, k_scale=ks, v_scale=vs)
+    assert rel_err(out, ref) < KERNEL_TOL
+    (kp, table), (vp, _) = paginate(kq, 16, 3), paginate(vq, 16, 3)
+    scales = [paginate(x, 16, 3)[0] for x in (ks, vs)] if kind == "int8" else [ks, vs]
+    out = paged_decode_attention(q, kp, vp, table, pos, kv_len, scale=D ** -0.5, interpret=True,
+                                 k_scale=scales[0], v_scale=scales[1])
     assert rel_err(out, ref) < KERNEL_TOL
 
 

@@ -54,17 +54,23 @@ NUM_SMS_H100 = 132
 MAX_MERGED_SPLITS = 16  # see merged_split_limit
 
 
-def default_tiles(head_dim: int, quantized: bool = False) -> dict:
+def default_tiles(head_dim: int, quantized: bool = False, paged_programs: int | None = None) -> dict:
     """Block size and launch shape measured best on the H100 (docs/kernels.md): 128 keys (64
     past head dim 128) in 3 stages; a quantized block, half a 16-bit block's bytes, in 4.
+    paged_programs: for a paged cache, the launch's sequences x KV heads.
 
-    At head dim 128 a quantized block is 64 keys: the program's shared memory halves, so at
-    batch 1 twice the splits run (`merged_split_limit`), two programs to an SM, one overlapping
-    its arithmetic (casts, scales) with the other's loads. llama-8b heads, int8, one token, H100:
-    32k keys 36.5 -> 31.1 us (32 splits of 64-key blocks in 3 stages against 16 of 128-key
-    blocks in 4), 8k 16.5 -> 13.4, 128k 105.0 -> 98.6; batch 16 (2 splits) in 4 stages, 8k
-    103.5 -> 98.5, 32k 377.1 -> 365.0."""
-    block_k = 64 if quantized and head_dim == 128 else (128 if head_dim <= 128 else 64)
+    A quantized cache at head dim 128 takes 64-key blocks: the program's shared memory halves,
+    so at batch 1 twice the splits run (`merged_split_limit`), two programs to an SM, one
+    overlapping its arithmetic (casts, scales) with the other's loads. llama-8b heads, int8, one
+    token, H100: 32k keys 36.5 -> 31.1 us (32 splits of 64-key blocks in 3 stages against 16 of
+    128-key blocks in 4), 8k 16.5 -> 13.4, 128k 105.0 -> 98.6; batch 16 (2 splits) in 4 stages,
+    8k 103.5 -> 98.5, 32k 377.1 -> 365.0. A paged cache (16-position pages) takes them only
+    where 16 splits fill at most one wave (batch 1: 8k 16.7 -> 15.8 us); beyond, 128-key blocks
+    gather fewer pages a key (batch 2 at 8k: 23.3 against 25.6 us; batch 16: 115.8 against 135.4)."""
+    small = quantized and head_dim == 128
+    if paged_programs is not None:
+        small = small and paged_programs * MAX_MERGED_SPLITS <= NUM_SMS_H100
+    block_k = 64 if small or head_dim > 128 else 128
     return dict(block_k=block_k, num_warps=4, num_stages=4 if quantized else 3)
 
 
@@ -131,13 +137,14 @@ def merges_in_kernel(batch: int, kv_heads: int, visible_keys: int, block_k: int,
                      limit: int = MAX_MERGED_SPLITS) -> bool:
     """Whether one query token's splits are merged in the kernel rather than by an XLA step.
 
-    The in-kernel merge takes at most `limit` splits (`merged_split_limit`). Where the batch's (sequence, KV head) programs at that many splits
-    fill under half the GPU and each would walk a long run of blocks, the kernel leaves its
-    partials to XLA's combine instead, which takes any number of splits: gemma3-1b's heads (one
-    KV head, head dim 256) at batch 1 over 32k keys, H100, kernel time with the combine
-    (benchmarks/kv_dtype.py's chain): bf16 44.2 -> 23.0 us, int8 58.5 -> 20.0, fp8 55.7 -> 19.1.
-    Over a 512-key window the in-kernel merge stays faster (bf16 9.2 against 11.4 us), as it is
-    for llama-8b's eight KV heads (8k keys: 18.8 against 20.1 us; 32k: 51.7 against 59.6)."""
+    The in-kernel merge takes at most `limit` splits (`merged_split_limit`). Where the batch's
+    (sequence, KV head) programs at that many splits fill under half the GPU and each would walk a
+    long run of blocks, the kernel leaves its partials to XLA's combine instead, which takes any
+    number of splits: gemma3-1b's heads (one KV head, head dim 256) at batch 1 over 32k keys, H100,
+    kernel time with the combine (benchmarks/kv_dtype.py's chain): bf16 44.2 -> 23.0 us, int8 58.5
+    -> 20.0, fp8 55.7 -> 19.1. Over a 512-key window the in-kernel merge stays faster (bf16 9.2
+    against 11.4 us), as it is for llama-8b's eight KV heads (8k keys: 18.8 against 20.1 us; 32k:
+    51.7 against 59.6)."""
     few = 2 * batch * kv_heads * limit < NUM_SMS_H100
     return not (few and visible_keys > 4 * limit * block_k)
 
@@ -611,10 +618,10 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
     return (out, *caches) if rope is not None else out
 
 
-def _tiles(D, block_k, num_warps, num_stages, quantized=False):
+def _tiles(D, block_k, num_warps, num_stages, quantized=False, paged_programs=None):
     """The launch shape: the given values over the defaults, except the stages, which `_call`
     picks when not given (they depend on the blocks a split walks)."""
-    t = default_tiles(D, quantized)
+    t = default_tiles(D, quantized, paged_programs)
     given = dict(block_k=block_k, num_warps=num_warps, num_stages=num_stages)
     t.update({name: val for name, val in given.items() if val is not None})
     t["num_stages"] = num_stages
@@ -687,7 +694,8 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, q_pos, kv_len, *, 
         raise ValueError(f"paged_decode_attention: block_tables must be [B={q.shape[0]}, max_pages], "
                          f"got {block_tables.shape}")
     layout = CacheLayout(num_keys=block_tables.shape[1] * page_size, page_size=page_size, num_pages=P)
-    tiles = _tiles(D, block_k, num_warps, num_stages, k_scale is not None)
+    tiles = _tiles(D, block_k, num_warps, num_stages, k_scale is not None,
+                   paged_programs=q.shape[0] * k_pages.shape[1])
     if block_k is None and 64 <= page_size < tiles["block_k"]:
         # One page per block reads a plain slice instead of gathering rows from several pages:
         # 103 us vs 109 us at B=8, ctx 8k, page_size 64 on the H100.
