@@ -46,8 +46,8 @@ from pallas_kernels.kv_append.kernel import ProductRows, quantize_row, split_vie
 from pallas_kernels.kv_quant import check_scales, kind_of
 
 from . import flash
-from .kv_blocks import (CacheLayout, check_block_k, fit_block_k, load_block, load_scales, to_compute, widen,
-                        widened_unit)
+from .kv_blocks import (CacheLayout, block_pages, check_block_k, fit_block_k, load_block, load_scales, to_compute,
+                        widen, widened_unit)
 from .reference import check_shapes
 
 NUM_SMS_H100 = 132
@@ -309,19 +309,20 @@ def _attend(kv_len, pos, q, k_ref, v_ref, table_ref, out_refs, *, layout: CacheL
             unit = widened_unit(k_ref.dtype, (q[0] if halves else q).dtype, interpret)
             head_scales = (scales[0][()] / unit, scales[1][()] / unit)
 
-    def step(block, state, masked):
+    def step(block, state, masked, pages):
         start = block * block_k
         if halves:
             k = tuple(load_block(k_ref, table_ref, start, block_k, layout, bounds_check=masked, half=j)
                       for j in range(2))
         else:
-            k = load_block(k_ref, table_ref, start, block_k, layout, bounds_check=masked)
-        v = load_block(v_ref, table_ref, start, block_k, layout, bounds_check=masked)
+            k = load_block(k_ref, table_ref, start, block_k, layout, bounds_check=masked, pages=pages)
+        v = load_block(v_ref, table_ref, start, block_k, layout, bounds_check=masked, pages=pages)
         mask = flash.visibility(pos, start, block_k, kv_len, window) if masked else None
         if scales is None:
             return flash.attend_block(state, q, k, v, qk_scale=qk_scale, mask=mask)
         if head_scales is None:
-            ks, vs = (load_scales(r, table_ref, start, block_k, layout, bounds_check=masked) for r in scales[:2])
+            ks, vs = (load_scales(r, table_ref, start, block_k, layout, bounds_check=masked, pages=pages)
+                      for r in scales[:2])
         else:
             ks, vs = head_scales
         dt = (q[0] if halves else q).dtype
@@ -330,7 +331,20 @@ def _attend(kv_len, pos, q, k_ref, v_ref, table_ref, out_refs, *, layout: CacheL
 
     ranges, first, per_split = _split_range(pos, kv_len, block_k, window, num_splits, split)
     state = flash.init_state(rows, v_ref.shape[-1])
-    state = flash.walk_blocks(ranges, state, step, within=(first, first + per_split))
+    within = (first, first + per_split)
+    if layout.paged:
+        # A block's pages are looked up one block ahead and carried, so its K/V loads wait on
+        # no table load of their own (which the pipeline does not hide).
+        def paged_step(block, carry, masked):
+            inner, pages = carry
+            ahead = block_pages(table_ref, (block + 1) * block_k, block_k, layout)
+            return step(block, inner, masked, pages), ahead
+
+        lo = jnp.maximum(ranges.lo, first)  # the walk's first block (flash.walk_blocks)
+        carry = (state, block_pages(table_ref, lo * block_k, block_k, layout))
+        state, _ = flash.walk_blocks(ranges, carry, paged_step, within=within)
+    else:
+        state = flash.walk_blocks(ranges, state, lambda b, st, masked: step(b, st, masked, None), within=within)
     if new_key is not None:
         fold, k_new, v_new = new_key
         state = flash.attend_key(state, q, k_new, v_new, qk_scale=qk_scale, rows=(pos >= 0) & fold)

@@ -51,13 +51,29 @@ def check_block_k(layout: CacheLayout, block_k: int) -> None:
             raise ValueError(f"paged attention kernel: block_k={block_k} is not a multiple of page_size={ps}")
 
 
+def block_pages(table_ref, start, block_k: int, layout: CacheLayout):
+    """The pages of a paged cache's block at positions start .. start + block_k - 1: the page
+    holding it (one scalar) where a page holds the block, else the page of each of its rows
+    [block_k]. A walk can look them up a block ahead (`load_block`'s `pages`), so the block's
+    loads wait on no table load of their own."""
+    ps, last_page = layout.page_size, layout.num_pages - 1
+    max_pages = layout.num_keys // ps
+    if ps >= block_k:
+        slot = jnp.minimum(lax.div(start, jnp.int32(ps)), max_pages - 1)
+        return jnp.clip(table_ref[slot], 0, last_page)
+    first = lax.div(start, jnp.int32(ps))
+    r = jnp.arange(block_k, dtype=jnp.int32)
+    slots = first + lax.div(r, jnp.int32(ps))
+    return jnp.clip(pltriton.load(table_ref.at[jnp.minimum(slots, max_pages - 1)]), 0, last_page)
+
+
 def load_block(ref, table_ref, start, block_k: int, layout: CacheLayout, *, bounds_check: bool,
-               half: int | None = None):
+               half: int | None = None, pages=None):
     """The [block_k, D] block of cache positions start .. start + block_k - 1 (start a multiple of block_k).
 
     bounds_check: mask rows at or past the capacity (needed only for a block that can cross it).
     half: a contiguous cache in the rotation-halves view [S, 2, D/2]: the block's half `half`,
-    [block_k, D/2].
+    [block_k, D/2]. pages: a paged cache's `block_pages` for this block, if already looked up.
     """
     if not layout.paged:
         rows = pl.ds(start, block_k)
@@ -68,26 +84,18 @@ def load_block(ref, table_ref, start, block_k: int, layout: CacheLayout, *, boun
         return ref[idx]
     if half is not None:
         raise NotImplementedError("load_block: the halves view of a paged cache")
-
-    ps, last_page = layout.page_size, layout.num_pages - 1
-    max_pages = layout.num_keys // ps
-    if ps >= block_k:
-        # The block lies inside one page.
-        slot = jnp.minimum(lax.div(start, jnp.int32(ps)), max_pages - 1)
-        page = jnp.clip(table_ref[slot], 0, last_page)
-        return ref[page, pl.ds(lax.rem(start, jnp.int32(ps)), block_k), :]
+    if pages is None:
+        pages = block_pages(table_ref, start, block_k, layout)
+    ps = layout.page_size
+    if ps >= block_k:  # the block lies inside one page
+        return ref[pages, pl.ds(lax.rem(start, jnp.int32(ps)), block_k), :]
     # The block spans block_k // ps whole pages: gather row by row (row r of the block is position
     # start + r, on page table[(start + r) // ps] at offset r % ps), which yields the [block_k, D]
     # tile directly, with no reshape of a [pages, ps, D] tile in registers.
-    first = lax.div(start, jnp.int32(ps))
-    r = jnp.arange(block_k, dtype=jnp.int32)
-    slots = first + lax.div(r, jnp.int32(ps))
-    pages = pltriton.load(table_ref.at[jnp.minimum(slots, max_pages - 1)])
-    pages = jnp.clip(pages, 0, last_page)
-    return ref[pages, lax.rem(r, jnp.int32(ps)), :]
+    return ref[pages, lax.rem(jnp.arange(block_k, dtype=jnp.int32), jnp.int32(ps)), :]
 
 
-def load_scales(ref, table_ref, start, block_k: int, layout: CacheLayout, *, bounds_check: bool):
+def load_scales(ref, table_ref, start, block_k: int, layout: CacheLayout, *, bounds_check: bool, pages=None):
     """The [block_k] float32 per-entry scales of positions start .. start + block_k - 1, from a
     scale ref laid out as the cache without its head dim: [S] contiguous, [P, page_size] paged."""
     if not layout.paged:
@@ -96,18 +104,12 @@ def load_scales(ref, table_ref, start, block_k: int, layout: CacheLayout, *, bou
             inside = (start + jnp.arange(block_k, dtype=jnp.int32)) < layout.num_keys
             return pltriton.load(ref.at[rows], mask=inside, other=0)
         return ref[rows]
-    ps, last_page = layout.page_size, layout.num_pages - 1
-    max_pages = layout.num_keys // ps
+    if pages is None:
+        pages = block_pages(table_ref, start, block_k, layout)
+    ps = layout.page_size
     if ps >= block_k:
-        slot = jnp.minimum(lax.div(start, jnp.int32(ps)), max_pages - 1)
-        page = jnp.clip(table_ref[slot], 0, last_page)
-        return ref[page, pl.ds(lax.rem(start, jnp.int32(ps)), block_k)]
-    first = lax.div(start, jnp.int32(ps))
-    r = jnp.arange(block_k, dtype=jnp.int32)
-    slots = first + lax.div(r, jnp.int32(ps))
-    pages = pltriton.load(table_ref.at[jnp.minimum(slots, max_pages - 1)])
-    pages = jnp.clip(pages, 0, last_page)
-    return ref[pages, lax.rem(r, jnp.int32(ps))]
+        return ref[pages, pl.ds(lax.rem(start, jnp.int32(ps)), block_k)]
+    return ref[pages, lax.rem(jnp.arange(block_k, dtype=jnp.int32), jnp.int32(ps))]
 
 
 F16_MAX = 65504.0
