@@ -46,7 +46,7 @@ from pallas_kernels.kv_append.kernel import ProductRows, quantize_row, split_vie
 from pallas_kernels.kv_quant import check_scales, kind_of
 
 from . import flash
-from .kv_blocks import (CacheLayout, block_pages, check_block_k, fit_block_k, load_block, load_scales, to_compute,
+from .kv_blocks import (CacheLayout, check_block_k, fit_block_k, load_block, load_scales, to_compute, walk_cache,
                         widen, widened_unit)
 from .reference import check_shapes
 
@@ -331,20 +331,7 @@ def _attend(kv_len, pos, q, k_ref, v_ref, table_ref, out_refs, *, layout: CacheL
 
     ranges, first, per_split = _split_range(pos, kv_len, block_k, window, num_splits, split)
     state = flash.init_state(rows, v_ref.shape[-1])
-    within = (first, first + per_split)
-    if layout.paged:
-        # A block's pages are looked up one block ahead and carried, so its K/V loads wait on
-        # no table load of their own (which the pipeline does not hide).
-        def paged_step(block, carry, masked):
-            inner, pages = carry
-            ahead = block_pages(table_ref, (block + 1) * block_k, block_k, layout)
-            return step(block, inner, masked, pages), ahead
-
-        lo = jnp.maximum(ranges.lo, first)  # the walk's first block (flash.walk_blocks)
-        carry = (state, block_pages(table_ref, lo * block_k, block_k, layout))
-        state, _ = flash.walk_blocks(ranges, carry, paged_step, within=within)
-    else:
-        state = flash.walk_blocks(ranges, state, lambda b, st, masked: step(b, st, masked, None), within=within)
+    state = walk_cache(ranges, state, step, table_ref, block_k, layout, within=(first, first + per_split))
     if new_key is not None:
         fold, k_new, v_new = new_key
         state = flash.attend_key(state, q, k_new, v_new, qk_scale=qk_scale, rows=(pos >= 0) & fold)

@@ -18,6 +18,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from . import flash
+
 
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
@@ -65,6 +67,26 @@ def block_pages(table_ref, start, block_k: int, layout: CacheLayout):
     r = jnp.arange(block_k, dtype=jnp.int32)
     slots = first + lax.div(r, jnp.int32(ps))
     return jnp.clip(pltriton.load(table_ref.at[jnp.minimum(slots, max_pages - 1)]), 0, last_page)
+
+
+def walk_cache(ranges, state, step, table_ref, block_k: int, layout: CacheLayout, *, within=None):
+    """`flash.walk_blocks` over the cache with step(block, state, masked, pages): `pages` is None
+    for a contiguous cache; a paged cache's walk looks each block's pages up one block ahead and
+    carries them, so a block's K/V loads wait on no table load of their own (which Triton's
+    pipeline does not hide: paged decode attention, H100, int8 at 32k keys and batch 1, 40.6 ->
+    37.8 us)."""
+    if not layout.paged:
+        return flash.walk_blocks(ranges, state, lambda b, st, masked: step(b, st, masked, None), within=within)
+
+    def paged_step(block, carry, masked):
+        inner, pages = carry
+        ahead = block_pages(table_ref, (block + 1) * block_k, block_k, layout)
+        return step(block, inner, masked, pages), ahead
+
+    lo = ranges.lo if within is None else jnp.maximum(ranges.lo, within[0])  # the walk's first block
+    state, _ = flash.walk_blocks(ranges, (state, block_pages(table_ref, lo * block_k, block_k, layout)),
+                                 paged_step, within=within)
+    return state
 
 
 def load_block(ref, table_ref, start, block_k: int, layout: CacheLayout, *, bounds_check: bool,

@@ -26,8 +26,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from . import flash
-from .kv_blocks import (CacheLayout, check_block_k, fit_block_k, load_block, load_scales, to_compute, widen,
-                        widened_unit)
+from .kv_blocks import (CacheLayout, check_block_k, fit_block_k, load_block, load_scales, to_compute, walk_cache,
+                        widen, widened_unit)
 from .reference import check_shapes
 
 
@@ -70,22 +70,23 @@ def _kernel(kv_len_ref, q_pos_ref, q_ref, k_ref, v_ref, *rest, layout: CacheLayo
             unit = widened_unit(k_ref.dtype, q.dtype, interpret)
             head_scales = (scales[0][()] / unit, scales[1][()] / unit)
 
-    def step(block, state, masked):
+    def step(block, state, masked, pages):
         start = block * block_k
-        k = load_block(k_ref, table_ref, start, block_k, layout, bounds_check=masked)
-        v = load_block(v_ref, table_ref, start, block_k, layout, bounds_check=masked)
+        k = load_block(k_ref, table_ref, start, block_k, layout, bounds_check=masked, pages=pages)
+        v = load_block(v_ref, table_ref, start, block_k, layout, bounds_check=masked, pages=pages)
         mask = flash.visibility(pos, start, block_k, kv_len, window) if masked else None
         if quant is None:
             return flash.attend_block(state, q, k, v, qk_scale=qk_scale, mask=mask)
         if head_scales is None:
-            ks, vs = (load_scales(r, table_ref, start, block_k, layout, bounds_check=masked) for r in scales)
+            ks, vs = (load_scales(r, table_ref, start, block_k, layout, bounds_check=masked, pages=pages)
+                      for r in scales)
         else:
             ks, vs = head_scales
         return flash.attend_block(state, q, widen(k, q.dtype, interpret), widen(v, q.dtype, interpret),
                                   qk_scale=qk_scale, mask=mask, k_scale=ks, v_scale=vs)
 
     ranges = flash.block_ranges(pos, kv_len, block_k, window)
-    state = flash.walk_blocks(ranges, flash.init_state(block_q, q.shape[-1]), step)
+    state = walk_cache(ranges, flash.init_state(block_q, q.shape[-1]), step, table_ref, block_k, layout)
     out = flash.finish(state, pos, kv_len, window).astype(o_ref.dtype)
     if ragged:
         pltriton.store(o_ref, out, mask=in_range[:, None])
