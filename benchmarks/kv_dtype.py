@@ -1,7 +1,7 @@
 """Decode throughput with a bf16, int8 and fp8 KV cache at long contexts, against the copy roofline.
 
     python benchmarks/kv_dtype.py --out "$OUT/kv_dtype.json" [--workdir /tmp/rjax-kv] [--budget 420]
-        [--models llama,gemma] [--no-attention] [--kv-dtypes bf16,int8,fp8]
+        [--models llama,gemma] [--no-attention] [--kv-dtypes bf16,int8,fp8] [--page-size 16]
 
 What it measures, in one run on one GPU:
 - `bandwidth`: the device's copy bandwidth (rjax.roofline.measure_bandwidth: the best of a
@@ -24,6 +24,9 @@ What it measures, in one run on one GPU:
   fits beside the weights (contiguous cache), and that batch's decode tokens/s.
 Each decode entry also has its step's bytes (weights + KV) over the step time as a fraction of
 the copy bandwidth.
+- `--page-size N`: the kernel and decode rows read a paged cache of N-position pages (the
+  serving engine's) instead of the contiguous one: each sequence's pages are a random
+  permutation of the pool, as a long-running server leaves them, not consecutive.
 
 Every program is compiled up front, concurrently (rjax.precompile), then timed. The JSON at
 --out is rewritten after every measurement, so a run cut short keeps what it measured; the last
@@ -52,10 +55,11 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pallas_kernels.attention import decode_attention  # noqa: E402
+from pallas_kernels.attention import decode_attention, paged_decode_attention  # noqa: E402
 from rjax import engine  # noqa: E402
 from rjax.cache import KV_DTYPES, init_cache  # noqa: E402
 from rjax.memory import MemoryFitError, plan_memory  # noqa: E402
+from rjax.paged_cache import init_paged_cache, set_block_tables  # noqa: E402
 from rjax.precompile import compile_programs, decode_program  # noqa: E402
 from rjax.roofline import decode_weight_bytes, kv_bytes_per_sequence, measure_bandwidth  # noqa: E402
 from rjax.sampling import SamplingParams  # noqa: E402
@@ -93,27 +97,41 @@ def _layer_cache(kv: str, shape, key, Hkv: int):
     return fp8(k1), fp8(k2), jnp.ones((Hkv,), jnp.float32), jnp.ones((Hkv,), jnp.float32)
 
 
-def attention_kernel(kv: str, B: int, S: int, bw: float, Hq=32, Hkv=8, D=128, calls=48) -> dict:
+def scattered_tables(B: int, pages_per_seq: int, seed: int = 7):
+    """[B, pages_per_seq] block tables over a pool of B * pages_per_seq pages in random order."""
+    return jax.random.permutation(jax.random.key(seed), B * pages_per_seq).reshape(B, pages_per_seq).astype(jnp.int32)
+
+
+def attention_kernel(kv: str, B: int, S: int, bw: float, Hq=32, Hkv=8, D=128, calls=48,
+                     page_size: int | None = None) -> dict:
     """The kernel's time per call, as a model's layers see it: a chain of calls over `layers`
     distinct caches (together past the 50 MB L2, so no call finds its K/V cached), unrolled in
     one program as the model's layers are. The kernel's own time comes from a profiler trace;
-    the wall time per call (kernel, the chain's add, launch gaps) is reported beside it."""
+    the wall time per call (kernel, the chain's add, launch gaps) is reported beside it.
+    page_size: a paged cache (`scattered_tables`), else a contiguous one."""
     from profile_decode import traced_kernel_times
 
     nbytes = 2 * B * Hkv * S * D * kv_value_bytes(kv, D, jnp.bfloat16)
     n_layers = int(min(8, max(2, np.ceil(160e6 / nbytes))))
     keys = jax.random.split(jax.random.key(B + S), n_layers + 1)
-    layers = [_layer_cache(kv, (B, Hkv, S, D), keys[i + 1], Hkv) for i in range(n_layers)]
+    shape = (B, Hkv, S, D) if page_size is None else (B * S // page_size, Hkv, page_size, D)
+    layers = [_layer_cache(kv, shape, keys[i + 1], Hkv) for i in range(n_layers)]
     q = jax.random.normal(keys[0], (B, 1, Hq, D), jnp.bfloat16)
     pos = jnp.full((B, 1), S - 1, jnp.int32)
     kv_len = jnp.full((B,), S, jnp.int32)
+    tables = None if page_size is None else scattered_tables(B, S // page_size)
+
+    def attend(q, k, v, ks, vs):
+        if tables is None:
+            return decode_attention(q, k, v, pos, kv_len, scale=D ** -0.5, k_scale=ks, v_scale=vs)
+        return paged_decode_attention(q, k, v, tables, pos, kv_len, scale=D ** -0.5, k_scale=ks, v_scale=vs)
 
     @jax.jit
     def chain(q, layers):
         # Each call's output feeds the next one's query: the calls run back to back, none elided.
         for i in range(calls):
             k, v, ks, vs = layers[i % n_layers]
-            out = decode_attention(q, k, v, pos, kv_len, scale=D ** -0.5, k_scale=ks, v_scale=vs)
+            out = attend(q, k, v, ks, vs)
             q = (q + out * 1e-3).astype(q.dtype)
         return q
 
@@ -131,7 +149,8 @@ def attention_kernel(kv: str, B: int, S: int, bw: float, Hq=32, Hkv=8, D=128, ca
         raise RuntimeError(f"the trace holds {n_kernel} decode attention kernels, expected {calls}")
     t = kernel_ns / n_kernel * 1e-9
     floor = read_floor(layers, calls)
-    return dict(kv_dtype=kv, batch=B, keys=S, heads=[Hq, Hkv, D], layers=n_layers, us_per_call=t * 1e6,
+    return dict(kv_dtype=kv, batch=B, keys=S, page_size=page_size, heads=[Hq, Hkv, D], layers=n_layers,
+                us_per_call=t * 1e6,
                 wall_us_per_call=wall * 1e6, kv_bytes=int(nbytes), gb_per_s=nbytes / t / 1e9,
                 copy_fraction=nbytes / t / bw, read_floor_us=floor * 1e6, read_floor_copy_fraction=nbytes / floor / bw)
 
@@ -165,10 +184,10 @@ def read_floor(layers, calls: int) -> float:
 
 # ---- decode through the engine --------------------------------------------------------------------
 
-def fits(cfg, kv: str, B: int, ctx: int) -> tuple[bool, str]:
+def fits(cfg, kv: str, B: int, ctx: int, page_size: int | None = None) -> tuple[bool, str]:
     try:
-        plan_memory(cfg, max_len=ctx, page_size=None, n_slots=B, prefill_tokens=16, prefill_prompts=1,
-                    dtype=_planner_dtype(kv))
+        plan_memory(cfg, max_len=ctx, page_size=page_size, n_slots=B, prefill_tokens=16, prefill_prompts=1,
+                    n_pages=None if page_size is None else B * ctx // page_size, dtype=_planner_dtype(kv))
         return True, ""
     except MemoryFitError as e:
         return False, str(e)
@@ -186,8 +205,13 @@ def largest_batch(cfg, kv: str, ctx: int) -> int:
         return 0
 
 
-def decode_run(cfg, params, kv: str, B: int, ctx: int, bw: float) -> dict:
-    cache = init_cache(cfg, B, ctx, jnp.bfloat16, kv)
+def decode_run(cfg, params, kv: str, B: int, ctx: int, bw: float, page_size: int | None = None) -> dict:
+    if page_size is None:
+        cache = init_cache(cfg, B, ctx, jnp.bfloat16, kv)
+    else:
+        n_pages = ctx // page_size
+        cache = init_paged_cache(cfg, B, B * n_pages, page_size, ctx, jnp.bfloat16, kv)
+        cache = set_block_tables(cache, jnp.arange(B), scattered_tables(B, n_pages))
     start = ctx - HEADROOM
     cache = dataclasses.replace(cache, lengths=jnp.full((B,), start, jnp.int32))
     sp = SamplingParams.make(B)
@@ -211,14 +235,16 @@ def decode_run(cfg, params, kv: str, B: int, ctx: int, bw: float) -> dict:
     value = kv_value_bytes(kv, cfg.head_dim, jnp.bfloat16)
     kv_step = B * kv_bytes_per_sequence(cfg, start + STEPS, value)
     step_bytes = decode_weight_bytes(cfg, params, B) + kv_step
-    return dict(kv_dtype=kv, batch=B, context=ctx, tokens_per_s=B / t, ms_per_step=t * 1e3,
+    return dict(kv_dtype=kv, batch=B, context=ctx, page_size=page_size, tokens_per_s=B / t, ms_per_step=t * 1e3,
                 kv_bytes_per_step=int(kv_step), step_bytes=int(step_bytes),
                 copy_fraction=step_bytes / t / bw,
                 warm_dispatch_s=warm_s)
 
 
 def bench_model(spec: dict, kvs, workdir: Path, bw: float, result: dict, write, deadline: float,
-                largest: bool, contexts=None) -> None:
+                largest: bool, contexts=None, page_size: int | None = None, batches=None) -> None:
+    """page_size: decode over a paged cache; its programs compile at their first dispatch
+    (`rjax.precompile` builds contiguous caches), and the largest batch is not looked for."""
     import rjax
     from rjax.synth import write_synthetic
 
@@ -232,21 +258,22 @@ def bench_model(spec: dict, kvs, workdir: Path, bw: float, result: dict, write, 
     say(f"{name} {spec['quant']}: synthesized and loaded in {time.perf_counter() - t0:.0f} s")
     entry = result.setdefault("models", {}).setdefault(name, {"quant": spec["quant"], "decode": [], "skipped": []})
     runs = []
-    for ctx, B in [r for r in spec["runs"] if contexts is None or r[0] in contexts]:
+    for ctx, B in [r for r in spec["runs"] if (contexts is None or r[0] in contexts)
+                   and (batches is None or r[1] in batches)]:
         for kv in kvs:
-            ok, why = fits(cfg, kv, B, ctx)
+            ok, why = fits(cfg, kv, B, ctx, page_size)
             if ok:
                 runs.append((kv, B, ctx))
             else:
                 entry["skipped"].append(dict(kv_dtype=kv, batch=B, context=ctx, reason=why))
-    if largest:
+    if largest and page_size is None:
         entry["largest_batch_32k"] = {kv: largest_batch(cfg, kv, 32768) for kv in kvs}
         say(f"{name}: largest batch at 32k (planner, contiguous cache): {entry['largest_batch_32k']}")
         runs += [(kv, n, 32768) for kv, n in entry["largest_batch_32k"].items()
                  if n and (kv, n, 32768) not in runs]
     t0 = time.perf_counter()
     programs = [dataclasses.replace(decode_program(cfg, params, B, ctx, jnp.bfloat16, STEPS, 1, kv_dtype=kv),
-                                    name=f"decode {kv} B={B} ctx={ctx}") for kv, B, ctx in runs]
+                                    name=f"decode {kv} B={B} ctx={ctx}") for kv, B, ctx in runs if page_size is None]
     report = compile_programs(programs, on_error="record")
     entry["compile_s"] = time.perf_counter() - t0
     say(f"{name}: compiled {len(runs)} decode programs in {entry['compile_s']:.0f} s"
@@ -257,7 +284,7 @@ def bench_model(spec: dict, kvs, workdir: Path, bw: float, result: dict, write, 
             entry["skipped"].append(dict(kv_dtype=kv, batch=B, context=ctx, reason="time budget"))
             continue
         try:
-            r = decode_run(cfg, params, kv, B, ctx, bw)
+            r = decode_run(cfg, params, kv, B, ctx, bw, page_size)
         except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the others
             r = dict(kv_dtype=kv, batch=B, context=ctx, error=f"{type(e).__name__}: {str(e)[:500]}")
             say(f"{name} {kv} B={B} ctx={ctx}: FAILED {r['error']}")
@@ -276,6 +303,8 @@ def table(result: dict) -> str:
                  f"{bw.get('nominal_gb_per_s') or 0:.0f}; probes "
                  + ", ".join(f"{k} {v['gb_per_s']:.0f}" for k, v in bw.get("probes", {}).items())
                  + f") on {result['device']}")
+    if result.get("page_size"):
+        lines.append(f"paged cache: {result['page_size']}-position pages in random order")
     if result.get("attention"):
         lines.append("\ndecode attention kernel, llama-8b heads: kernel us per call (profiler), GB/s of K/V, % of copy; "
                      "chain wall us per call; the read floor (one reduction that only reads the same bytes) us, % of copy")
@@ -317,12 +346,16 @@ def main() -> int:
     p.add_argument("--kv-dtypes", default=",".join(KV_DTYPES))
     p.add_argument("--models", default="llama,gemma", help="llama (llama-8b Q4_K), gemma (gemma3-1b Q4_K), or both")
     p.add_argument("--no-attention", action="store_true", help="skip the attention kernel measurement")
-    p.add_argument("--contexts", default=None, help="only decode runs at these contexts (comma list)")
+    p.add_argument("--contexts", default=None, help="only runs at these contexts (comma list)")
+    p.add_argument("--batches", default=None, help="only runs at these batch sizes (comma list)")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="read a paged cache of this many positions a page (pages in random order)")
     a = p.parse_args()
     models = [m for m in a.models.split(",") if m]
     if set(models) - {"llama", "gemma"}:
         p.error(f"--models takes llama and/or gemma, got {a.models!r}")
     kvs = [k for k in a.kv_dtypes.split(",") if k]
+    batches = None if a.batches is None else [int(b) for b in a.batches.split(",")]
     out, workdir = Path(a.out), Path(a.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -330,7 +363,7 @@ def main() -> int:
     deadline = t_start + a.budget
     dev = jax.devices()[0]
     result: dict = {"device": dev.device_kind, "jax_version": jax.__version__, "steps_per_dispatch": STEPS,
-                    "kv_dtypes": kvs, "status": "running",
+                    "kv_dtypes": kvs, "page_size": a.page_size, "status": "running",
                     "bytes_limit": (dev.memory_stats() or {}).get("bytes_limit")}
 
     def write():
@@ -342,11 +375,12 @@ def main() -> int:
     say(f"copy bandwidth {bw['gb_per_s']:.0f} GB/s ({bw['probe']})")
     write()
     result["attention"] = []
-    for S in (() if a.no_attention else ATTENTION_KEYS):
-        for B in (1, 16):
+    contexts = None if a.contexts is None else {int(c) for c in a.contexts.split(",")}
+    for S in (() if a.no_attention else [S for S in ATTENTION_KEYS if contexts is None or S in contexts]):
+        for B in batches or (1, 16):
             for kv in kvs:
                 try:
-                    r = attention_kernel(kv, B, S, bw["bytes_per_s"])
+                    r = attention_kernel(kv, B, S, bw["bytes_per_s"], page_size=a.page_size)
                 except Exception as e:  # noqa: BLE001
                     r = dict(kv_dtype=kv, batch=B, keys=S, error=f"{type(e).__name__}: {str(e)[:500]}")
                     say(f"attention {kv} B={B} {S} keys: FAILED {r['error']}")
@@ -360,7 +394,8 @@ def main() -> int:
             continue
         try:
             bench_model(spec, kvs, workdir, bw["bytes_per_s"], result, write, deadline, largest,
-                        None if a.contexts is None else {int(c) for c in a.contexts.split(",")})
+                        contexts, a.page_size,
+                        batches)
         except Exception as e:  # noqa: BLE001
             result.setdefault("errors", []).append(f"{spec['shape']}: {type(e).__name__}: {str(e)[:500]}")
             say(f"{spec['shape']}: FAILED {type(e).__name__}: {e}")
