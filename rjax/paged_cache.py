@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention import kind_of, paged_attention
+from pallas_kernels.kv_append import rope_append
 from pallas_kernels.kv_quant import quantize_entries
 from rjax.cache import _STORAGE, check_kv_dtype, fp8_head_scales
 from rjax.config import ModelConfig
@@ -85,15 +86,23 @@ class PagedKVCache:
     def _tables(self, slots):
         return self.block_tables if slots is None else self.block_tables[slots]
 
-    def write(self, layer: int, k_new, v_new, pos, slots):
-        """k_new, v_new [B, T, Hkv, D] at positions pos [B, T] (-1: skip) of slots `slots` [B] (None: 0..B-1)."""
-        tables = self._tables(slots)
+    def _pages_of(self, pos, slots):
+        """(page, offset in the page) [B, T] of positions pos [B, T] of slots `slots`; page
+        NO_PAGE where nothing may be written: padding (pos -1), positions past the table and
+        pages the slot does not own."""
         ps = self.page_size
         col = jnp.where(pos >= 0, pos // ps, self.max_pages)
-        # Padding, positions past the table and unallocated pages all map to n_pages: dropped.
-        page = jnp.take_along_axis(tables, col, axis=1, mode="fill", fill_value=NO_PAGE)
-        page = jnp.where(page >= 0, page, self.n_pages)
-        off = jnp.where(pos >= 0, pos % ps, 0)
+        page = jnp.take_along_axis(self._tables(slots), col, axis=1, mode="fill", fill_value=NO_PAGE)
+        return jnp.where(page >= 0, page, NO_PAGE), jnp.where(pos >= 0, pos % ps, 0)
+
+    def _pool(self, x):
+        """All layers' pages of x [L, P, ...] as one pool [L * P, ...] (a reshape: no copy)."""
+        return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+    def write(self, layer: int, k_new, v_new, pos, slots):
+        """k_new, v_new [B, T, Hkv, D] at positions pos [B, T] (-1: skip) of slots `slots` [B] (None: 0..B-1)."""
+        page, off = self._pages_of(pos, slots)
+        page = jnp.where(page >= 0, page, self.n_pages)  # n_pages: dropped
         if not self.quantized:
             k = self.k.at[layer, page, :, off].set(k_new.astype(self.k.dtype), mode="drop")
             v = self.v.at[layer, page, :, off].set(v_new.astype(self.v.dtype), mode="drop")
@@ -109,21 +118,39 @@ class PagedKVCache:
             v_scale = v_scale.at[layer, page, :, off].set(vs, mode="drop")
         return dataclasses.replace(self, k=k, v=v, k_scale=k_scale, v_scale=v_scale)
 
+    def rope_write(self, layer: int, parts, bias, pos, slots, inv_freq, *, n_heads: int, pairing: str, dtype,
+                   qk_norm=None, eps: float = 0.0):
+        """rjax.cache.KVCache.rope_write into the pages: the kernel takes the layer's part of the
+        pool as its cache rows, each token's page as its row and its offset in the page as where
+        in the row it is written. -> (q [B, T, Hq, D], cache)."""
+        page, off = self._pages_of(pos, slots)
+        P = self.n_pages
+        rows, at = layer * P + jnp.maximum(page, 0), jnp.where(page >= 0, off, -1)
+        int8 = self.kv_dtype == "int8"
+        ks = vs = None
+        if self.quantized:
+            ks, vs = ((self._pool(self.k_scale), self._pool(self.v_scale)) if int8
+                      else (self.k_scale[layer], self.v_scale[layer]))
+        q, k, v, ks, vs = rope_append(parts, bias, pos, self._pool(self.k), self._pool(self.v), inv_freq, rows,
+                                      n_heads=n_heads, pairing=pairing, dtype=dtype, k_scale=ks, v_scale=vs,
+                                      qk_norm=qk_norm, eps=eps, at=at)
+        out = dataclasses.replace(self, k=k.reshape(self.k.shape), v=v.reshape(self.v.shape))
+        if int8:
+            out = dataclasses.replace(out, k_scale=ks.reshape(self.k_scale.shape), v_scale=vs.reshape(self.v_scale.shape))
+        return q, out
+
     def attend(self, layer: int, q, pos, slots, *, scale: float, window: int | None):
         # Visible length: everything up to the newest query position of each sequence.
         kv_len = jnp.max(pos, axis=1) + 1
         # The kernel gets all layers' pages as one pool [L * n_pages, ...] (a reshape: no copy) and
         # tables pointing into this layer's part; slicing out one layer's pool would copy it.
-        L, P = self.k.shape[:2]
         tables = self._tables(slots)
-        tables = jnp.where(tables >= 0, tables + layer * P, NO_PAGE)
-        k = self.k.reshape(L * P, *self.k.shape[2:])
-        v = self.v.reshape(L * P, *self.v.shape[2:])
+        tables = jnp.where(tables >= 0, tables + layer * self.n_pages, NO_PAGE)
+        k, v = self._pool(self.k), self._pool(self.v)
         ks = vs = None
         if self.quantized:
             if self.kv_dtype == "int8":
-                ks = self.k_scale.reshape(L * P, *self.k_scale.shape[2:])
-                vs = self.v_scale.reshape(L * P, *self.v_scale.shape[2:])
+                ks, vs = self._pool(self.k_scale), self._pool(self.v_scale)
             else:
                 ks, vs = self.k_scale[layer], self.v_scale[layer]
         return paged_attention(q, k, v, tables, pos, kv_len, scale=scale, window=window, k_scale=ks, v_scale=vs)

@@ -104,10 +104,10 @@ def _norm_into(w_before, post_norm, consumers, rows, dtype, kw) -> str:
     return "norm_int8" if all(qm.takes_quantized_x(c, rows, dtype, **kw) for c in consumers) else "norm"
 
 
-def _rotates_in_kernel(p, paged: bool) -> bool:
+def _rotates_in_kernel(p) -> bool:
     """Whether a layer's attention takes its QKV product whole into the kernels that rotate and
-    append (a fused QKV weight and a contiguous cache; per-head q/k norms are applied there)."""
-    return p.wqkv is not None and not paged
+    append (a fused QKV weight; per-head q/k norms are applied there)."""
+    return p.wqkv is not None
 
 
 def _qkv_weights(p) -> list:
@@ -141,9 +141,9 @@ def plan_for(cfg: ModelConfig, params, batch: int, tokens: int, dtype, *, paged:
     layers = params.layers
     plans = []
     for i, p in enumerate(layers):
-        if not _rotates_in_kernel(p, paged):
+        if not _rotates_in_kernel(p):
             attention = "xla"
-        elif not slots and gpu and tokens == 1 and batch <= tuning.fused_rope_max_rows:
+        elif not slots and not paged and gpu and tokens == 1 and batch <= tuning.fused_rope_max_rows:
             attention = "rope_attention"
         else:
             attention = "rope_append"
@@ -163,7 +163,7 @@ def plan_for(cfg: ModelConfig, params, batch: int, tokens: int, dtype, *, paged:
             nxt = layers[i + 1]
             consumers = _qkv_weights(nxt)
             out_norm = _norm_into(p.w_down, p.post_ffn_norm, consumers, rows, dtype, kw)
-            if out_norm == "pending" and not _rotates_in_kernel(nxt, paged):
+            if out_norm == "pending" and not _rotates_in_kernel(nxt):
                 out_norm = "norm"  # the next attention needs q/k/v whole: its product cannot apply the norm
         else:
             out_norm = "norm"

@@ -10,6 +10,7 @@ import pytest
 
 from rjax import engine
 from rjax.cache import init_cache
+from rjax.config import ModelConfig
 from rjax.loaders.gguf import load_gguf
 from rjax.paged_cache import NO_PAGE, init_paged_cache, set_block_tables
 from rjax.pages import PageAllocator, PagesExhaustedError
@@ -208,3 +209,58 @@ def test_attend_through_the_pallas_kernels_reads_the_right_layer(monkeypatch):
             want = paged_attention(q, k[layer], v[layer], tables, pos, pos[:, -1] + 1, scale=0.125,
                                    implementation="reference")
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "int8", "fp8"])
+def test_rope_write_puts_each_token_on_its_page(monkeypatch, kv_dtype):
+    """The rotate-and-append kernel (interpret mode) and its reference write a decode step's and a
+    verification's tokens into the pages their slots' tables name, at the layer asked, and nowhere
+    else: the same entries, and the same rotated queries, as a contiguous cache's `rope_write`.
+    Padding (position -1) and a position whose page the slot does not own write nothing."""
+    import functools
+
+    import jax
+
+    from pallas_kernels.kv_append import rope_append
+    from rjax import paged_cache
+
+    L, P, Hq, H, ps, D = 3, 8, 4, 2, 4, 32
+    cfg = ModelConfig(arch="llama", n_layers=L, d_model=Hq * D, d_ff=64, n_heads=Hq, n_kv_heads=H, head_dim=D,
+                      vocab_size=64, context_length=4 * ps, rms_eps=1e-5, rope_theta=10000.0)
+    paged = init_paged_cache(cfg, 2, P, ps, 4 * ps, jnp.float32, kv_dtype)
+    tables = jnp.asarray([[3, 1, NO_PAGE, NO_PAGE], [0, 5, 6, NO_PAGE]], jnp.int32)
+    paged = set_block_tables(paged, jnp.arange(2), tables)
+    contiguous = init_cache(cfg, 2, 4 * ps, jnp.float32, kv_dtype)
+    inv = 1.0 / (10000.0 ** (jnp.arange(D // 2) / (D // 2)))
+    for T, pos in ((1, [[6], [9]]), (3, [[7, 8, -1], [10, 11, 12]])):  # slot 0 owns no page for 8
+        pos = jnp.asarray(pos, jnp.int32)
+        parts = jax.random.normal(jax.random.key(T), (2, 2, T, (Hq + 2 * H) * D))
+        kw = dict(n_heads=Hq, pairing="halves", dtype=jnp.float32)
+        want_q, want = contiguous.rope_write(1, parts, None, pos, None, inv, **kw)
+        tol = dict(bf16=dict(rtol=1e-6, atol=1e-6), int8=dict(rtol=0, atol=1.0), fp8=dict(rtol=0.13, atol=0))[kv_dtype]
+        for impl in ("interpret", "reference"):
+            monkeypatch.setattr(paged_cache, "rope_append", functools.partial(rope_append, implementation=impl))
+            q, got = paged.rope_write(1, parts, None, pos, None, inv, **kw)
+            np.testing.assert_allclose(np.asarray(q), np.asarray(want_q), rtol=0, atol=1e-6)
+            for name in ("k", "v"):
+                g = np.asarray(jnp.asarray(getattr(got, name), jnp.float32))
+                w = np.asarray(jnp.asarray(getattr(want, name)[1], jnp.float32))  # [slots, H, S, D]
+                changed = (g != 0).any(axis=(2, 4))  # [L, P, ps]
+                expect = np.zeros_like(changed)
+                for b in range(2):
+                    for p in np.asarray(pos[b]):
+                        page = int(tables[b, p // ps]) if p >= 0 else NO_PAGE
+                        if page == NO_PAGE:
+                            continue
+                        expect[1, page, p % ps] = True
+                        # The kernel's float32 rotation may differ from XLA's in the last bit, which
+                        # can move a quantized value by one step of its format.
+                        np.testing.assert_allclose(g[1, page, :, p % ps], w[b, :, p], **tol)
+                np.testing.assert_array_equal(changed, expect, err_msg=f"{impl} {name} T={T}")
+            if kv_dtype == "int8":
+                ks = np.asarray(got.k_scale)[1]  # [P, H, ps]
+                for b in range(2):
+                    for p in np.asarray(pos[b]):
+                        if p >= 0 and int(tables[b, p // ps]) != NO_PAGE:
+                            np.testing.assert_allclose(ks[int(tables[b, p // ps]), :, p % ps],
+                                                       np.asarray(want.k_scale[1])[b, :, p], rtol=1e-6)

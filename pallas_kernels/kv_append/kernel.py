@@ -145,7 +145,7 @@ def _store_row(ref, scale_ref, head_scale, halves, idx: tuple, valid, *, kind: s
         plgpu.store(_half(ref, idx, j, pairing), val.astype(ref.dtype), mask=write)
 
 
-def _kernel(pos_ref, row_ref, inv_ref, parts_ref, *refs, n_heads: int, group: int, n_parts: int,
+def _kernel(pos_ref, at_ref, row_ref, inv_ref, parts_ref, *refs, n_heads: int, group: int, n_parts: int,
             pairing: str, has_bias: bool, has_norm: bool, eps: float, kind: str | None):
     # refs: the bias, the q and k norm weights, an fp8 cache's head scales (each where given),
     # the caches (aliased), then the outputs.
@@ -172,8 +172,9 @@ def _kernel(pos_ref, row_ref, inv_ref, parts_ref, *refs, n_heads: int, group: in
     k_head = v_head = None
     if kind == "fp8":  # the per-head scales: inputs after the bias and norms
         k_head, v_head = refs[n_before][h], refs[n_before + 1][h]
-    idx = (row_ref[b], h, jnp.maximum(pos, 0))
-    store = functools.partial(_store_row, idx=idx, valid=pos >= 0, kind=kind, pairing=pairing, dtype=q_ref.dtype)
+    at = at_ref[b]
+    idx = (row_ref[b], h, jnp.maximum(at, 0))
+    store = functools.partial(_store_row, idx=idx, valid=at >= 0, kind=kind, pairing=pairing, dtype=q_ref.dtype)
     store(k_ref, ks_ref, k_head, rotate(n_heads + h, key=True))
     store(v_ref, vs_ref, v_head, [load(n_heads + n_kv + h, j) for j in range(2)])
 
@@ -186,10 +187,13 @@ def split_view(x: jax.Array, pairing: str) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("n_heads", "pairing", "dtype", "interpret", "eps"))
 def rope_append_kernel(parts, bias, pos, k_cache, v_cache, inv_freq, rows, *, n_heads: int, pairing: str,
-                       dtype, interpret: bool = False, k_scale=None, v_scale=None, qk_norm=None, eps: float = 0.0):
+                       dtype, interpret: bool = False, k_scale=None, v_scale=None, qk_norm=None, eps: float = 0.0,
+                       at=None):
     """parts [S, B, (Hq + 2 Hkv) D]: the QKV product of B tokens as S partial sums; bias
-    [(Hq + 2 Hkv) D] or None; pos [B] (-1: write nothing); rows [B] each token's cache row (tokens
-    of one sequence share it, each at its own position); caches
+    [(Hq + 2 Hkv) D] or None; pos [B] the tokens' positions, which rotate them; rows [B] each
+    token's cache row, and at [B] the index in that row it is written at (None: its position;
+    -1: write nothing). A paged cache passes its pool as the rows (a token's page) and the
+    offsets in the page as `at`. Caches
     [n_slots, Hkv, S, D], float, or int8 / fp8 with their scales k_scale, v_scale (int8:
     [n_slots, Hkv, S], written here; fp8: [Hkv], read); qk_norm: None, or the weights (q [D],
     k [D]) of an RMS norm (epsilon `eps`) of every query and key head before the rotation.
@@ -218,17 +222,18 @@ def rope_append_kernel(parts, bias, pos, k_cache, v_cache, inv_freq, rows, *, n_
     caches = [view(k_cache), view(v_cache)] + ([k_scale, v_scale] if kind == "int8" else [])
     kernel = functools.partial(_kernel, n_heads=n_heads, group=group, n_parts=n_parts, pairing=pairing,
                                has_bias=bias is not None, has_norm=qk_norm is not None, eps=float(eps), kind=kind)
-    at = 4 + len(before)
+    first_cache = 5 + len(before)
     outs = pl.pallas_call(
         kernel,
         grid=(B, n_kv),
         out_shape=[jax.ShapeDtypeStruct((B, n_heads) + view(k_cache).shape[-2:], dtype)]
         + [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches],
-        input_output_aliases={at + i: 1 + i for i in range(len(caches))},
+        input_output_aliases={first_cache + i: 1 + i for i in range(len(caches))},
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="rope_append",
-    )(pos.astype(jnp.int32), rows.astype(jnp.int32), inv_freq.astype(_F32), view(heads(parts)), *before, *caches)
+    )(pos.astype(jnp.int32), (pos if at is None else at).astype(jnp.int32), rows.astype(jnp.int32),
+      inv_freq.astype(_F32), view(heads(parts)), *before, *caches)
     q, k_out, v_out = outs[0].reshape(B, n_heads, d), outs[1].reshape(k_cache.shape), outs[2].reshape(v_cache.shape)
     if kind == "int8":
         k_scale, v_scale = outs[3], outs[4]

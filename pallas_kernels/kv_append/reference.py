@@ -29,10 +29,10 @@ def apply_rope(x: jax.Array, pos: jax.Array, inv_freq: jax.Array, pairing: str) 
 
 def write_positions(cache: jax.Array, new: jax.Array, pos: jax.Array, rows: jax.Array) -> jax.Array:
     """cache [n_slots, Hkv, S, D] with new [B, T, Hkv, D] written at positions pos [B, T] of cache
-    rows `rows` [B]. Position -1 (padding) and positions past S are dropped, so no write lands in
-    another row or past the end."""
+    rows `rows` [B] (or one per token, [B, T]). Position -1 (padding) and positions past S are
+    dropped, so no write lands in another row or past the end."""
     B, T = pos.shape
-    rows = jnp.broadcast_to(rows[:, None], (B, T))
+    rows = jnp.broadcast_to(rows if rows.ndim == 2 else rows[:, None], (B, T))
     where = jnp.where(pos >= 0, pos, cache.shape[2])
     return cache.at[rows, :, where].set(new.astype(cache.dtype), mode="drop")
 
@@ -59,11 +59,13 @@ def split_qkv(qkv: jax.Array, n_heads: int, n_kv_heads: int):
 
 
 def rope_append_reference(parts, bias, pos, k_cache, v_cache, inv_freq, rows, *, n_heads: int, pairing: str,
-                          dtype, k_scale=None, v_scale=None, qk_norm=None, eps: float = 0.0):
+                          dtype, k_scale=None, v_scale=None, qk_norm=None, eps: float = 0.0, at=None):
     """The QKV product given as S partial sums parts [S, B, T, (Hq + 2 Hkv) D] (plus bias, or None),
     summed and rounded to `dtype`; its queries and keys rotated for positions pos [B, T], keys and
     values written into the caches [n_slots, Hkv, S, D] at those positions of rows `rows` [B]
     (`write_entries`: quantized for an int8 or fp8 cache, whose scales k_scale, v_scale come with it).
+    at: None, or where in the rows they are written instead [B, T] (-1: not written), with
+    rows [B, T] (a paged cache: each token's page in the pool and its offset in the page).
     qk_norm: None, or the weights (q [D], k [D]) of an RMS norm (epsilon `eps`) of every query and
     key head before the rotation (Gemma).
     -> (q [B, T, Hq, D] rotated, in `dtype`; k_cache; v_cache; k_scale; v_scale)."""
@@ -75,6 +77,7 @@ def rope_append_reference(parts, bias, pos, k_cache, v_cache, inv_freq, rows, *,
         q, k = rms_norm(q, qk_norm[0], eps), rms_norm(k, qk_norm[1], eps)
     q = apply_rope(q, pos, inv_freq, pairing)
     k = apply_rope(k, pos, inv_freq, pairing)
-    k_cache, k_scale = write_entries(k_cache, k_scale, k, pos, rows)
-    v_cache, v_scale = write_entries(v_cache, v_scale, v, pos, rows)
+    where = pos if at is None else at
+    k_cache, k_scale = write_entries(k_cache, k_scale, k, where, rows)
+    v_cache, v_scale = write_entries(v_cache, v_scale, v, where, rows)
     return q, k_cache, v_cache, k_scale, v_scale
