@@ -198,18 +198,22 @@ def test_decode_kernel_on_quantized_kv(kind, T, splits, window):
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_decode_kernel_default_tiles_at_head_dim_128(kind):
     """llama-8b's group of 4 query heads per KV head at head dim 128, one token: the default
-    tiles take 64-key blocks and merge up to 32 splits in the kernel (the H100's batch-1 launch);
-    the output is the reference's on the same cache, contiguous and paged."""
+    tiles of a contiguous cache take 64-key blocks and merge up to 32 splits in the kernel (the
+    H100's batch-1 launch); a paged cache's take 3 stages, and 128-key blocks and 16 splits
+    except fp8 at batch 1; the output is the reference's on the same cache, contiguous and
+    paged."""
     from pallas_kernels.attention import decode as decode_mod
 
     S, D = 2048, 128
-    assert decode_mod.default_tiles(D, quantized=True)["block_k"] == 64
-    # A paged cache: 64-key blocks at batch 1 of 8 KV heads, 128-key ones from batch 2.
-    assert decode_mod.default_tiles(D, quantized=True, paged_programs=8)["block_k"] == 64
-    assert decode_mod.default_tiles(D, quantized=True, paged_programs=16)["block_k"] == 128
+    assert decode_mod.default_tiles(D, kind) == dict(block_k=64, num_warps=4, num_stages=4)
+    paged = {n: decode_mod.default_tiles(D, kind, paged_programs=n) for n in (8, 16)}
+    assert paged[8] == dict(block_k=64 if kind == "fp8" else 128, num_warps=4, num_stages=3)
+    assert paged[16] == dict(block_k=128, num_warps=4, num_stages=3)
     assert decode_mod.default_tiles(D)["block_k"] == 128
-    limit = decode_mod.merged_split_limit(True, 4, D)
-    assert limit == 32 and decode_mod.merged_split_limit(False, 4, D) == 16
+    limit = decode_mod.merged_split_limit(True, 4, D, 64)
+    assert limit == 32 and decode_mod.merged_split_limit(False, 4, D, 64) == 16
+    assert decode_mod.merged_split_limit(True, 4, D, 128) == 16
+    assert decode_mod.stages_for(8, D, True, 8, paged=True) == 3 and decode_mod.stages_for(8, D, True, 8) == 4
     assert decode_mod.merges_in_kernel(1, 2, S, 64, limit)
     assert decode_mod.default_num_splits(1, 2, S, 64, merged_in_kernel=True, quantized=True, limit=limit) == 32
     q, k, v, pos, kv_len = case(9, B=1, T=1, Hq=8, Hkv=2, S=S, D=D, pos_start=[S - 5])

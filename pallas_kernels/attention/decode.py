@@ -54,48 +54,63 @@ NUM_SMS_H100 = 132
 MAX_MERGED_SPLITS = 16  # see merged_split_limit
 
 
-def default_tiles(head_dim: int, quantized: bool = False, paged_programs: int | None = None) -> dict:
+def default_tiles(head_dim: int, kind: str | None = None, paged_programs: int | None = None) -> dict:
     """Block size and launch shape measured best on the H100 (docs/kernels.md): 128 keys (64
-    past head dim 128) in 3 stages; a quantized block, half a 16-bit block's bytes, in 4.
-    paged_programs: for a paged cache, the launch's sequences x KV heads.
+    past head dim 128) in 3 stages; a quantized block (kind "int8" or "fp8"), half a 16-bit
+    block's bytes, in 4. paged_programs: a paged cache's sequences x KV heads, else None.
 
     A quantized cache at head dim 128 takes 64-key blocks: the program's shared memory halves,
     so at batch 1 twice the splits run (`merged_split_limit`), two programs to an SM, one
     overlapping its arithmetic (casts, scales) with the other's loads. llama-8b heads, int8, one
     token, H100: 32k keys 36.5 -> 31.1 us (32 splits of 64-key blocks in 3 stages against 16 of
     128-key blocks in 4), 8k 16.5 -> 13.4, 128k 105.0 -> 98.6; batch 16 (2 splits) in 4 stages,
-    8k 103.5 -> 98.5, 32k 377.1 -> 365.0. A paged cache (16-position pages) takes them only
-    where 16 splits fill at most one wave (batch 1: 8k 16.7 -> 15.8 us); beyond, 128-key blocks
-    gather fewer pages a key (batch 2 at 8k: 23.3 against 25.6 us; batch 16: 115.8 against 135.4)."""
-    small = quantized and head_dim == 128
-    if paged_programs is not None:
-        small = small and paged_programs * MAX_MERGED_SPLITS <= NUM_SMS_H100
+    8k 103.5 -> 98.5, 32k 377.1 -> 365.0.
+
+    A paged cache (16-position pages; its pages looked up a block ahead, `kv_blocks.walk_cache`)
+    takes 3 stages when quantized, and 128-key blocks except fp8 where 16 splits fill at most
+    one wave (batch 1 of 8 KV heads). int8 gathers per-entry scales from the pages besides, so
+    fewer, larger blocks win there: batch 1 at 32k keys 34.7-35.0 us (16 splits of 128 keys)
+    against 37.8-37.9 (32 of 64), at 8k 14.1-14.2 against 15.1-15.2; fp8 went the other way
+    (32k 32.3 against 35.8 us, 8k 13.6 against 14.7, two hosts). Batch 4 at 8k, int8: 36.0 us in
+    3 stages against 38.8 in 4; batch 16 at 32k the same (396 us)."""
+    quantized = kind is not None
+    if paged_programs is None:
+        small = quantized and head_dim == 128
+    else:
+        small = kind == "fp8" and head_dim == 128 and paged_programs * MAX_MERGED_SPLITS <= NUM_SMS_H100
     block_k = 64 if small or head_dim > 128 else 128
-    return dict(block_k=block_k, num_warps=4, num_stages=4 if quantized else 3)
+    return dict(block_k=block_k, num_warps=4, num_stages=_stages(quantized, paged_programs is not None))
 
 
-def stages_for(blocks_per_split: int, head_dim: int, quantized: bool, num_splits: int = 1) -> int:
+def _stages(quantized: bool, paged: bool) -> int:
+    return 4 if quantized and not paged else 3
+
+
+def stages_for(blocks_per_split: int, head_dim: int, quantized: bool, num_splits: int = 1,
+               paged: bool = False) -> int:
     """Pipeline stages: `default_tiles`' where a split walks several blocks; two where it walks
     one (a sliding window, or a short cache spread over many splits), where deeper stages only
     hold shared memory. gemma3-1b's heads (head dim 256), one token over a 512-key window, 9
     splits, H100: bf16 8.1 -> 7.2 us, int8 13.7 -> 10.7, fp8 13.2 -> 9.6 (the fused kernel with
     its rotation and append). Three for a quantized cache's batch-1 launch of more than 16
     splits: llama-8b heads, int8, 32 splits, 8k keys 14.7 -> 13.4 us, 32k 32.1 -> 31.1, 128k
-    99.7 -> 98.6 (at batch 16, 2 splits, 4 stages stay faster: 32k 379 against 365 us)."""
+    99.7 -> 98.6 (at batch 16, 2 splits, 4 stages stay faster: 32k 379 against 365 us). A
+    paged cache: `default_tiles`."""
     if blocks_per_split <= 1:
         return 2
     if quantized and num_splits > MAX_MERGED_SPLITS:
         return 3
-    return default_tiles(head_dim, quantized)["num_stages"]
+    return _stages(quantized, paged)
 
 
-def merged_split_limit(quantized: bool, group: int, head_dim: int) -> int:
+def merged_split_limit(quantized: bool, group: int, head_dim: int, block_k: int) -> int:
     """The most splits the in-kernel merge takes: 16, or 32 for a quantized cache's 64-key
     blocks at head dim 128 (`default_tiles`) with up to 4 query heads per KV head. The last
     program holds every split's partial rows (the group's, padded to a power of two) in
     registers: 32 x 4 x 128 floats, as 16 splits hold at head dim 256. A 16-bit cache was slower
-    with 32 splits (8k keys, batch 1: 17.1 -> 19.7 us)."""
-    if quantized and head_dim == 128 and pl.next_power_of_2(group) <= 4:
+    with 32 splits (8k keys, batch 1: 17.1 -> 19.7 us), and so were 32 splits of 128-key blocks
+    (8k 16.8-17.6 us against 16.5 for 16)."""
+    if quantized and head_dim == 128 and block_k == 64 and pl.next_power_of_2(group) <= 4:
         return 2 * MAX_MERGED_SPLITS
     return MAX_MERGED_SPLITS
 
@@ -469,14 +484,15 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
     block_k = fit_block_k(layout, block_k)
     check_block_k(layout, block_k)
     visible = visible_keys(layout.num_keys, window, block_k)
-    limit = merged_split_limit(k_scale is not None, G, D)
+    limit = merged_split_limit(k_scale is not None, G, D, block_k)
     merged = T == 1 and merges_in_kernel(B, Hkv, visible, block_k, limit)
     if num_splits is None:
         num_splits = default_num_splits(B, Hkv, visible, block_k, merged_in_kernel=merged,
                                         quantized=k_scale is not None, limit=limit)
     quantize_out = quantize_out and merged and num_splits > 1
     if num_stages is None:
-        num_stages = stages_for(pl.cdiv(pl.cdiv(visible, block_k), num_splits), D, k_scale is not None, num_splits)
+        num_stages = stages_for(pl.cdiv(pl.cdiv(visible, block_k), num_splits), D, k_scale is not None, num_splits,
+                                layout.paged)
     if quantize_out and D % 32:
         raise ValueError(f"decode_attention: quantize_out needs a head dim that is a multiple of 32, got {D}")
     Tp, Gp = token_rows(T, G)
@@ -619,10 +635,10 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
     return (out, *caches) if rope is not None else out
 
 
-def _tiles(D, block_k, num_warps, num_stages, quantized=False, paged_programs=None):
+def _tiles(D, block_k, num_warps, num_stages, kind=None, paged_programs=None):
     """The launch shape: the given values over the defaults, except the stages, which `_call`
     picks when not given (they depend on the blocks a split walks)."""
-    t = default_tiles(D, quantized, paged_programs)
+    t = default_tiles(D, kind, paged_programs)
     given = dict(block_k=block_k, num_warps=num_warps, num_stages=num_stages)
     t.update({name: val for name, val in given.items() if val is not None})
     t["num_stages"] = num_stages
@@ -642,7 +658,7 @@ def decode_attention(q, k, v, q_pos, kv_len, *, scale: float, window: int | None
     layout = CacheLayout(num_keys=k.shape[2])
     return _call(q, k, v, None, q_pos, kv_len, layout, scale=scale, window=window, num_splits=num_splits,
                  interpret=interpret, k_scale=k_scale, v_scale=v_scale,
-                 **_tiles(q.shape[-1], block_k, num_warps, num_stages, k_scale is not None))
+                 **_tiles(q.shape[-1], block_k, num_warps, num_stages, kind_of(k.dtype)))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("n_heads", "pairing", "dtype", "quantize_out", "eps"))
@@ -678,7 +694,7 @@ def decode_rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, *, n_hea
     return _call(q, k_cache, v_cache, None, pos[:, None], pos + 1, layout, scale=scale, window=window,
                  num_splits=num_splits, interpret=interpret, rope=RopeAppend(parts, bias, inv_freq, pairing, qk_norm, eps),
                  arrivals=arrivals, quantize_out=quantize_out, k_scale=k_scale, v_scale=v_scale,
-                 **_tiles(D, block_k, num_warps, num_stages, k_scale is not None))
+                 **_tiles(D, block_k, num_warps, num_stages, kind_of(k_cache.dtype)))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -695,8 +711,7 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, q_pos, kv_len, *, 
         raise ValueError(f"paged_decode_attention: block_tables must be [B={q.shape[0]}, max_pages], "
                          f"got {block_tables.shape}")
     layout = CacheLayout(num_keys=block_tables.shape[1] * page_size, page_size=page_size, num_pages=P)
-    tiles = _tiles(D, block_k, num_warps, num_stages, k_scale is not None,
-                   paged_programs=q.shape[0] * k_pages.shape[1])
+    tiles = _tiles(D, block_k, num_warps, num_stages, kind_of(k_pages.dtype), q.shape[0] * k_pages.shape[1])
     if block_k is None and 64 <= page_size < tiles["block_k"]:
         # One page per block reads a plain slice instead of gathering rows from several pages:
         # 103 us vs 109 us at B=8, ctx 8k, page_size 64 on the H100.
