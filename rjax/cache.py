@@ -120,11 +120,14 @@ class KVCache:
 
     def rope_write_attend(self, layer: int, parts, bias, pos, inv_freq, *, n_heads: int, pairing: str, dtype,
                           scale: float, window: int | None, quantize_out: bool = False, qk_norm=None,
-                          eps: float = 0.0):
+                          eps: float = 0.0, slots=None):
         """`rope_write`, then `attend`, for one token per sequence in rows 0..B-1 (parts
         [S, B, 1, (Hq + 2 Hkv) D], pos [B, 1]), as one kernel on the GPU
         (pallas_kernels.attention.rope_attention). -> (attention output [B, 1, Hq, D], or
-        with quantize_out possibly a QuantizedX [B, 1] of it, cache)."""
+        with quantize_out possibly a QuantizedX [B, 1] of it, cache). slots: None (the kernel
+        writes rows 0..B-1 only)."""
+        if slots is not None:
+            raise ValueError("KVCache.rope_write_attend: the fused kernel takes rows 0..B-1 (slots=None)")
         out, k, v, arrivals, ks, vs = rope_attention(
             parts[:, :, 0], bias, pos[:, 0], self.k[layer], self.v[layer], inv_freq, n_heads=n_heads, pairing=pairing,
             dtype=dtype, scale=scale, window=window, arrivals=self.arrivals, quantize_out=quantize_out,

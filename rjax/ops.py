@@ -133,7 +133,7 @@ def attention(plan: Plan, lp: LayerPlan, layer: int, qkv, bias, q_norm, k_norm, 
               qk_norm=None if q_norm is None else (q_norm, k_norm), eps=eps)
     if lp.attention == "rope_attention":
         out, cache = cache.rope_write_attend(layer, qkv, bias, pos, inv_freq, **kw, scale=scale, window=window,
-                                             quantize_out=lp.attn_out_int8)
+                                             quantize_out=lp.attn_out_int8, slots=slots)
         return (out if isinstance(out, QuantizedX) else out.reshape(B, T, -1)), cache
     if lp.attention == "rope_append":
         q, cache = cache.rope_write(layer, qkv, bias, pos, slots, inv_freq, **kw)

@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention import kind_of, paged_attention
+from pallas_kernels.attention import kind_of, paged_attention, paged_rope_attention
 from pallas_kernels.kv_append import rope_append
 from pallas_kernels.kv_quant import quantize_entries
 from rjax.cache import _STORAGE, check_kv_dtype, fp8_head_scales
@@ -39,6 +39,9 @@ class PagedKVCache:
     # Quantized K/V only: int8 [L, n_pages, Hkv, page_size] float32 (per entry), fp8 [L, Hkv].
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
+    # [n_slots, Hkv] int32, zero between calls: the fused decode kernel's count of finished split
+    # programs (as rjax.cache.KVCache's). None: each call makes fresh zeros.
+    arrivals: jax.Array | None = None
     # The dtype attention computes in, for a quantized cache (a float cache computes in its own).
     compute_dtype: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
@@ -124,35 +127,52 @@ class PagedKVCache:
         pool as its cache rows, each token's page as its row and its offset in the page as where
         in the row it is written. -> (q [B, T, Hq, D], cache)."""
         page, off = self._pages_of(pos, slots)
-        P = self.n_pages
-        rows, at = layer * P + jnp.maximum(page, 0), jnp.where(page >= 0, off, -1)
-        int8 = self.kv_dtype == "int8"
+        rows, at = layer * self.n_pages + jnp.maximum(page, 0), jnp.where(page >= 0, off, -1)
+        _, k, v, ks, vs = self._layer_view(layer, slots)
+        q, k, v, ks, vs = rope_append(parts, bias, pos, k, v, inv_freq, rows, n_heads=n_heads, pairing=pairing,
+                                      dtype=dtype, k_scale=ks, v_scale=vs, qk_norm=qk_norm, eps=eps, at=at)
+        return q, self._with_pool(k, v, ks, vs)
+
+    def _layer_view(self, layer: int, slots):
+        """What a kernel reads of layer `layer`: all layers' pages as one pool [L * n_pages, ...]
+        (a reshape: no copy; slicing out one layer's pool would copy it), the tables of `slots`
+        pointing into this layer's part, and the scales. -> (tables, k, v, k_scale, v_scale)."""
+        tables = self._tables(slots)
+        tables = jnp.where(tables >= 0, tables + layer * self.n_pages, NO_PAGE)
         ks = vs = None
-        if self.quantized:
-            ks, vs = ((self._pool(self.k_scale), self._pool(self.v_scale)) if int8
-                      else (self.k_scale[layer], self.v_scale[layer]))
-        q, k, v, ks, vs = rope_append(parts, bias, pos, self._pool(self.k), self._pool(self.v), inv_freq, rows,
-                                      n_heads=n_heads, pairing=pairing, dtype=dtype, k_scale=ks, v_scale=vs,
-                                      qk_norm=qk_norm, eps=eps, at=at)
-        out = dataclasses.replace(self, k=k.reshape(self.k.shape), v=v.reshape(self.v.shape))
-        if int8:
+        if self.kv_dtype == "int8":
+            ks, vs = self._pool(self.k_scale), self._pool(self.v_scale)
+        elif self.quantized:
+            ks, vs = self.k_scale[layer], self.v_scale[layer]
+        return tables, self._pool(self.k), self._pool(self.v), ks, vs
+
+    def _with_pool(self, k, v, ks, vs, **changes):
+        """This cache with the pools (and int8 scales) a kernel returned."""
+        out = dataclasses.replace(self, k=k.reshape(self.k.shape), v=v.reshape(self.v.shape), **changes)
+        if self.kv_dtype == "int8":
             out = dataclasses.replace(out, k_scale=ks.reshape(self.k_scale.shape), v_scale=vs.reshape(self.v_scale.shape))
-        return q, out
+        return out
+
+    def rope_write_attend(self, layer: int, parts, bias, pos, inv_freq, *, n_heads: int, pairing: str, dtype,
+                          scale: float, window: int | None, quantize_out: bool = False, qk_norm=None,
+                          eps: float = 0.0, slots=None):
+        """`rope_write`, then `attend`, for one token per sequence (parts [S, B, 1, (Hq + 2 Hkv) D],
+        pos [B, 1]) of slots `slots` (None: 0..B-1), as one kernel on the GPU
+        (pallas_kernels.attention.paged_rope_attention). -> (attention output [B, 1, Hq, D], or
+        with quantize_out possibly a QuantizedX [B, 1] of it, cache)."""
+        tables, k, v, ks, vs = self._layer_view(layer, slots)
+        arrivals = self.arrivals if self.arrivals is not None and self.arrivals.shape[0] >= pos.shape[0] else None
+        out, k, v, arrivals_out, ks, vs = paged_rope_attention(
+            parts[:, :, 0], bias, pos[:, 0], k, v, tables, inv_freq, n_heads=n_heads, pairing=pairing, dtype=dtype,
+            scale=scale, window=window, arrivals=arrivals, quantize_out=quantize_out, qk_norm=qk_norm, eps=eps,
+            k_scale=ks, v_scale=vs)
+        changes = {} if arrivals is None else dict(arrivals=arrivals_out)
+        return out, self._with_pool(k, v, ks, vs, **changes)
 
     def attend(self, layer: int, q, pos, slots, *, scale: float, window: int | None):
         # Visible length: everything up to the newest query position of each sequence.
         kv_len = jnp.max(pos, axis=1) + 1
-        # The kernel gets all layers' pages as one pool [L * n_pages, ...] (a reshape: no copy) and
-        # tables pointing into this layer's part; slicing out one layer's pool would copy it.
-        tables = self._tables(slots)
-        tables = jnp.where(tables >= 0, tables + layer * self.n_pages, NO_PAGE)
-        k, v = self._pool(self.k), self._pool(self.v)
-        ks = vs = None
-        if self.quantized:
-            if self.kv_dtype == "int8":
-                ks, vs = self._pool(self.k_scale), self._pool(self.v_scale)
-            else:
-                ks, vs = self.k_scale[layer], self.v_scale[layer]
+        tables, k, v, ks, vs = self._layer_view(layer, slots)
         return paged_attention(q, k, v, tables, pos, kv_len, scale=scale, window=window, k_scale=ks, v_scale=vs)
 
     def advance(self, slots, n_new):
@@ -225,13 +245,14 @@ def init_paged_cache(cfg: ModelConfig, n_slots: int, n_pages: int, page_size: in
     store = _STORAGE.get(kv_dtype, dtype)
     common = (jnp.zeros(shape, store), jnp.zeros(shape, store),
               jnp.full((n_slots, max_len // page_size), NO_PAGE, jnp.int32), jnp.zeros((n_slots,), jnp.int32))
+    arrivals = jnp.zeros((n_slots, cfg.n_kv_heads), jnp.int32)
     if kv_dtype == "bf16":
-        return PagedKVCache(*common)
+        return PagedKVCache(*common, arrivals=arrivals)
     if kv_dtype == "int8":
         ks, vs = jnp.zeros(shape[:4], jnp.float32), jnp.zeros(shape[:4], jnp.float32)
     else:
         ks, vs = fp8_head_scales(cfg, fp8_scales)
-    return PagedKVCache(*common, k_scale=ks, v_scale=vs, compute_dtype=jnp.dtype(dtype).name)
+    return PagedKVCache(*common, k_scale=ks, v_scale=vs, arrivals=arrivals, compute_dtype=jnp.dtype(dtype).name)
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))

@@ -143,7 +143,9 @@ def plan_for(cfg: ModelConfig, params, batch: int, tokens: int, dtype, *, paged:
     for i, p in enumerate(layers):
         if not _rotates_in_kernel(p):
             attention = "xla"
-        elif not slots and not paged and gpu and tokens == 1 and batch <= tuning.fused_rope_max_rows:
+        elif (paged or not slots) and gpu and tokens == 1 and batch <= tuning.fused_rope_max_rows:
+            # A paged cache's kernel finds each sequence's pages through its table, so it takes
+            # any slots; a contiguous cache's writes rows 0..B-1.
             attention = "rope_attention"
         else:
             attention = "rope_append"

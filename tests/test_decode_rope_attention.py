@@ -263,12 +263,14 @@ def test_gpu_quantized_matches_the_two_kernels(kind, pairing, B, hq, hkv, d, S):
         np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
 
 
+@pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("kernels", ["reference", "interpret"])
-def test_model_decode_step_takes_it_when_planned(tmp_path, monkeypatch, kernels):
+def test_model_decode_step_takes_it_when_planned(tmp_path, monkeypatch, kernels, paged):
     """The model's one-token step under a GPU plan with the fused path (Tuning.fused_rope_max_rows
     256) against the same plan without it (0): the same logits and caches as with rope_append +
     attention (both through references, or both through the kernels in interpret mode), and the
-    fused path was taken."""
+    fused path was taken; over a contiguous cache, and over a paged one (its pages in random
+    order, as the serving engine's)."""
     import pallas_kernels.attention as attention
     from pallas_kernels.quant_matmul import TUNING
     from rjax import engine
@@ -287,17 +289,27 @@ def test_model_decode_step_takes_it_when_planned(tmp_path, monkeypatch, kernels)
         resolve = attention._resolve
         monkeypatch.setattr(attention, "_resolve", lambda impl: "interpret" if impl is None else resolve(impl))
     calls = []
-    fused = attention.rope_attention
-    monkeypatch.setattr("rjax.cache.rope_attention", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    name = "paged_rope_attention" if paged else "rope_attention"
+    fused = getattr(attention, name)
+    monkeypatch.setattr(f"rjax.{'paged_cache' if paged else 'cache'}.{name}",
+                        lambda *a, **k: calls.append(1) or fused(*a, **k))
     tokens, lengths = engine.pad_prompts([[5, 6, 7, 8, 9], [11, 12]])
     step = jnp.asarray([[3], [4]], jnp.int32)
 
     def run(max_rows):
         # The attention output stays float either way, so that only the fusion differs.
         tuning = TUNING.replace(fused_rope_max_rows=max_rows, quantized_attention_out=False)
-        plan = plan_for(cfg, params, 2, 1, jnp.float32, gpu=True, implementation=kernels, tuning=tuning)
+        plan = plan_for(cfg, params, 2, 1, jnp.float32, gpu=True, implementation=kernels, tuning=tuning,
+                        paged=paged)
         assert {lp.attention for lp in plan.layers} == {"rope_attention" if max_rows else "rope_append"}
-        cache = init_cache(cfg, 2, 64)
+        if paged:
+            from rjax.paged_cache import init_paged_cache, set_block_tables
+
+            cache = init_paged_cache(cfg, 2, 10, 16, 64)
+            tables = np.random.default_rng(0).permutation(10)[:8].reshape(2, 4)
+            cache = set_block_tables(cache, jnp.arange(2), jnp.asarray(tables, jnp.int32))
+        else:
+            cache = init_cache(cfg, 2, 64)
         _, cache = engine.prefill(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
         return forward(cfg, params, cache, step, jnp.asarray(lengths)[:, None], plan=plan)
 
@@ -327,3 +339,150 @@ def test_gpu_gemma_heads_with_norms(S, window):
     p = S - 100
     for g, w in zip(got[1:3], want[1:]):
         np.testing.assert_allclose(np.asarray(g[0, :, p], np.float32), np.asarray(w[0, :, p]), rtol=2e-2, atol=2e-2)
+
+
+def _paged(kc, vc, page_size, seed, ks=None, vs=None):
+    """The contiguous caches [B, Hkv, S, D] (and int8 scales [B, Hkv, S]) as a page pool in
+    random order with two spare pages, and each sequence's block table."""
+    B, hkv, S, d = kc.shape
+    M = S // page_size
+    perm = np.random.default_rng(seed).permutation(B * M + 2)
+    table = jnp.asarray(perm[:B * M].reshape(B, M), jnp.int32)
+
+    def pool(x):
+        pages = x.reshape(B, hkv, M, page_size, *x.shape[3:]).transpose(0, 2, 1, 3, *range(4, x.ndim + 1))
+        out = jnp.zeros((B * M + 2, *pages.shape[2:]), x.dtype)
+        return out.at[table.reshape(-1)].set(pages.reshape(B * M, *pages.shape[2:]))
+
+    scales = [pool(s) if s is not None and s.ndim == 3 else s for s in (ks, vs)]
+    return pool(kc), pool(vc), table, *scales
+
+
+PAGED_CASES = [  # B, hq, hkv, S, kind, page_size, block_k, splits, window, norm
+    (2, 9, 3, 64, None, 16, 16, 1, None, False),
+    (3, 8, 2, 128, None, 16, 32, 3, None, False),    # blocks span two pages
+    (2, 12, 2, 160, None, 32, 16, 2, 32, True),
+    (1, 4, 1, 2048, None, 16, 16, None, None, True),  # one KV head over many blocks: XLA merges the splits
+    (3, 8, 2, 96, "int8", 16, 32, 2, None, False),
+    (2, 8, 2, 96, "fp8", 16, 16, 3, None, True),
+]
+
+
+@pytest.mark.parametrize("pairing", ["pairs", "halves"])
+@pytest.mark.parametrize("B,hq,hkv,S,kind,page_size,block_k,splits,window,norm", PAGED_CASES)
+def test_paged_matches_the_references_interpret(pairing, B, hq, hkv, S, kind, page_size, block_k, splits, window,
+                                                norm):
+    """Over a page pool in random order: the kernel's output, pool and scales against the paged
+    references (kv_append's reference writing on the pages, then the paged attention reference),
+    and a float cache's output against the contiguous fused kernel's over the same cache. Each
+    active sequence's token lands on its page at its offset and nowhere else; the last sequence
+    is inactive (nothing written, zeros out). A sequence that owns no page at its position
+    writes nothing."""
+    from pallas_kernels.attention import paged_decode_rope_attention, paged_rope_attention
+    from pallas_kernels.kv_quant import FP8, quantize_int8
+
+    d, dtype = 64, jnp.float32
+    fill = [S - 30, 17, 0][:B]
+    parts, b, pos, kc, vc, inv = _inputs(B, hq, hkv, d, S, dtype, 5 + B, 2, True, fill)
+    ks = vs = None
+    if kind == "int8":
+        (kc, ks), (vc, vs) = quantize_int8(kc), quantize_int8(vc)
+    elif kind == "fp8":
+        ks, vs = jnp.full((hkv,), 0.5, jnp.float32), jnp.linspace(1.0, 2.0, hkv, dtype=jnp.float32)
+        kc, vc = (kc / ks[:, None, None]).astype(FP8), (vc / vs[:, None, None]).astype(FP8)
+    kp, vp, table, kps, vps = _paged(kc, vc, page_size, 3, ks, vs)
+    r = np.random.default_rng(12)
+    norms = tuple(jnp.asarray(1 + 0.5 * r.standard_normal(d), jnp.float32) for _ in range(2)) if norm else None
+    kw = dict(n_heads=hq, pairing=pairing, dtype=dtype, scale=d ** -0.5, window=window, qk_norm=norms, eps=1e-6)
+    kernel = dict(block_k=block_k, num_splits=splits, interpret=True, k_scale=kps, v_scale=vps)
+    tol = 2e-5 if kind is None else 2e-3
+
+    def check_pools(got, want):
+        for g, w in zip(got[1:3] + got[4:], want[1:3] + want[4:]):
+            # an int8 code may round the other way (a value on a half step, summed in another order)
+            np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tol,
+                                       atol=tol if kind != "int8" or g.dtype != jnp.int8 else 1.0)
+
+    want = paged_rope_attention(parts, b, pos, kp, vp, table, inv, **kw, implementation="reference",
+                                k_scale=kps, v_scale=vps)
+    arrivals = jnp.zeros((B + 1, hkv), jnp.int32)  # a row more than the call runs, as a cache's slots
+    got = paged_decode_rope_attention(parts, b, pos, kp, vp, table, inv, **kw, **kernel, arrivals=arrivals)
+    assert got[0].shape == (B, 1, hq, d)
+    np.testing.assert_array_equal(np.asarray(got[3]), 0)  # the merge's counts, left zero for the next call
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=tol, atol=tol)
+    check_pools(got, want)
+    changed = {(int(p), int(o)) for p, _, o in np.argwhere(np.asarray(got[1] != kp).any(-1))}
+    assert changed == {(int(table[i, fill[i] // page_size]), fill[i] % page_size) for i in range(B)
+                       if B == 1 or i < B - 1}
+    if B > 1:
+        assert not np.asarray(got[0][-1]).any()
+    if kind is None:  # against the contiguous kernel over the same cache
+        cont = decode_rope_attention(parts, b, pos, kc, vc, inv, **kw, **kernel)
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(cont[0]), rtol=2e-5, atol=2e-5)
+    unowned = table.at[0, fill[0] // page_size].set(-1)
+    got = paged_decode_rope_attention(parts, b, pos, kp, vp, unowned, inv, **kw, **kernel)
+    want = paged_rope_attention(parts, b, pos, kp, vp, unowned, inv, **kw, implementation="reference",
+                                k_scale=kps, v_scale=vps)
+    check_pools(got, want)
+    assert not np.asarray(got[1][int(table[0, fill[0] // page_size])] != kp[int(table[0, fill[0] // page_size])]).any()
+
+
+def test_paged_lowers_to_triton_for_h100():
+    """The paged fused kernel: float, int8 and fp8 pools, both pairings, merged in the kernel and
+    by XLA (one KV head over 32k positions)."""
+    from jax._src.pallas.triton import gpu_info
+
+    from pallas_kernels.attention import paged_decode_rope_attention
+
+    h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+    S = jax.ShapeDtypeStruct
+    with warnings.catch_warnings(), mock.patch.object(gpu_info, "get_gpu_info", lambda: h100):
+        warnings.simplefilter("ignore")
+        for kind, hkv, d, keys, pairing in ((None, 8, 128, 8192, "pairs"), ("int8", 8, 128, 8192, "halves"),
+                                            ("fp8", 8, 128, 1024, "pairs"), ("int8", 1, 256, 32768, "halves")):
+            n = (4 * hkv + 2 * hkv) * d
+            dt = {None: jnp.bfloat16, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kind]
+            P = 2 * keys // 16
+            pool = S((P, hkv, 16, d), dt)
+            scale = None if kind is None else S((P, hkv, 16) if kind == "int8" else (hkv,), jnp.float32)
+            lowered = paged_decode_rope_attention.trace(
+                S((2, 2, n), jnp.float32), None, S((2,), jnp.int32), pool, pool, S((2, keys // 16), jnp.int32),
+                S((d // 2,), jnp.float32), n_heads=4 * hkv, pairing=pairing, dtype=jnp.bfloat16, scale=0.088,
+                k_scale=scale, v_scale=scale, arrivals=S((4, hkv), jnp.int32),
+                quantize_out=kind == "int8").lower(lowering_platforms=("cuda",))
+            assert "__gpu$xla.gpu.triton" in lowered.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", [None, "int8", "fp8"])
+@pytest.mark.parametrize("pairing", ["pairs", "halves"])
+@pytest.mark.parametrize("B,hq,hkv,d,S", [(1, 9, 3, 64, 1024), (1, 32, 8, 128, 8192), (4, 32, 8, 128, 2048)])
+def test_gpu_paged_matches_the_two_kernels(kind, pairing, B, hq, hkv, d, S):
+    """On the GPU over 16-position pages in random order: the paged fused kernel against
+    kv_append's kernel writing on the pages, then the paged decode kernel (the path it replaces)."""
+    from pallas_kernels.attention import paged_decode_attention, paged_decode_rope_attention
+    from pallas_kernels.kv_quant import FP8, quantize_int8
+
+    fill = [S - 61 - 97 * i for i in range(B)]
+    parts, b, pos, kc, vc, inv = _inputs(B, hq, hkv, d, S, jnp.bfloat16, 9, 4, True, fill)
+    ks = vs = None
+    if kind == "int8":
+        (kc, ks), (vc, vs) = quantize_int8(kc), quantize_int8(vc)
+    elif kind == "fp8":
+        ks, vs = jnp.full((hkv,), 0.5, jnp.float32), jnp.linspace(1.0, 2.0, hkv, dtype=jnp.float32)
+        kc, vc = ((x.astype(jnp.float32) / s[:, None, None]).astype(FP8) for x, s in ((kc, ks), (vc, vs)))
+    kp, vp, table, kps, vps = _paged(kc, vc, 16, 4, ks, vs)
+    kw = dict(n_heads=hq, pairing=pairing, dtype=jnp.bfloat16)
+    ps = 16
+    page = table[jnp.arange(B), jnp.maximum(pos, 0) // ps]
+    at = jnp.where(pos >= 0, pos % ps, -1)
+    q, k2, v2, ks2, vs2 = rope_append_kernel(parts, b, pos, kp, vp, inv, page, **kw, k_scale=kps, v_scale=vps, at=at)
+    want = paged_decode_attention(q[:, None], k2, v2, table, pos[:, None], pos + 1, scale=d ** -0.5, k_scale=ks2,
+                                  v_scale=vs2)
+    got = paged_decode_rope_attention(parts, b, pos, kp, vp, table, inv, **kw, scale=d ** -0.5, k_scale=kps,
+                                      v_scale=vps)
+    np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(k2))
+    np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(v2))
+    if kind == "int8":
+        np.testing.assert_array_equal(np.asarray(got[4]), np.asarray(ks2))

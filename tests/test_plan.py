@@ -81,9 +81,9 @@ def test_plan_choices(gpu_models):
     norms to the next product and the GLU to the down product, at five rows the products before
     the norms add and norm; llama's Q4_K layers do the add +
     norm in the int8 products and hand attention's output over in int8; batched, Q4_K goes to
-    the wgmma kernel; a paged cache (the serving engine's) rotates and appends in the kernel
-    into its pages and attends apart, and leaves the norms pending as a contiguous one does; a
-    CPU plan defers nothing."""
+    the wgmma kernel; a paged cache (the serving engine's) rotates, appends into its pages and
+    attends in one kernel at one token, over any slots (a contiguous cache only over rows
+    0..B-1), and leaves the norms pending as a contiguous one does; a CPU plan defers nothing."""
     sm = gpu_models("smollm2-135m", "q4_1")
     p = plan_for(sm.config, sm.params, 1, 1, jnp.bfloat16, gpu=True)
     assert p.layers[0].ffn_norm == "pending" and p.layers[0].glu == "down" and p.layers[0].out_norm == "pending"
@@ -93,8 +93,10 @@ def test_plan_choices(gpu_models):
     assert (p5.layers[0].ffn_norm, p5.layers[0].out_norm, p5.layers[-1].out_norm, p5.counts) == \
         ("product_rows", "product_rows", "norm", True)
     paged = plan_for(sm.config, sm.params, 1, 1, jnp.bfloat16, gpu=True, paged=True, slots=True)
-    assert paged.layers[0].out_norm == "pending" and paged.layers[0].attention == "rope_append"
+    assert paged.layers[0].out_norm == "pending" and paged.layers[0].attention == "rope_attention"
     assert paged.layers[0].ffn_norm == "pending"
+    assert plan_for(sm.config, sm.params, 1, 1, jnp.bfloat16, gpu=True, slots=True).layers[0].attention == "rope_append"
+    assert plan_for(sm.config, sm.params, 1, 5, jnp.bfloat16, gpu=True, paged=True).layers[0].attention == "rope_append"
     l1 = gpu_models("llama-1b", "q4_k")
     p = plan_for(l1.config, l1.params, 1, 1, jnp.bfloat16, gpu=True)
     assert (p.first_norm, p.layers[0].ffn_norm, p.layers[0].glu) == ("norm_int8", "product", "int8")

@@ -6,7 +6,7 @@ a quantized cache too (int8 per entry or fp8 per head, with k_scale and v_scale;
 read by the decode kernel and the Triton prefill kernel.
 `rope_attention` is a one-token decode step from the QKV product on: kv_append's rotation and
 K/V append, then the attention, as one kernel (`decode_rope_attention`; the model's plan says
-for how many sequences).
+for how many sequences); `paged_rope_attention` the same over a paged cache.
 
 implementation:
   None         choose: on a GPU backend the Pallas kernel (prefill kernel when T > 8, decode kernel
@@ -22,7 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .decode import decode_attention, decode_rope_attention, paged_decode_attention, token_rows
+from .decode import (decode_attention, decode_rope_attention, paged_decode_attention, paged_decode_rope_attention,
+                     token_rows)
 from .prefill import paged_prefill_attention, prefill_attention
 from .prefill_mgpu import mgpu_prefill_attention, supports as mgpu_prefill_supports
 from pallas_kernels.kv_quant import dequantize, kind_of, quantize_fp8, quantize_int8
@@ -31,7 +32,8 @@ from .reference import attention_reference, paged_attention_reference
 __all__ = [
     "attention", "paged_attention", "attention_reference", "paged_attention_reference",
     "prefill_attention", "mgpu_prefill_attention", "paged_prefill_attention", "decode_attention",
-    "paged_decode_attention", "decode_rope_attention", "rope_attention",
+    "paged_decode_attention", "decode_rope_attention", "rope_attention", "paged_decode_rope_attention",
+    "paged_rope_attention",
     "MAX_DECODE_TOKENS", "decode_positions", "kind_of", "quantize_int8", "quantize_fp8", "dequantize",
 ]
 
@@ -110,6 +112,33 @@ def rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, *, n_heads: int
     return decode_rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, **kw, scale=scale, window=window,
                                  interpret=impl == "interpret", arrivals=arrivals, quantize_out=quantize_out,
                                  k_scale=k_scale, v_scale=v_scale)
+
+
+def paged_rope_attention(parts, bias, pos, k_pages, v_pages, block_tables, inv_freq, *, n_heads: int, pairing: str,
+                         dtype, scale: float, window: int | None = None, arrivals=None, quantize_out: bool = False,
+                         implementation=None, qk_norm=None, eps: float = 0.0, k_scale=None, v_scale=None):
+    """`rope_attention` over a paged cache: the page pool k_pages, v_pages [P, Hkv, page_size, D]
+    and block_tables [B, max_pages] (see paged_decode_rope_attention); the token at pos [B] goes
+    on the page sequence b's table names for it. arrivals: None or [B' >= B, Hkv] int32 zeros.
+    -> (out [B, 1, Hq, D] or a QuantizedX, k_pages, v_pages, arrivals, k_scale, v_scale)."""
+    impl = _resolve(implementation)
+    kw = dict(n_heads=n_heads, pairing=pairing, dtype=dtype, qk_norm=qk_norm, eps=eps)
+    if impl == "reference":
+        from pallas_kernels.kv_append import rope_append_reference
+
+        ps, max_pages = k_pages.shape[2], block_tables.shape[1]
+        col = jnp.where(pos >= 0, pos // ps, max_pages)
+        page = jnp.take_along_axis(block_tables, col[:, None], axis=1, mode="fill", fill_value=-1)[:, 0]
+        at = jnp.where((pos >= 0) & (page >= 0), pos % ps, -1)
+        q, k_pages, v_pages, k_scale, v_scale = rope_append_reference(
+            parts[:, :, None], bias, pos[:, None], k_pages, v_pages, inv_freq, jnp.maximum(page, 0)[:, None], **kw,
+            k_scale=k_scale, v_scale=v_scale, at=at[:, None])
+        out = paged_attention_reference(q, k_pages, v_pages, block_tables, pos[:, None], pos + 1, scale=scale,
+                                        window=window, k_scale=k_scale, v_scale=v_scale)
+        return out.astype(dtype), k_pages, v_pages, arrivals, k_scale, v_scale
+    return paged_decode_rope_attention(parts, bias, pos, k_pages, v_pages, block_tables, inv_freq, **kw, scale=scale,
+                                       window=window, interpret=impl == "interpret", arrivals=arrivals,
+                                       quantize_out=quantize_out, k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, q_pos, kv_len, *, scale: float, window: int | None = None,

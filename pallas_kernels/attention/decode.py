@@ -220,7 +220,10 @@ def _rope_append_kernel(kv_len_ref, pos_ref, inv_ref, parts_ref, *refs, has_bias
     reassembled; with "pairs" the query halves are interleaved into [R, D] in registers.
     A quantized cache (quant "entry": int8, its per-entry scales written beside the values;
     "head": fp8 with per-head scales) gets the token's key and value quantized as kv_append
-    writes them, and the fold takes the values the cache then holds."""
+    writes them, and the fold takes the values the cache then holds. A paged cache (the KV
+    head's pool [P, page_size, ...] and the sequence's block table) takes the token on the page
+    its table names for the position, at the position's offset there; a position whose page
+    the sequence does not own (table entry < 0) is not written."""
     bias_ref = refs[0] if has_bias else None
     refs = refs[1:] if has_bias else refs
     norm_refs = tuple(refs[:2]) if has_norm else None  # the q and k norm weights
@@ -236,6 +239,7 @@ def _rope_append_kernel(kv_len_ref, pos_ref, inv_ref, parts_ref, *refs, has_bias
         scales = (*refs[-2:], quant)
     elif quant == "head":
         scales = (refs[2], refs[3], quant)
+    table_ref = refs[2 + 2 * (quant is not None)] if layout.paged else None
     split, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     pos, kv_len = pos_ref[()], kv_len_ref[()]
     product = ProductRows(parts_ref, bias_ref, inv_ref, b, pos, n_parts=n_parts, pairing=pairing, dtype=q_dtype,
@@ -250,6 +254,13 @@ def _rope_append_kernel(kv_len_ref, pos_ref, inv_ref, parts_ref, *refs, has_bias
     v_halves = [product.half(n_heads + n_kv + h, j) for j in range(2)]
     owner = (split == num_splits - 1) & (pos >= 0) & (pos < layout.num_keys)  # past the cache: write nothing
     at = jnp.maximum(pos, 0)
+    if layout.paged:
+        ps = layout.page_size
+        page = table_ref[jnp.minimum(at // ps, layout.num_keys // ps - 1)]
+        owner &= page >= 0
+        where = (jnp.maximum(page, 0), at % ps)
+    else:
+        where = (at,)
     if scales is None:
         k_halves = [x.astype(k_ref.dtype) for x in k_halves]
         v_halves = [x.astype(v_ref.dtype) for x in v_halves]
@@ -259,22 +270,22 @@ def _rope_append_kernel(kv_len_ref, pos_ref, inv_ref, parts_ref, *refs, has_bias
         k_halves, k_scale, k_fold = quantize_row(k_halves, kind_of(k_ref.dtype), head[0], q_dtype)
         v_halves, v_scale, v_fold = quantize_row(v_halves, kind_of(v_ref.dtype), head[1], q_dtype)
         if quant == "entry":
-            one = jnp.broadcast_to(owner, (1,))
-            pltriton.store(scales[0].at[pl.ds(at, 1)], jnp.broadcast_to(k_scale, (1,)), mask=one)
-            pltriton.store(scales[1].at[pl.ds(at, 1)], jnp.broadcast_to(v_scale, (1,)), mask=one)
+            one, entry = jnp.broadcast_to(owner, (1,)), (*where[:-1], pl.ds(where[-1], 1))
+            pltriton.store(scales[0].at[entry], jnp.broadcast_to(k_scale, (1,)), mask=one)
+            pltriton.store(scales[1].at[entry], jnp.broadcast_to(v_scale, (1,)), mask=one)
     write = jnp.broadcast_to(owner, k_halves[0].shape)
     if halves:
         for j, half in enumerate(k_halves):
-            pltriton.store(k_ref.at[at, jnp.int32(j), :], half.astype(k_ref.dtype), mask=write)
+            pltriton.store(k_ref.at[(*where, jnp.int32(j), slice(None))], half.astype(k_ref.dtype), mask=write)
         k_new = tuple(k_fold)
     else:
         k_row = product.row(k_halves).astype(k_ref.dtype)
-        pltriton.store(k_ref.at[at, :], k_row, mask=jnp.broadcast_to(owner, k_row.shape))
+        pltriton.store(k_ref.at[(*where, slice(None))], k_row, mask=jnp.broadcast_to(owner, k_row.shape))
         k_new = product.row(k_fold)
     v_row = product.row(v_halves).astype(v_ref.dtype)
-    pltriton.store(v_ref.at[at, :], v_row, mask=jnp.broadcast_to(owner, v_row.shape))
+    pltriton.store(v_ref.at[(*where, slice(None))], v_row, mask=jnp.broadcast_to(owner, v_row.shape))
     cached = jnp.minimum(kv_len, at)  # the keys before the token's position
-    _attend(cached, jnp.where(r < group, pos, -1), q, k_ref, v_ref, None, out_refs, layout=layout, scale=scale,
+    _attend(cached, jnp.where(r < group, pos, -1), q, k_ref, v_ref, table_ref, out_refs, layout=layout, scale=scale,
             window=window, block_k=block_k, num_splits=num_splits, group=group, interpret=interpret,
             quantize_out=quantize_out, scales=scales, new_key=(owner, k_new, product.row(v_fold)))
 
@@ -327,7 +338,7 @@ def _attend(kv_len, pos, q, k_ref, v_ref, table_ref, out_refs, *, layout: CacheL
     def step(block, state, masked, pages):
         start = block * block_k
         if halves:
-            k = tuple(load_block(k_ref, table_ref, start, block_k, layout, bounds_check=masked, half=j)
+            k = tuple(load_block(k_ref, table_ref, start, block_k, layout, bounds_check=masked, half=j, pages=pages)
                       for j in range(2))
         else:
             k = load_block(k_ref, table_ref, start, block_k, layout, bounds_check=masked, pages=pages)
@@ -472,10 +483,11 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
           k_scale=None, v_scale=None):
     """q: the queries [B, T, Hq, D], or with `rope` their shape and dtype (a ShapeDtypeStruct).
     k_scale, v_scale: a quantized cache's scales (pallas_kernels/kv_quant.py), else None.
-    arrivals: None or [B, Hkv] int32 zeros for the in-kernel merge (see below); with `rope`,
-    returned after the caches (zeros again; as given when no merge ran). quantize_out: where the
-    splits are merged in the kernel (`merges_in_kernel`), the output comes as a QuantizedX
-    [B, 1] of the rows (Hq D) rounded to int8 per 32 values (D a multiple of 32)."""
+    arrivals: None or [B', Hkv] int32 zeros (B' >= B; rows past B unused) for the in-kernel
+    merge (see below); with `rope`, returned after the caches (zeros again; as given when no
+    merge ran). quantize_out: where the splits are merged in the kernel (`merges_in_kernel`),
+    the output comes as a QuantizedX [B, 1] of the rows (Hq D) rounded to int8 per 32 values
+    (D a multiple of 32)."""
     B, T, Hq, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
@@ -534,7 +546,10 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
     k_spec, k_arg = kv_spec, k
     if rope is not None and rope.pairing == "halves":
         k_arg = split_view(k, "halves")  # a bitcast; see _rope_append_kernel
-        k_spec = pl.BlockSpec((None, None, k.shape[2], 2, D // 2), lambda s, h, b: (b, h, 0, 0, 0))
+        if layout.paged:
+            k_spec = pl.BlockSpec((k.shape[0], None, layout.page_size, 2, D // 2), lambda s, h, b: (0, h, 0, 0, 0))
+        else:
+            k_spec = pl.BlockSpec((None, None, k.shape[2], 2, D // 2), lambda s, h, b: (b, h, 0, 0, 0))
     attend_kw = dict(layout=layout, scale=float(scale), window=window, block_k=block_k, num_splits=num_splits,
                      group=group, interpret=interpret, quantize_out=quantize_out, merged=merged)
     quant, scale_specs = _scale_specs(k_scale, layout)
@@ -587,9 +602,11 @@ def _call(q, k, v, table, q_pos, kv_len, layout: CacheLayout, *, scale, window, 
             count_spec,
         ]
         packed = (B, Hkv, slots)
+        # The counts as given: a paged cache keeps one row per slot, of which a call runs the first B.
+        counts = (B, Hkv) if arrivals is None else arrivals.shape
         out_shape = [*o_shapes, jax.ShapeDtypeStruct(packed + (D,), jnp.float32),
                      jax.ShapeDtypeStruct(packed, jnp.float32), jax.ShapeDtypeStruct(packed, jnp.float32),
-                     jax.ShapeDtypeStruct((B, Hkv), jnp.int32)]
+                     jax.ShapeDtypeStruct(counts, jnp.int32)]
         extra_specs = [*extra_specs, count_spec]
         extra_args = [*extra_args, jnp.zeros((B, Hkv), jnp.int32) if arrivals is None else arrivals]
         aliases[1 + len(q_args) + 2 + len(scale_args) + len(extra_args) - 1] = n_out - 1
@@ -711,10 +728,52 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, q_pos, kv_len, *, 
         raise ValueError(f"paged_decode_attention: block_tables must be [B={q.shape[0]}, max_pages], "
                          f"got {block_tables.shape}")
     layout = CacheLayout(num_keys=block_tables.shape[1] * page_size, page_size=page_size, num_pages=P)
-    tiles = _tiles(D, block_k, num_warps, num_stages, kind_of(k_pages.dtype), q.shape[0] * k_pages.shape[1])
+    tiles = _paged_tiles(D, block_k, num_warps, num_stages, kind_of(k_pages.dtype), q.shape[0] * k_pages.shape[1],
+                         page_size)
+    return _call(q, k_pages, v_pages, block_tables, q_pos, kv_len, layout, scale=scale, window=window,
+                 num_splits=num_splits, interpret=interpret, k_scale=k_scale, v_scale=v_scale, **tiles)
+
+
+def _paged_tiles(D, block_k, num_warps, num_stages, kind, programs: int, page_size: int) -> dict:
+    tiles = _tiles(D, block_k, num_warps, num_stages, kind, programs)
     if block_k is None and 64 <= page_size < tiles["block_k"]:
         # One page per block reads a plain slice instead of gathering rows from several pages:
         # 103 us vs 109 us at B=8, ctx 8k, page_size 64 on the H100.
         tiles["block_k"] = page_size
-    return _call(q, k_pages, v_pages, block_tables, q_pos, kv_len, layout, scale=scale, window=window,
-                 num_splits=num_splits, interpret=interpret, k_scale=k_scale, v_scale=v_scale, **tiles)
+    return tiles
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("n_heads", "pairing", "dtype", "quantize_out", "eps"))
+def paged_decode_rope_attention(parts, bias, pos, k_pages, v_pages, block_tables, inv_freq, *, n_heads: int,
+                                pairing: str, dtype, scale: float, window: int | None = None,
+                                block_k: int | None = None, num_splits: int | None = None,
+                                num_warps: int | None = None, num_stages: int | None = None,
+                                interpret: bool = False, arrivals=None, quantize_out: bool = False, qk_norm=None,
+                                eps: float = 0.0, k_scale=None, v_scale=None):
+    """`decode_rope_attention` over a paged cache: the page pool k_pages, v_pages [P, Hkv,
+    page_size, D] (float, or int8 / fp8 with k_scale, v_scale [P, Hkv, page_size] or [Hkv]) and
+    block_tables [B, max_pages] (sequence b's positions i * page_size .. on page
+    block_tables[b, i]; < 0 where it owns none). The token at pos [B] is written on the page its
+    table names, at offset pos % page_size, unless the sequence owns no page there. arrivals:
+    None, or [B', Hkv] int32 zeros with B' >= B (see decode_rope_attention).
+    -> (out [B, 1, Hq, D] in `dtype` or QuantizedX, k_pages, v_pages, arrivals, k_scale, v_scale)."""
+    n_parts, B, n = parts.shape
+    P, n_kv, page_size, D = k_pages.shape
+    if n != (n_heads + 2 * n_kv) * D or n_heads % n_kv or D % 2:
+        raise ValueError(f"paged_decode_rope_attention: a product of {n} columns does not match {n_heads} query "
+                         f"heads and pages of {k_pages.shape}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != B:
+        raise ValueError(f"paged_decode_rope_attention: block_tables must be [B={B}, max_pages], "
+                         f"got {block_tables.shape}")
+    if arrivals is not None and (arrivals.shape[0] < B or arrivals.shape[1:] != (n_kv,)):
+        raise ValueError(f"paged_decode_rope_attention: arrivals must be [>= {B}, {n_kv}], got {arrivals.shape}")
+    check_scales(k_pages, k_scale, "k_pages")
+    check_scales(v_pages, v_scale, "v_pages")
+    q = jax.ShapeDtypeStruct((B, 1, n_heads, D), jnp.dtype(dtype))
+    layout = CacheLayout(num_keys=block_tables.shape[1] * page_size, page_size=page_size, num_pages=P)
+    pos = pos.astype(jnp.int32)
+    tiles = _paged_tiles(D, block_k, num_warps, num_stages, kind_of(k_pages.dtype), B * n_kv, page_size)
+    return _call(q, k_pages, v_pages, block_tables, pos[:, None], pos + 1, layout, scale=scale, window=window,
+                 num_splits=num_splits, interpret=interpret,
+                 rope=RopeAppend(parts, bias, inv_freq, pairing, qk_norm, eps), arrivals=arrivals,
+                 quantize_out=quantize_out, k_scale=k_scale, v_scale=v_scale, **tiles)

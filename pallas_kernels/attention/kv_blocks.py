@@ -94,8 +94,9 @@ def load_block(ref, table_ref, start, block_k: int, layout: CacheLayout, *, boun
     """The [block_k, D] block of cache positions start .. start + block_k - 1 (start a multiple of block_k).
 
     bounds_check: mask rows at or past the capacity (needed only for a block that can cross it).
-    half: a contiguous cache in the rotation-halves view [S, 2, D/2]: the block's half `half`,
-    [block_k, D/2]. pages: a paged cache's `block_pages` for this block, if already looked up.
+    half: a cache in the rotation-halves view ([S, 2, D/2], or pages [P, page_size, 2, D/2]):
+    the block's half `half`, [block_k, D/2]. pages: a paged cache's `block_pages` for this
+    block, if already looked up.
     """
     if not layout.paged:
         rows = pl.ds(start, block_k)
@@ -104,17 +105,16 @@ def load_block(ref, table_ref, start, block_k: int, layout: CacheLayout, *, boun
             inside = (start + jnp.arange(block_k, dtype=jnp.int32)) < layout.num_keys
             return pltriton.load(ref.at[idx], mask=inside[:, None], other=0)
         return ref[idx]
-    if half is not None:
-        raise NotImplementedError("load_block: the halves view of a paged cache")
     if pages is None:
         pages = block_pages(table_ref, start, block_k, layout)
     ps = layout.page_size
+    cols = (slice(None),) if half is None else (jnp.int32(half), slice(None))
     if ps >= block_k:  # the block lies inside one page
-        return ref[pages, pl.ds(lax.rem(start, jnp.int32(ps)), block_k), :]
+        return ref[(pages, pl.ds(lax.rem(start, jnp.int32(ps)), block_k), *cols)]
     # The block spans block_k // ps whole pages: gather row by row (row r of the block is position
     # start + r, on page table[(start + r) // ps] at offset r % ps), which yields the [block_k, D]
     # tile directly, with no reshape of a [pages, ps, D] tile in registers.
-    return ref[pages, lax.rem(jnp.arange(block_k, dtype=jnp.int32), jnp.int32(ps)), :]
+    return ref[(pages, lax.rem(jnp.arange(block_k, dtype=jnp.int32), jnp.int32(ps)), *cols)]
 
 
 def load_scales(ref, table_ref, start, block_k: int, layout: CacheLayout, *, bounds_check: bool, pages=None):
