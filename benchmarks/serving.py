@@ -74,11 +74,13 @@ def decode_inputs(cfg, B: int, context: int, max_len: int, page_size: int, dtype
     if abstract:
         arr = jax.ShapeDtypeStruct
         kv = arr(pool, dtype)
-        cache = PagedKVCache(kv, kv, arr((B, max_pages), jnp.int32), arr((B,), jnp.int32))
+        cache = PagedKVCache(kv, kv, arr((B, max_pages), jnp.int32), arr((B,), jnp.int32),
+                             arrivals=arr((B, cfg.n_kv_heads), jnp.int32))
         return cache, jax.eval_shape(lambda: init_slots(B, MAX_STOP_IDS))
+    # As init_paged_cache makes it: the fused decode kernel's split counts kept zero in the cache.
     cache = PagedKVCache(jnp.zeros(pool, dtype), jnp.zeros(pool, dtype),
                          jnp.arange(B * max_pages, dtype=jnp.int32).reshape(B, max_pages),
-                         jnp.full((B,), context, jnp.int32))
+                         jnp.full((B,), context, jnp.int32), arrivals=jnp.zeros((B, cfg.n_kv_heads), jnp.int32))
     rng = np.random.default_rng(B)
     state = DecodeState(jnp.asarray(rng.integers(0, cfg.vocab_size, B), jnp.int32), jnp.zeros((B,), bool),
                         jnp.full((B,), max_len, jnp.int32), jax.random.split(jax.random.key(B), B))
