@@ -215,7 +215,8 @@ def head_split(params) -> bool:
 
 def cache_specs(cache, tp: TensorParallel):
     """A PartitionSpec per leaf of a KV cache: K/V and their per-entry scales by KV head,
-    per-head (fp8) scales likewise, lengths, block tables and counters replicated."""
+    per-head (fp8) scales and the decode kernel's split counts (`arrivals`, [n_slots, Hkv])
+    likewise; lengths and block tables replicated."""
     head = 2 if cache.paged else 1
     k_ndim = jax.tree.leaves(cache.k)[0].ndim
 

@@ -228,9 +228,9 @@ def _rope_append_kernel(kv_len_ref, pos_ref, inv_ref, parts_ref, *refs, has_bias
     refs = refs[1:] if has_bias else refs
     norm_refs = tuple(refs[:2]) if has_norm else None  # the q and k norm weights
     refs = refs[2:] if has_norm else refs
-    # refs: the caches, their scales (quantized) and (merged) the arrival counts as inputs
-    # (aliased where written), the attention's outputs, then the caches and an int8 cache's
-    # scales as outputs.
+    # refs: the caches, their scales (quantized), the block table (paged) and (merged) the
+    # arrival counts as inputs (aliased where written), the attention's outputs, then the
+    # caches and an int8 cache's scales as outputs.
     n_caches = 4 if quant == "entry" else 2
     out_refs = refs[-n_caches - _n_outputs(merged, num_splits, quantize_out):-n_caches]
     k_ref, v_ref = refs[-n_caches:][:2]
