@@ -161,7 +161,8 @@ class PagedKVCache:
         (pallas_kernels.attention.paged_rope_attention). -> (attention output [B, 1, Hq, D], or
         with quantize_out possibly a QuantizedX [B, 1] of it, cache)."""
         tables, k, v, ks, vs = self._layer_view(layer, slots)
-        arrivals = self.arrivals if self.arrivals is not None and self.arrivals.shape[0] >= pos.shape[0] else None
+        fits = self.arrivals is not None and self.arrivals.shape[0] >= pos.shape[0]
+        arrivals = self.arrivals if fits and self.arrivals.shape[1] == self.k.shape[2] else None
         out, k, v, arrivals_out, ks, vs = paged_rope_attention(
             parts[:, :, 0], bias, pos[:, 0], k, v, tables, inv_freq, n_heads=n_heads, pairing=pairing, dtype=dtype,
             scale=scale, window=window, arrivals=arrivals, quantize_out=quantize_out, qk_norm=qk_norm, eps=eps,
