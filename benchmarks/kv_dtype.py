@@ -13,7 +13,7 @@ What it measures, in one run on one GPU:
   scales) over that time, and that rate as a fraction of the copy bandwidth; also the chain's
   wall time per call, and the read floor: the same chain with each call one XLA reduction that
   only reads those bytes (what a launch that reads them costs at that size).
-- `decode`: engine.decode_loop tokens/s (32 steps per dispatch, the median of 3 timed
+- `decode`: engine.greedy_decode_loop tokens/s (32 steps per dispatch, the median of 3 timed
   dispatches after a warm one) of synthetic llama-8b Q4_K (`rjax synth`) at batch 1 and 16 with
   contexts 8k, 32k and 128k, and of gemma3-1b's shape (Q4_K) at 32k, per KV dtype. The cache is
   allocated at the context length and every slot holds context - 128 positions when the timed
@@ -219,13 +219,13 @@ def decode_run(cfg, params, kv: str, B: int, ctx: int, bw: float, page_size: int
     first = jnp.zeros((B,), jnp.int32)
     state = engine.initial_state(first, jnp.full((B,), HEADROOM, jnp.int32), stop, jax.random.key(0), cache)
     t0 = time.perf_counter()
-    out, state, cache = engine.decode_loop(cfg, params, cache, state, sp, stop, STEPS)  # warm (compiled ahead)
+    out, state, cache = engine.greedy_decode_loop(cfg, params, cache, state, sp, stop, STEPS)  # warm (compiled ahead)
     np.asarray(out)
     warm_s = time.perf_counter() - t0
     times = []
     for _ in range(REPEATS):
         t0 = time.perf_counter()
-        out, state, cache = engine.decode_loop(cfg, params, cache, state, sp, stop, STEPS)
+        out, state, cache = engine.greedy_decode_loop(cfg, params, cache, state, sp, stop, STEPS)
         out = np.asarray(out)
         times.append(time.perf_counter() - t0)
         if (out < 0).any():
@@ -272,7 +272,7 @@ def bench_model(spec: dict, kvs, workdir: Path, bw: float, result: dict, write, 
         runs += [(kv, n, 32768) for kv, n in entry["largest_batch_32k"].items()
                  if n and (kv, n, 32768) not in runs]
     t0 = time.perf_counter()
-    programs = [dataclasses.replace(decode_program(cfg, params, B, ctx, jnp.bfloat16, STEPS, 1, kv_dtype=kv),
+    programs = [dataclasses.replace(decode_program(cfg, params, B, ctx, jnp.bfloat16, STEPS, 1, kv_dtype=kv, greedy=True),
                                     name=f"decode {kv} B={B} ctx={ctx}") for kv, B, ctx in runs if page_size is None]
     report = compile_programs(programs, on_error="record")
     entry["compile_s"] = time.perf_counter() - t0

@@ -2,7 +2,7 @@
 
     python benchmarks/profile_decode.py --out "$OUT" [--shape llama-8b --quant q4_k] [--batch 1]
 
-Synthesizes the model (rjax synth), prefills one batch, then traces `engine.decode_loop`
+Synthesizes the model (rjax synth), prefills one batch, then traces `engine.greedy_decode_loop`
 (N steps in one dispatch, as `rjax bench` runs it) with `jax.profiler` and sums the GPU
 kernels' durations by name. The report: wall time per step, the summed kernel time per step
 (the rest is gaps between kernels: launches and host syncs), and the kernels that take it,
@@ -153,13 +153,13 @@ def main() -> int:
     first, cache = engine.prefill_and_sample(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths), None, key, sp)
     stop = jnp.asarray([-1], jnp.int32)
     state = engine.initial_state(first, jnp.full((b,), 3 * a.steps, jnp.int32), stop, key, cache)
-    toks, state, cache = engine.decode_loop(cfg, params, cache, state, sp, stop, a.steps, tuning)   # compile
+    toks, state, cache = engine.greedy_decode_loop(cfg, params, cache, state, sp, stop, a.steps, tuning)   # compile
     np.asarray(toks)
     # A fresh directory per run: kernel_times reads the one trace file it finds.
     with tempfile.TemporaryDirectory(prefix="rjax-trace-") as trace:
         t0 = time.perf_counter()
         with jax.profiler.trace(trace):
-            toks, state, cache = engine.decode_loop(cfg, params, cache, state, sp, stop, a.steps, tuning)
+            toks, state, cache = engine.greedy_decode_loop(cfg, params, cache, state, sp, stop, a.steps, tuning)
             np.asarray(toks)
         wall = time.perf_counter() - t0
         total, count = kernel_times(trace)

@@ -7,7 +7,7 @@ roofline of the devices it runs on.
 --gguf: a GGUF file loaded with `rjax.load(..., mesh=)` at each --tp. --shape llama-70b: a
 Llama-3-70B-shaped model in F16 with random weights made on the devices in their shards (about
 141 GB: no file, and no device ever holds the whole model). Each (tp, batch): a 128-token
-random prompt per sequence, then `engine.decode_loop` dispatches of --steps tokens, timed after
+random prompt per sequence, then `engine.greedy_decode_loop` dispatches of --steps tokens, timed after
 a warm-up. The roofline: each device streams its share of the weights once per step (plus its
 share of the KV cache) at the fastest device-to-device copy rate measured on it in this run,
 so batch-1 tokens/s can be at most copy rate / per-device bytes per step.
@@ -86,12 +86,12 @@ def decode_rate(cfg, params, batch: int, steps: int, repeats: int, prompt: int =
     prefill_s = time.perf_counter() - t0
     state = engine.initial_state(first, jnp.full((batch,), 1 << 30, jnp.int32), stop, jax.random.key(2), cache)
     for _ in range(2):  # compiles (the second call: for the shardings the first one's outputs have)
-        out, state, cache = engine.decode_loop(cfg, params, cache, state, sp, stop, steps)
+        out, state, cache = engine.greedy_decode_loop(cfg, params, cache, state, sp, stop, steps)
         jax.block_until_ready(out)
     rates = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        out, state, cache = engine.decode_loop(cfg, params, cache, state, sp, stop, steps)
+        out, state, cache = engine.greedy_decode_loop(cfg, params, cache, state, sp, stop, steps)
         jax.block_until_ready(out)
         rates.append(batch * steps / (time.perf_counter() - t0))
     return dict(batch=batch, prefill_s_with_compile=prefill_s, tokens_per_s=float(np.median(rates)),

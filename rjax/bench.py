@@ -15,7 +15,7 @@ What is measured (one model, random prompts of `prompt_len` token ids):
 - prefill per batch size: first call (trace + compile + run) and steady calls of
   `engine.prefill_and_sample`; time to first token is a steady call at batch 1 up to the
   first token on the host; prefill tokens/s = batch x prompt_len / that time.
-- decode per (batch, steps per dispatch N): `engine.decode_loop` from a prefilled cache, with
+- decode per (batch, steps per dispatch N): `engine.greedy_decode_loop` from a prefilled cache, with
   a stop set that never matches and a budget beyond the run, so every slot generates every
   step. The first dispatch (compile) is excluded; each timed run starts from a copy of the
   same prefilled cache and makes ceil(gen / N) dispatches, each synced by fetching its tokens.
@@ -214,7 +214,7 @@ def run_bench(model: str | os.PathLike | tuple[ModelConfig, Params], settings: B
     # with the most steps per dispatch), then the other step counts. n None: prefill.
     tasks = [t for b in batches for t in ((b, None), (b, steps[0]))] + [(b, n) for n in steps[1:] for b in batches]
     n_prefill_programs = engine.prefill_and_sample._cache_size()
-    n_decode_programs = engine.decode_loop._cache_size()
+    n_decode_programs = engine.greedy_decode_loop._cache_size()
     expected_prefill, expected_decode = 0, 0
     alt_len_checked = False
     templates: dict[int, object] = {}
@@ -268,7 +268,7 @@ def run_bench(model: str | os.PathLike | tuple[ModelConfig, Params], settings: B
     result["recompilation"] = {
         "prefill_and_sample": {"programs": engine.prefill_and_sample._cache_size() - n_prefill_programs,
                                "expected": expected_prefill},
-        "decode_loop": {"programs": engine.decode_loop._cache_size() - n_decode_programs,
+        "decode_loop": {"programs": engine.greedy_decode_loop._cache_size() - n_decode_programs,
                         "expected": expected_decode},
     }
     for v in result["recompilation"].values():
@@ -285,7 +285,7 @@ def _compile_ahead(cfg, params, s: BenchSettings, tasks, bucket, S, dtype, resul
     server's start-up costs); result["compile"]["ahead"]. A failure is recorded and the
     programs then compile at their first calls."""
     programs = [prefill_program(cfg, params, b, bucket, S, dtype, kv_dtype=s.kv_dtype) if n is None else
-                decode_program(cfg, params, b, S, dtype, n, n_stop_ids=1, kv_dtype=s.kv_dtype) for b, n in tasks]
+                decode_program(cfg, params, b, S, dtype, n, n_stop_ids=1, kv_dtype=s.kv_dtype, greedy=True) for b, n in tasks]
     try:
         report = compile_programs(programs, s.compile_workers, progress=progress)
     except Exception as e:  # noqa: BLE001
@@ -358,13 +358,13 @@ def _bench_decode(cfg, params, s: BenchSettings, b, n, prefilled, key, stop_ids,
         jax.block_until_ready((cache, state))
         return cache, state
 
-    before = engine.decode_loop._cache_size()
+    before = engine.greedy_decode_loop._cache_size()
     cache, state = fresh_state()
     t0 = time.perf_counter()
-    out, state, cache = engine.decode_loop(cfg, params, cache, state, sp, stop_ids, n)
+    out, state, cache = engine.greedy_decode_loop(cfg, params, cache, state, sp, stop_ids, n)
     np.asarray(out)
     first_call = time.perf_counter() - t0
-    programs = engine.decode_loop._cache_size() - before
+    programs = engine.greedy_decode_loop._cache_size() - before
     del cache, state
 
     dispatch_s, host_s, run_rates, tokens_total, time_total = [], [], [], 0, 0.0
@@ -375,7 +375,7 @@ def _bench_decode(cfg, params, s: BenchSettings, b, n, prefilled, key, stop_ids,
         run_tokens, run_time = 0, 0.0
         for _ in range(n_dispatches):
             t0 = time.perf_counter()
-            out, state, cache = engine.decode_loop(cfg, params, cache, state, sp, stop_ids, n)
+            out, state, cache = engine.greedy_decode_loop(cfg, params, cache, state, sp, stop_ids, n)
             t1 = time.perf_counter()
             out = np.asarray(out)
             t2 = time.perf_counter()

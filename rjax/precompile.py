@@ -108,16 +108,18 @@ def prefill_program(cfg: ModelConfig, params: Params, batch: int, bucket: int, c
 
 
 def decode_program(cfg: ModelConfig, params: Params, batch: int, cache_len: int, dtype, n_steps: int,
-                   n_stop_ids: int = 1, kv_dtype: str | None = None) -> Program:
-    """`engine.decode_loop` of `n_steps` steps over `batch` slots of a `cache_len` cache (K/V
-    stored as `kv_dtype`), with a stop set of `n_stop_ids` token ids."""
+                   n_stop_ids: int = 1, kv_dtype: str | None = None, greedy: bool = False) -> Program:
+    """`engine.decode_loop` (`greedy`: `engine.greedy_decode_loop`) of `n_steps` steps over
+    `batch` slots of a `cache_len` cache (K/V stored as `kv_dtype`), with a stop set of
+    `n_stop_ids` token ids."""
     cache = abstract_cache(_abstract(lambda: init_cache(cfg, batch, cache_len, dtype, kv_dtype)), params.tp)
     stop_ids = jax.ShapeDtypeStruct((n_stop_ids,), jnp.int32)
     state = _abstract(lambda: engine.initial_state(jnp.zeros((batch,), jnp.int32), 1, jnp.full((n_stop_ids,), -1),
                                                    jax.random.key(0), init_cache(cfg, batch, cache_len, dtype,
                                                                                  kv_dtype)))
     sp = _abstract(lambda: SamplingParams.make(batch))
-    return Program(f"decode B={batch} N={n_steps}", engine.decode_loop, (cfg, params, cache, state, sp, stop_ids, n_steps))
+    return Program(f"decode B={batch} N={n_steps}", engine.greedy_decode_loop if greedy else engine.decode_loop,
+                   (cfg, params, cache, state, sp, stop_ids, n_steps))
 
 
 @dataclasses.dataclass(frozen=True)

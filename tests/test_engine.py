@@ -105,7 +105,11 @@ def test_prompt_lengths_within_a_bucket_share_one_compilation(tiny):
     assert fn._cache_size() == before + 1
 
 
-def test_decode_loop_greedy_equals_step_by_step_and_stops_at_stop_token(tiny):
+LOOPS = [pytest.param(engine.decode_loop, id="decode_loop"), pytest.param(engine.greedy_decode_loop, id="greedy")]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_decode_loop_greedy_equals_step_by_step_and_stops_at_stop_token(tiny, loop):
     cfg, params = tiny
     prompts = _prompts(4, [6, 11], cfg.vocab_size)
     sp = SamplingParams.make(2)
@@ -125,8 +129,8 @@ def test_decode_loop_greedy_equals_step_by_step_and_stops_at_stop_token(tiny):
     first, cache = engine.prefill_and_sample(cfg, params, cache, jnp.asarray(t), jnp.asarray(l), None, key, sp)
     no_stop = jnp.asarray([-1], jnp.int32)
     state = engine.initial_state(first, jnp.asarray([10, 10]), no_stop, key, cache)
-    out, state, cache = engine.decode_loop(cfg, params, cache, state, sp, no_stop, 4)
-    out2, state, cache = engine.decode_loop(cfg, params, cache, state, sp, no_stop, 8)
+    out, state, cache = loop(cfg, params, cache, state, sp, no_stop, 4)
+    out2, state, cache = loop(cfg, params, cache, state, sp, no_stop, 8)
     got = np.concatenate([np.asarray(first)[:, None], np.asarray(out), np.asarray(out2)], 1)
     np.testing.assert_array_equal(got[:, :10], expected)
     assert (got[:, 10:] == -1).all() and bool(np.asarray(state.done).all())  # the 10-token budget
@@ -137,14 +141,27 @@ def test_decode_loop_greedy_equals_step_by_step_and_stops_at_stop_token(tiny):
     cache = init_cache(cfg, 2, 64)
     first, cache = engine.prefill_and_sample(cfg, params, cache, jnp.asarray(t), jnp.asarray(l), None, key, sp)
     state = engine.initial_state(first, jnp.asarray([10, 10]), stop, key, cache)
-    out, state, cache = engine.decode_loop(cfg, params, cache, state, sp, stop, 9)
+    out, state, cache = loop(cfg, params, cache, state, sp, stop, 9)
     row0 = np.asarray(out)[0]
     first_stop = list(expected[0]).index(stop_tok)
     np.testing.assert_array_equal(row0[:first_stop], expected[0, 1:first_stop + 1])
     assert (row0[first_stop:] == -1).all()
 
 
-def test_decode_loop_stops_when_the_cache_is_full(tiny):
+def test_greedy_decode_loop_holds_no_conditional(tiny):
+    """The property greedy_decode_loop exists for: no conditional in its program (XLA would run
+    one from the host each step, and keep the loop there), where decode_loop's sampling has one."""
+    cfg, params = tiny
+    cache, sp, stop = init_cache(cfg, 1, 64), SamplingParams.make(1), jnp.asarray([-1], jnp.int32)
+    state = engine.initial_state(jnp.zeros((1,), jnp.int32), jnp.asarray([8]), stop, jax.random.key(0), cache)
+    text = {f: f.trace(cfg, params, cache, state, sp, stop, 4).lower().as_text()
+            for f in (engine.decode_loop, engine.greedy_decode_loop)}
+    assert "stablehlo.case" in text[engine.decode_loop]
+    assert "stablehlo.case" not in text[engine.greedy_decode_loop]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_decode_loop_stops_when_the_cache_is_full(tiny, loop):
     cfg, params = tiny
     cache = init_cache(cfg, 1, 16)
     t, l = engine.pad_prompts(_prompts(5, [12], cfg.vocab_size))
@@ -153,7 +170,7 @@ def test_decode_loop_stops_when_the_cache_is_full(tiny):
     first, cache = engine.prefill_and_sample(cfg, params, cache, jnp.asarray(t), jnp.asarray(l), None, key, sp)
     no_stop = jnp.asarray([-1], jnp.int32)
     state = engine.initial_state(first, jnp.asarray([100]), no_stop, key, cache)
-    out, state, cache = engine.decode_loop(cfg, params, cache, state, sp, no_stop, 10)
+    out, state, cache = loop(cfg, params, cache, state, sp, no_stop, 10)
     assert int(cache.lengths[0]) == 16
     assert (np.asarray(out)[0] >= 0).sum() == 4  # positions 12..15 were written, the 4th token ends it
     assert bool(state.done[0])
@@ -377,3 +394,53 @@ def test_gpu_decode_matches_longer_prefill(tmp_path, shape, quant, batch):
             c, f = np.asarray(c, np.float32), np.asarray(f, np.float32)
             for b, n in enumerate(l2):
                 np.testing.assert_allclose(c[b, :, :n], f[b, :, :n], rtol=0, atol=5e-2 * np.abs(f[b, :, :n]).max())
+
+
+def test_generation_launches_each_dispatch_before_reading_back_the_last(tmp_path, monkeypatch):
+    """Greedy generation runs greedy_decode_loop, launching a dispatch before it reads the one
+    before back and none past the token budget, and yields the tokens one long dispatch gives;
+    after a stop token the dispatch launched ahead adds nothing to the final cache."""
+    from rjax.generation import stream_ids
+    from rjax.synth import write_synthetic
+
+    path = write_synthetic(tmp_path / "tiny.gguf", "smollm2-135m", "q4_1", n_layers=2, vocab_size=512,
+                           tokenizer_from="builtin")
+    m = rjax.load(path, progress=False)
+    m = dataclasses.replace(m, tokenizer=dataclasses.replace(m.tokenizer, eos_ids=frozenset()))
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+
+    def joined(steps):
+        parts = list(steps)
+        return [sum((p[i] for p in parts), []) for i in range(len(parts[0]))]
+
+    whole = joined(stream_ids(m, prompts, max_new_tokens=11, steps_per_dispatch=16))
+    events = []
+    real_loop, real_get = engine.greedy_decode_loop, jax.device_get
+
+    class Counted:  # the loop, noting each call (precompiling reaches through it for .trace)
+        def __call__(self, *a):
+            events.append("launch")
+            return real_loop(*a)
+
+        def __getattr__(self, name):
+            return getattr(real_loop, name)
+
+    monkeypatch.setattr(engine, "greedy_decode_loop", Counted())
+    monkeypatch.setattr(jax, "device_get", lambda x: (events.append("read"), real_get(x))[1])
+    stats: dict = {}
+    assert joined(stream_ids(m, prompts, max_new_tokens=11, steps_per_dispatch=3, stats=stats)) == whole
+    # 10 decode steps at 3 a dispatch: 4 dispatches, each launched before the one before is read.
+    assert events == ["launch", "launch", "read", "launch", "read", "launch", "read", "read"]
+    assert np.asarray(stats["cache"].lengths).tolist() == [len(p) + 10 for p in prompts]
+
+    # A stop token the first prompt first generates after its first dispatch: the dispatch after
+    # the one that reads it back was launched already, and adds nothing.
+    stop = next(t for i, t in enumerate(whole[0]) if i >= 3 and t not in whole[0][:i])
+    end = whole[0].index(stop) + 1
+    m = dataclasses.replace(m, tokenizer=dataclasses.replace(m.tokenizer, eos_ids=frozenset({stop})))
+    events.clear()
+    (got,) = joined(stream_ids(m, prompts[:1], max_new_tokens=40, steps_per_dispatch=3, stats=stats))
+    assert got == whole[0][:end]
+    reads = -(-(end - 1) // 3)
+    assert events.count("read") == reads and events.count("launch") == reads + 1
+    assert np.asarray(stats["cache"].lengths).tolist() == [len(prompts[0]) + end - 1]
