@@ -94,10 +94,12 @@ def check_draft_model(target_cfg: ModelConfig, target_tok, draft_cfg: ModelConfi
                          f"different tokens); a draft model needs the target's tokenizer")
 
 
-def accept(logits, drafts, n_drafts, key, sp: SamplingParams, draft_logq=None):
+def accept(logits, drafts, n_drafts, key, sp: SamplingParams, draft_logq=None, greedy: bool = False):
     """The verification's decision. logits [K + 1, V]: the target's at the last accepted token
     and at each draft; drafts [K] (the first n_drafts real); draft_logq [K, V]: the drafter's
     log-probabilities of each draft's position (None: certain drafts, q(draft) = 1).
+    greedy: the caller knows the temperature is 0, so the program holds the greedy rule alone
+    (a conditional on the temperature keeps XLA's loop around it on the host).
     -> (m, next): the first m drafts are kept, then `next`, the target's own token (a
     correction, or a bonus after all of them)."""
     K = drafts.shape[0]
@@ -106,7 +108,7 @@ def accept(logits, drafts, n_drafts, key, sp: SamplingParams, draft_logq=None):
     def leading(ok):
         return jnp.argmin(jnp.concatenate([ok & real, jnp.zeros((1,), bool)])).astype(jnp.int32)
 
-    def greedy():
+    def greedy_rule():
         best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         m = leading(drafts == best[:K])
         return m, best[m]
@@ -128,7 +130,7 @@ def accept(logits, drafts, n_drafts, key, sp: SamplingParams, draft_logq=None):
         row = jnp.where(jnp.any(residual > 0), jnp.log(residual), logp[m])  # p == q: nothing to take out
         return m, jax.random.categorical(k_next, row).astype(jnp.int32)
 
-    return jax.lax.cond(sp.temperature[0] > 0, sampled, greedy)
+    return greedy_rule() if greedy else jax.lax.cond(sp.temperature[0] > 0, sampled, greedy_rule)
 
 
 @jax.tree_util.register_dataclass
@@ -164,20 +166,20 @@ def _start(hist, first, stops, key, n_prompt: int, max_new_tokens: int, ended: b
                      jnp.any(first == stops) | ended, jnp.int32(max_new_tokens - 1), key, z, z, z)
 
 
-def _propose(logits, key, sp: SamplingParams):
+def _propose(logits, key, sp: SamplingParams, greedy: bool):
     """The draft model's token at one position: argmax (greedy), or a draw from its filtered
-    distribution with that distribution's log-probabilities [V] (sampling)."""
-    def greedy():
+    distribution with that distribution's log-probabilities [V] (sampling). greedy: as accept's."""
+    def argmax():
         return jnp.argmax(logits).astype(jnp.int32), jnp.zeros_like(logits)
 
     def sampled():
         f = filtered_logits(logits[None], sp)[0]
         return jax.random.categorical(key, f).astype(jnp.int32), jax.nn.log_softmax(f)
 
-    return jax.lax.cond(sp.temperature[0] > 0, sampled, greedy)
+    return argmax() if greedy else jax.lax.cond(sp.temperature[0] > 0, sampled, argmax)
 
 
-def _draft_with_model(dcfg: ModelConfig, dparams, dcache, last, pending, held, n, k: int, key, sp):
+def _draft_with_model(dcfg: ModelConfig, dparams, dcache, last, pending, held, n, k: int, key, sp, greedy: bool):
     """n (<= k) drafts from the draft model, which holds positions [0, held) but the pending
     one. -> (drafts [k], log q [k, V], cache holding [0, held + n))."""
     V = dcfg.vocab_size
@@ -195,7 +197,7 @@ def _draft_with_model(dcfg: ModelConfig, dparams, dcache, last, pending, held, n
         return logits[0, 0], c
 
     logits0, dcache = jax.lax.cond(pending >= 0, with_pending, alone)
-    d0, q0 = _propose(logits0, keys[0], sp)
+    d0, q0 = _propose(logits0, keys[0], sp, greedy)
     drafts = jnp.zeros(k, jnp.int32).at[0].set(d0)
     logq = jnp.zeros((k, V), jnp.float32).at[0].set(q0)
 
@@ -203,21 +205,22 @@ def _draft_with_model(dcfg: ModelConfig, dparams, dcache, last, pending, held, n
         j, drafts, logq, dcache = carry
         logits, dcache = forward(dcfg, dparams, dcache, drafts[j - 1][None, None], (held + j)[None, None], None,
                                  dcache.dtype)
-        d, q = _propose(logits[0, 0], keys[j], sp)
+        d, q = _propose(logits[0, 0], keys[j], sp, greedy)
         return j + 1, drafts.at[j].set(d), logq.at[j].set(q), dcache
 
     _, drafts, logq, dcache = jax.lax.while_loop(lambda c: c[0] < n, body, (jnp.int32(1), drafts, logq, dcache))
     return drafts, logq, dcache
 
 
-def _round(cfg, params, cache: KVCache, st: SpecState, sp, stop_ids, drafter, dparams, dcache, k: int):
+def _round(cfg, params, cache: KVCache, st: SpecState, sp, stop_ids, drafter, dparams, dcache, k: int,
+           greedy: bool):
     held, S = cache.lengths[0], cache.max_len
     # Drafts must fit the cache (last + drafts) and the budget (the target adds one of its own).
     room = jnp.clip(jnp.minimum(S - held - 1, st.remaining - 1), 0, k)
     key, k_draft, k_accept = jax.random.split(st.key, 3)
     if isinstance(drafter, ModelDrafter):
         drafts, logq, dcache = _draft_with_model(drafter.cfg, dparams, dcache, st.last, st.pending, held, room, k,
-                                                 k_draft, sp)
+                                                 k_draft, sp, greedy)
         n = room
     else:
         drafts, found = drafter.lookup(st.hist, st.n_hist, k)
@@ -235,7 +238,7 @@ def _round(cfg, params, cache: KVCache, st: SpecState, sp, stop_ids, drafter, dp
         return jnp.broadcast_to(logits[0], (k + 1, logits.shape[-1])), c  # accept reads row 0 only
 
     logits, cache = jax.lax.cond(n > 0, verify, step)
-    m, nxt = accept(logits, drafts, n, k_accept, sp, logq)
+    m, nxt = accept(logits, drafts, n, k_accept, sp, logq, greedy)
     emitted = jnp.where(t < m, jnp.concatenate([drafts, jnp.zeros(1, jnp.int32)]), nxt)
     stop = jnp.any(emitted[:, None] == stop_ids[None, :], axis=-1) & (t <= m)
     e = jnp.minimum(jnp.where(jnp.any(stop), jnp.argmax(stop) + 1, m + 1), st.remaining)
@@ -256,16 +259,18 @@ def _round(cfg, params, cache: KVCache, st: SpecState, sp, stop_ids, drafter, dp
 
 
 def speculative_rounds(cfg: ModelConfig, params: Params, cache: KVCache, state: SpecState, sp: SamplingParams,
-                       stop_ids, drafter, draft_params, draft_cache, k: int, n_rounds: int):
+                       stop_ids, drafter, draft_params, draft_cache, k: int, n_rounds: int, greedy: bool = False):
     """Up to n_rounds draft-verify-accept rounds for slot 0 in one XLA program, stopping early
     when the sequence is done (a stop id, its budget, or the end of the cache). `drafter`:
     NgramDrafter, or ModelDrafter with its `draft_params` and one-slot `draft_cache` (else None).
+    greedy: every temperature is 0 (the program then holds no sampling conditional).
     -> (tokens [n_rounds, k + 1] int32, -1 where nothing was emitted; state; cache; draft_cache)."""
     out0 = jnp.full((n_rounds, k + 1), -1, jnp.int32)
 
     def body(carry):
         i, out, st, cache, dcache = carry
-        row, st, cache, dcache = _round(cfg, params, cache, st, sp, stop_ids, drafter, draft_params, dcache, k)
+        row, st, cache, dcache = _round(cfg, params, cache, st, sp, stop_ids, drafter, draft_params, dcache, k,
+                                        greedy)
         return i + 1, out.at[i].set(row), st, cache, dcache
 
     _, out, state, cache, draft_cache = jax.lax.while_loop(
@@ -275,7 +280,7 @@ def speculative_rounds(cfg: ModelConfig, params: Params, cache: KVCache, state: 
 
 # The program: `speculative_rounds` jitted (its body is traceable inside a caller's jit or vmap),
 # compiled as `engine.decode_loop` is, so that on a GPU the rounds are one CUDA graph.
-speculative_loop = functools.partial(jax.jit, static_argnames=("cfg", "drafter", "k", "n_rounds"),
+speculative_loop = functools.partial(jax.jit, static_argnames=("cfg", "drafter", "k", "n_rounds", "greedy"),
                                      donate_argnames=("cache", "draft_cache"),
                                      compiler_options=engine.DECODE_LOOP_COMPILER_OPTIONS)(speculative_rounds)
 
@@ -347,9 +352,11 @@ def speculative_ids(cfg: ModelConfig, params: Params, cache: KVCache, prompt: li
     cost_ratio = 0.0 if draft_params is None else _nbytes(draft_params) / max(_nbytes(params), 1)
     alpha = 0.5
 
+    greedy = not np.any(np.asarray(sp.temperature) > 0)
+
     def launch(k, state, cache, draft_cache):
         return k, speculative_loop(cfg, params, cache, state, sp, stops, drafter, draft_params, draft_cache, k,
-                                   rounds_per_dispatch)
+                                   rounds_per_dispatch, greedy=greedy)
 
     call = None if bool(state.done) else launch(choose_k(alpha, candidates, cost_ratio), state, cache, draft_cache)
     while call is not None:

@@ -155,6 +155,26 @@ def test_rolled_back_kv_is_never_visible(tiny, drafts, which):
     assert int(st.accepted) < int(st.drafted)
 
 
+@pytest.mark.parametrize("model_drafter", [False, True])
+def test_greedy_program_holds_no_sampling(tiny, model_drafter):
+    """greedy=True (what speculative_ids passes at temperature 0) leaves sampling out of the
+    program: no sort (top-k / top-p filters) and fewer conditionals than the program that
+    decides by the temperature at run time."""
+    cfg, params = tiny
+    S, k = 64, 4
+    cache, sp, stop = init_cache(cfg, 1, S), SamplingParams.make(1), jnp.asarray([-1], jnp.int32)
+    z = jnp.int32(0)
+    st = SpecState(z, jnp.int32(-1), jnp.zeros(S + 1, jnp.int32), jnp.int32(1), jnp.bool_(False), jnp.int32(8),
+                   jax.random.key(0), z, z, z)
+    drafter, dparams, dcache = NgramDrafter(), None, None
+    if model_drafter:
+        drafter, dparams, dcache = ModelDrafter(cfg), params, init_cache(cfg, 1, S)
+    text = {greedy: speculative_loop.trace(cfg, params, cache, st, sp, stop, drafter, dparams, dcache, k, 2,
+                                           greedy=greedy).lower().as_text() for greedy in (False, True)}
+    assert "stablehlo.sort" in text[False] and "stablehlo.sort" not in text[True]
+    assert text[True].count("stablehlo.case") < text[False].count("stablehlo.case")
+
+
 @pytest.mark.parametrize("k", [1, 4])
 @pytest.mark.parametrize("prompt", [REPEATING, PLAIN], ids=["repeating", "plain"])
 def test_greedy_equals_plain_greedy(tiny, prompt, k):
