@@ -115,7 +115,8 @@ def load_for_bench(model: str | os.PathLike, progress: bool = True, tp: int = 1)
         cfg, params = m.config, m.params
     else:  # as rjax.load arranges them
         cfg, params, _ = load_gguf(path, progress=progress, on_device=mesh is None)
-        params = for_backend(params) if mesh is None else split_for_backend(cfg, params, mesh, progress=progress)[1]
+        params = (for_backend(params, consume=True) if mesh is None
+                  else split_for_backend(cfg, params, mesh, progress=progress)[1])
         cfg = cfg if mesh is None else split_config(cfg, tp)
     jax.block_until_ready(params)
     return cfg, params, path

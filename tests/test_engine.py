@@ -255,6 +255,33 @@ def test_cache_longer_than_the_context(tiny):
         init_cache(cfg, 1, cfg.context_length + 1)
 
 
+def test_gpu_weight_layout_consumes_what_it_replaces():
+    """consume=True (a loader's own params): the same weights as without, each replaced plane
+    freed once its new one exists, planes it keeps (scales) untouched, a weight met twice (tied)
+    converted once; llama-8b-sized Q4_0 planes become words, smaller ones stay bytes."""
+    from gguf_blocks.words import as_words
+    from pallas_kernels.quant_matmul.testing import random_qtensor
+    from rjax.layout import gpu_weight_layout
+
+    def fresh():
+        big = jax.tree.map(jnp.asarray, random_qtensor(QType.Q4_0, 4096, 4096, seed=1))   # 2**24 values
+        small = jax.tree.map(jnp.asarray, random_qtensor(QType.Q4_0, 256, 512, seed=2))
+        return {"big": big, "tied": (big, big), "small": small}
+
+    want = gpu_weight_layout(fresh())
+    params = fresh()
+    got = gpu_weight_layout(params, consume=True)
+    big = params["big"]
+    assert big.planes.qs.is_deleted() and not big.planes.d.is_deleted()
+    assert not params["small"].planes.qs.is_deleted() and got["small"] is params["small"]
+    assert got["tied"][0] is got["tied"][1] is got["big"]
+    assert got["big"].planes.qs.dtype == jnp.int32
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    np.testing.assert_array_equal(np.asarray(want["big"].planes.qs),
+                                  np.asarray(as_words(fresh()["big"]).planes.qs))
+
+
 @pytest.mark.parametrize("model", ["smollm2_path", "gemma3_path"])
 def test_gpu_weight_layout_gives_the_same_logits(model, request):
     """What `rjax.load` does on a GPU: `fuse_projections` stacks q/k/v and gate/up where their

@@ -78,7 +78,7 @@ def load(model: str | os.PathLike, *, progress: bool = True, home: str | os.Path
     if mesh is not None:
         return Model(*split_for_backend(cfg, params, mesh, fuse=fuse, gpu_layout=gpu_layout, progress=progress),
                      tokenizer, path)
-    return Model(cfg, for_backend(params, fuse=fuse, gpu_layout=gpu_layout), tokenizer, path)
+    return Model(cfg, for_backend(params, fuse=fuse, gpu_layout=gpu_layout, consume=True), tokenizer, path)
 
 
 def split_for_backend(cfg, params, mesh, *, fuse: bool | None = None, gpu_layout: bool | None = None,
@@ -98,18 +98,19 @@ def split_for_backend(cfg, params, mesh, *, fuse: bool | None = None, gpu_layout
     on_gpu = jax.default_backend() == "gpu"
     cfg, params = split_model(cfg, params, mesh, fuse=fuse if fuse is not None else on_gpu, progress=progress)
     if gpu_layout if gpu_layout is not None else on_gpu:
-        params = gpu_weight_layout(params)
+        params = gpu_weight_layout(params, consume=True)  # split_model's own arrays
         params = tpl.place(params, tpl.param_specs(params, mesh), mesh)
     return cfg, params
 
 
-def for_backend(params, *, fuse: bool | None = None, gpu_layout: bool | None = None):
+def for_backend(params, *, fuse: bool | None = None, gpu_layout: bool | None = None, consume: bool = False):
     """Loaded params arranged for the default backend, the same values either way.
 
     `fuse`: stack q/k/v and gate/up weights (`rjax.layout.fuse_projections`): fewer and larger
     decode matmuls. `gpu_layout`: Q4_K scales re-encoded per quant chunk and quant planes as
     int32 words (`rjax.layout.gpu_weight_layout`), which the GPU decode kernels read faster. Each defaults
-    to on for a GPU backend and off elsewhere (the file's own layout)."""
+    to on for a GPU backend and off elsewhere (the file's own layout). consume: the params are
+    the caller's to give up; the layout frees what it replaces as it goes (see gpu_weight_layout)."""
     import jax
 
     from rjax.layout import fuse_projections, gpu_weight_layout
@@ -118,5 +119,5 @@ def for_backend(params, *, fuse: bool | None = None, gpu_layout: bool | None = N
     if fuse if fuse is not None else on_gpu:
         params = fuse_projections(params)
     if gpu_layout if gpu_layout is not None else on_gpu:
-        params = gpu_weight_layout(params)
+        params = gpu_weight_layout(params, consume=consume)
     return params
