@@ -10,8 +10,10 @@ For each synthetic model (llama-1b and llama-8b shapes, q4_k; written under --wo
 already there) and each batch size B: a paged cache of B slots, each already holding --context
 positions in its own pages, and the program `ServingEngine.step` runs for decoding
 (`rjax.slots.decode_dispatch` over the paged cache: a random stream, sampling parameters and
-stop ids per slot, --steps decode steps per dispatch, every slot active). The first dispatch is a warm-up; --dispatches timed ones follow,
-each synced by fetching its tokens. tokens/s = B x steps / the median dispatch's time.
+stop ids per slot, --steps decode steps per dispatch, every slot active; every slot is greedy, so
+the engine's program without sampling, unless --general-program). The first dispatch is a
+warm-up; --dispatches timed ones follow, each synced by fetching its tokens. tokens/s = B x
+steps / the median dispatch's time.
 
 Every program is compiled first, all batch sizes in parallel threads, so the compile time is
 paid once per model; the persistent compilation cache under --workdir makes a second run of
@@ -92,7 +94,7 @@ def compile_all(cfg, params, batches, a, max_len, dtype, workers):
     `rjax.precompile.compile_programs` call, the compilations in parallel threads."""
     programs = [Program(f"B={B}", decode_dispatch,
                         (cfg, params, *decode_inputs(cfg, B, a.context, max_len, a.page_size, dtype, abstract=True),
-                         a.steps, False)) for B in batches]
+                         a.steps, False, None, not a.general_program)) for B in batches]
     report = compile_programs(programs, workers, on_error="record")
     out = {}
     for B in batches:
@@ -106,13 +108,13 @@ def measure(compiled, cfg, params, B, a, max_len, dtype) -> dict:
     cache, slots = decode_inputs(cfg, B, a.context, max_len, a.page_size, dtype, abstract=False)
     jax.block_until_ready((cache, slots))
     t0 = time.perf_counter()
-    out, _, slots, cache = compiled(params, cache, slots)
+    out, _, slots, cache = compiled(params, cache, slots, None)
     np.asarray(out)
     warmup_s = time.perf_counter() - t0
     times, tokens = [], 0
     for _ in range(a.dispatches):
         t0 = time.perf_counter()
-        out, _, slots, cache = compiled(params, cache, slots)
+        out, _, slots, cache = compiled(params, cache, slots, None)
         out = np.asarray(out)
         times.append(time.perf_counter() - t0)
         tokens += int((out >= 0).sum())
@@ -287,6 +289,9 @@ def main(argv=None) -> int:
     p.add_argument("--serve-gen", type=int, default=128)
     p.add_argument("--no-compilation-cache", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny 2-layer shapes for a CPU check of the script")
+    p.add_argument("--general-program", action="store_true",
+                   help="time the dispatch that samples by each slot's settings (a batch with a sampled request) "
+                        "rather than the greedy one the engine runs for greedy requests alone")
     a = p.parse_args(argv)
     start = time.perf_counter()
 

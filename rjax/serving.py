@@ -221,17 +221,19 @@ class ServingEngine:
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         u32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.uint32)  # noqa: E731
         f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-        programs = [Program(f"decode B={b} N={c.steps_per_dispatch}{' logprobs' if lp else ''}", decode_dispatch,
-                            (self.cfg, self.params, self.cache, self.slots, c.steps_per_dispatch, lp,
-                             i32(b) if c.paged else None))
-                    for b in c.decode_buckets for lp in ((False, True) if logprobs else (False,))]
+        programs = [Program(f"decode B={b} N={c.steps_per_dispatch}{' logprobs' if lp else ''}{' greedy' if g else ''}",
+                            decode_dispatch, (self.cfg, self.params, self.cache, self.slots, c.steps_per_dispatch, lp,
+                                              i32(b) if c.paged else None, g))
+                    for b in c.decode_buckets for lp in ((False, True) if logprobs else (False,))
+                    for g in (False, True)]
         model = isinstance(self.drafter, ModelDrafter)
         if c.speculative:
-            programs += [Program(f"speculative B={b} K={c.draft_tokens} N={c.steps_per_dispatch}", speculative_dispatch,
+            programs += [Program(f"speculative B={b} K={c.draft_tokens} N={c.steps_per_dispatch}"
+                                 f"{' greedy' if g else ''}", speculative_dispatch,
                                  (self.cfg, self.params, self.cache, self.slots, self.drafter, self.draft_params,
                                   (self.draft_cache, self.pending) if model else (i32(b, c.max_len + 1), i32(b)),
-                                  c.draft_tokens, c.steps_per_dispatch, i32(b) if c.paged else None))
-                         for b in c.decode_buckets]
+                                  c.draft_tokens, c.steps_per_dispatch, i32(b) if c.paged else None, g))
+                         for b in c.decode_buckets for g in (False, True)]
         shapes = self.prefill_shapes(prompt_lengths)
         if model and logprobs:  # the draft cache catching up after plain decoding (unless a prefill shape)
             T = self._catch_up_tokens
@@ -527,7 +529,7 @@ class ServingEngine:
             pad = [c.n_slots] * (c.decode_bucket(len(running)) - len(running))
             rows = _put(np.array(running + pad, np.int32))
         out, lp, self.slots, self.cache = decode_dispatch(self.cfg, self.params, self.cache, self.slots,
-                                                          c.steps_per_dispatch, want_lp, rows)
+                                                          c.steps_per_dispatch, want_lp, rows, self._all_greedy())
         out = np.asarray(out)
         done = np.asarray(self.slots.state.done)
         lp = jax.tree.map(np.asarray, lp) if want_lp else None
@@ -543,6 +545,12 @@ class ServingEngine:
                 finished.append(r)
         self._release(finished)
         return events
+
+    def _all_greedy(self) -> bool:
+        """Whether every running request decodes at temperature 0: the dispatch then runs the
+        program without sampling (see `decode_dispatch`); slots not running are done, and what
+        they would sample is dropped."""
+        return all(r.temperature == 0 for r in self._running.values())
 
     def _decode_speculative(self) -> list[StreamEvent]:
         """`_decode` by speculative rounds: every running slot drafts from its own tokens (held
@@ -576,7 +584,7 @@ class ServingEngine:
             draft = _put(hist, n_hist)
         out, drafted, accepted, self.slots, self.cache, draft = speculative_dispatch(
             self.cfg, self.params, self.cache, self.slots, self.drafter, self.draft_params, draft, K,
-            c.steps_per_dispatch, rows)
+            c.steps_per_dispatch, rows, self._all_greedy())
         out, drafted, accepted = np.asarray(out), np.asarray(drafted), np.asarray(accepted)
         done = np.asarray(self.slots.state.done)
         if model:

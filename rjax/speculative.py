@@ -404,10 +404,13 @@ def draft_cache_for(drafter: ModelDrafter, max_len: int, dtype) -> KVCache:
 # both kept by the engine between dispatches.
 
 
-def _propose_rows(logits, keys, sp: SamplingParams):
+def _propose_rows(logits, keys, sp: SamplingParams, greedy_only: bool):
     """`_propose` for every row at once: logits [B, V], keys [B], sp [B] -> (tokens [B], log q
-    [B, V]; zeros for greedy rows). All-greedy batches skip the sampling filters."""
+    [B, V]; zeros for greedy rows). All-greedy batches skip the sampling filters; greedy_only
+    (every row is known greedy) holds no conditional at all."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if greedy_only:
+        return greedy, jnp.zeros_like(logits)
 
     def sampled():
         f = filtered_logits(logits, sp)
@@ -418,7 +421,8 @@ def _propose_rows(logits, keys, sp: SamplingParams):
     return jax.lax.cond(jnp.any(sp.temperature > 0), sampled, lambda: (greedy, jnp.zeros_like(logits)))
 
 
-def _draft_rows(dcfg: ModelConfig, dparams, dcache, last, pending, held, n, k: int, keys, sp: SamplingParams):
+def _draft_rows(dcfg: ModelConfig, dparams, dcache, last, pending, held, n, k: int, keys, sp: SamplingParams,
+                greedy: bool):
     """`_draft_with_model` for every row at once, one draft decode step for all rows at a time:
     row b drafts n[b] (<= k) tokens after last[b]; its draft cache holds [0, held[b]) but the
     pending token (pending[b] >= 0, at position held[b] - 1; -1 where the row writes nothing).
@@ -441,7 +445,7 @@ def _draft_rows(dcfg: ModelConfig, dparams, dcache, last, pending, held, n, k: i
         return logits[:, 0], c
 
     logits0, dcache = jax.lax.cond(jnp.any(has), with_pending, alone)
-    d0, q0 = _propose_rows(logits0, keys[:, 0], sp)
+    d0, q0 = _propose_rows(logits0, keys[:, 0], sp, greedy)
     drafts = jnp.zeros((B, k), jnp.int32).at[:, 0].set(d0)
     logq = jnp.zeros((B, k, V), jnp.float32).at[:, 0].set(q0)
 
@@ -449,7 +453,7 @@ def _draft_rows(dcfg: ModelConfig, dparams, dcache, last, pending, held, n, k: i
         j, drafts, logq, dcache = carry
         p = jnp.where(j < n, held + j, -1)
         logits, dcache = forward(dcfg, dparams, dcache, drafts[:, j - 1][:, None], p[:, None], None, dcache.dtype)
-        d, q = _propose_rows(logits[:, 0], keys[:, j], sp)
+        d, q = _propose_rows(logits[:, 0], keys[:, j], sp, greedy)
         return j + 1, drafts.at[:, j].set(d), logq.at[:, j].set(q), dcache
 
     _, drafts, logq, dcache = jax.lax.while_loop(lambda c: c[0] < jnp.max(n), body,
@@ -457,7 +461,8 @@ def _draft_rows(dcfg: ModelConfig, dparams, dcache, last, pending, held, n, k: i
     return drafts, logq, dcache
 
 
-def _slots_round(cfg, params, cache, state, sampling: SamplingParams, stop_ids, drafter, draft_params, draft, k: int):
+def _slots_round(cfg, params, cache, state, sampling: SamplingParams, stop_ids, drafter, draft_params, draft, k: int,
+                 greedy: bool):
     """One round for every slot of `cache` at once: each active slot drafts (by prompt lookup in
     its own history, or with the draft model, all rows together), all drafts are verified in one
     forward pass of [n_slots, k + 1] positions, each slot accepts by its own sampling settings and
@@ -473,7 +478,7 @@ def _slots_round(cfg, params, cache, state, sampling: SamplingParams, stop_ids, 
         split = jax.vmap(lambda key: jax.random.split(key, 3))(state.key)
         keys, k_draft, subs = split[:, 0], split[:, 1], split[:, 2]
         drafts, logq, dcache = _draft_rows(drafter.cfg, draft_params, dcache, state.last_token,
-                                           jnp.where(active, pending, -1), held, room, k, k_draft, sampling)
+                                           jnp.where(active, pending, -1), held, room, k, k_draft, sampling, greedy)
         n = room
     else:
         hist, n_hist = draft
@@ -487,7 +492,7 @@ def _slots_round(cfg, params, cache, state, sampling: SamplingParams, stop_ids, 
     logits, cache = forward(cfg, params, cache, tokens, pos, None, cache.dtype)
 
     def one(lg, d, nd, key, temperature, top_k, top_p, lq):
-        return accept(lg, d, nd, key, SamplingParams(temperature[None], top_k[None], top_p[None]), lq)
+        return accept(lg, d, nd, key, SamplingParams(temperature[None], top_k[None], top_p[None]), lq, greedy)
 
     m, nxt = jax.vmap(one)(logits, drafts, n, subs, sampling.temperature, sampling.top_k, sampling.top_p, logq)
     ext = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
@@ -515,10 +520,10 @@ def _slots_round(cfg, params, cache, state, sampling: SamplingParams, stop_ids, 
     return out, jnp.where(active, n, 0), jnp.where(active, m, 0), state, cache, draft
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "k", "n_rounds"),
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "k", "n_rounds", "greedy"),
                    donate_argnames=("cache", "slots", "draft"), compiler_options=engine.DECODE_LOOP_COMPILER_OPTIONS)
 def speculative_dispatch(cfg: ModelConfig, params: Params, cache, slots, drafter, draft_params, draft, k: int,
-                         n_rounds: int, rows=None):
+                         n_rounds: int, rows=None, greedy: bool = False):
     """Up to n_rounds speculative rounds over the slots of a serving engine (`rjax.slots.SlotBatch`
     and its contiguous or paged cache) in one XLA program, stopping early when every slot is
     done; the counterpart of `rjax.slots.decode_dispatch`. rows: None for every slot, or (paged
@@ -527,10 +532,13 @@ def speculative_dispatch(cfg: ModelConfig, params: Params, cache, slots, drafter
     None; or ModelDrafter, with its draft_params and draft = (its cache over all n_slots, pending
     [n_slots]) (see above). A paged slot must own pages for every position it may write: up to
     n_rounds * (k + 1) past its length, within its token budget.
+    greedy (static: a second program): every slot that runs decodes at temperature 0, so drafts
+    and acceptance take the argmax rule alone (under vmap, acceptance's per-row conditional
+    would otherwise compute the sampled rule, with its sort over the vocabulary, for every row).
     -> (tokens [n_slots, n_rounds * (k + 1)] int32, -1 padded; drafted [n_slots]; accepted
     [n_slots]; slots; cache; draft, advanced)."""
     if rows is None:
-        return _dispatch_rows(cfg, params, cache, slots, drafter, draft_params, draft, k, n_rounds)
+        return _dispatch_rows(cfg, params, cache, slots, drafter, draft_params, draft, k, n_rounds, greedy)
     sub, view = _take_rows(slots, cache, rows)
     model = isinstance(drafter, ModelDrafter)
     if model:
@@ -538,7 +546,7 @@ def speculative_dispatch(cfg: ModelConfig, params: Params, cache, slots, drafter
         n = pending.shape[0]
         draft = (_cache_rows(dcache, rows), jnp.where(rows < n, pending[jnp.minimum(rows, n - 1)], -1))
     out, drafted, accepted, sub, view, sub_draft = _dispatch_rows(cfg, params, view, sub, drafter, draft_params,
-                                                                  draft, k, n_rounds)
+                                                                  draft, k, n_rounds, greedy)
     n = slots.state.last_token.shape[0]
 
     def scatter(x):
@@ -552,7 +560,7 @@ def speculative_dispatch(cfg: ModelConfig, params: Params, cache, slots, drafter
     return out, scatter(drafted), scatter(accepted), slots, cache, sub_draft
 
 
-def _dispatch_rows(cfg, params, cache, slots, drafter, draft_params, draft, k: int, n_rounds: int):
+def _dispatch_rows(cfg, params, cache, slots, drafter, draft_params, draft, k: int, n_rounds: int, greedy: bool):
     B = slots.state.last_token.shape[0]
     out0 = jnp.full((B, n_rounds, k + 1), -1, jnp.int32)
     z = jnp.zeros(B, jnp.int32)
@@ -560,7 +568,7 @@ def _dispatch_rows(cfg, params, cache, slots, drafter, draft_params, draft, k: i
     def body(carry):
         i, out, drafted, accepted, state, cache, draft = carry
         row, n, m, state, cache, draft = _slots_round(cfg, params, cache, state, slots.sampling, slots.stop_ids,
-                                                      drafter, draft_params, draft, k)
+                                                      drafter, draft_params, draft, k, greedy)
         return i + 1, out.at[:, i].set(row), drafted + n, accepted + m, state, cache, draft
 
     carry = (jnp.int32(0), out0, z, z, slots.state, cache, draft)

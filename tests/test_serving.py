@@ -407,3 +407,41 @@ def test_decoding_a_bucket_of_slots_equals_decoding_all(tiny):
         if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
             a, b = jax.random.key_data(a), jax.random.key_data(b)
         assert (np.asarray(a)[keep] == np.asarray(b)[keep]).all()
+
+
+def test_greedy_dispatch_is_the_general_one_without_sampling(tiny):
+    """decode_dispatch(greedy=True), which the engine runs while every running request is greedy,
+    gives the tokens, lengths and state (the random streams advanced alike) of the general
+    program, and its program holds no conditional or sort (XLA would evaluate a conditional on
+    the host once a step); a batch with a sampled request runs the general program."""
+    cfg, params = tiny
+
+    def started(temperatures):
+        eng = ServingEngine(cfg, params, CONFIG)
+        for i, (p, t) in enumerate(zip(_prompts(7, 3, cfg.vocab_size), temperatures)):
+            eng.submit(p, max_new_tokens=9, temperature=t, seed=i)
+        eng.step()
+        for s in eng._running:
+            eng.pages.grow(s, eng._running[s].length + CONFIG.steps_per_dispatch)
+        eng._sync_block_tables(list(eng._running))
+        return eng
+
+    runs = []
+    for greedy in (False, True):
+        eng = started([0.0] * 3)
+        assert eng._all_greedy()
+        rows = jnp.asarray(sorted(eng._running) + [CONFIG.n_slots], jnp.int32)
+        runs.append(slots.decode_dispatch(cfg, params, eng.cache, eng.slots, 4, False, rows, greedy))
+    (out_g, _, slots_g, cache_g), (out_s, _, slots_s, cache_s) = runs[1], runs[0]
+    assert (np.asarray(out_g) == np.asarray(out_s)).all() and (np.asarray(out_g)[:3] >= 0).all()
+    assert (np.asarray(cache_g.lengths) == np.asarray(cache_s.lengths)).all()
+    for a, b in zip(jax.tree.leaves(slots_g.state), jax.tree.leaves(slots_s.state)):
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        assert (np.asarray(a) == np.asarray(b)).all()
+    assert not started([0.0, 0.7, 0.0])._all_greedy()
+    eng = started([0.0] * 3)
+    text = {g: slots.decode_dispatch.trace(cfg, params, eng.cache, eng.slots, 4, False, None, g).lower().as_text()
+            for g in (False, True)}
+    assert "stablehlo.case" in text[False] and "stablehlo.sort" in text[False]
+    assert "stablehlo.case" not in text[True] and "stablehlo.sort" not in text[True]

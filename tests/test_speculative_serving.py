@@ -236,3 +236,40 @@ def test_generate_a_list_with_a_draft_model(tiny_path):
     assert sum(c.accepted for c in done) >= 0.9 * sum(c.drafted for c in done) > 0
     with pytest.raises(ValueError, match="draft_tokens='auto' is for one prompt"):
         rjax.generate(model, texts, raw=True, speculative=model, draft_tokens="auto")
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_greedy_and_sampled_requests_share_a_dispatch(tiny, drafter):
+    """A sampled request beside greedy ones makes the engine run the general speculative program,
+    whose greedy slots still decode exactly as plain greedy; with greedy requests alone it runs
+    the program that holds no sampling (no sort over the vocabulary)."""
+    from rjax.speculative import speculative_dispatch
+
+    cfg, params = tiny
+    S = 64
+    config = ServingConfig(n_slots=3, max_len=S, page_size=16, steps_per_dispatch=1, speculative=drafter,
+                           draft_tokens=3)
+    eng = ServingEngine(cfg, params, config, draft=(cfg, params) if drafter == "model" else None)
+    requests = [(REPEATING, 30, 0.0), (PLAIN, 30, 0.9), (PLAIN[::-1] * 2, 30, 0.0)]
+    ids = [eng.submit(p, max_new_tokens=n, temperature=t, seed=5) for p, n, t in requests]
+    events, mixed = [], 0
+    while eng.has_work:
+        events += eng.step()
+        temperatures = {r.temperature for r in eng._running.values()}
+        mixed += len(temperatures) > 1 and not eng._all_greedy()
+    assert mixed
+    done = {e.request_id: e.completion for e in events if e.finished}
+    for (p, n, t), i in zip(requests, ids):
+        assert len(done[i].tokens) == n
+        if t == 0:
+            assert done[i].tokens == _greedy(cfg, params, p, n, S), p
+    B, k = 2, 3
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    draft = (eng.draft_cache, eng.pending) if drafter == "model" else (i32(B, S + 1), i32(B))
+    text = {g: speculative_dispatch.trace(cfg, params, eng.cache, eng.slots, eng.drafter, eng.draft_params, draft, k, 2,
+                                          i32(B), g).lower().as_text() for g in (False, True)}
+    assert "stablehlo.sort" in text[False] and "stablehlo.sort" not in text[True]
+    # The draft model's proposals decide greedy-or-sampled by a conditional; acceptance, under
+    # vmap, computes both rules and selects.
+    cases = {g: t.count("stablehlo.case") for g, t in text.items()}
+    assert cases[True] < cases[False] if drafter == "model" else cases[True] == cases[False] == 0
