@@ -10,8 +10,9 @@ For each synthetic model (llama-1b and llama-8b shapes, q4_k; written under --wo
 already there) and each batch size B: a paged cache of B slots, each already holding --context
 positions in its own pages, and the program `ServingEngine.step` runs for decoding
 (`rjax.slots.decode_dispatch` over the paged cache: a random stream, sampling parameters and
-stop ids per slot, --steps decode steps per dispatch, every slot active; every slot is greedy, so
-the engine's program without sampling, unless --general-program). The first dispatch is a
+stop ids per slot, --steps decode steps per dispatch, every slot active; every slot greedy, so
+the engine's program without sampling, or with --temperature T every slot sampling at T, the
+program that samples by each slot's settings). The first dispatch is a
 warm-up; --dispatches timed ones follow, each synced by fetching its tokens. tokens/s = B x
 steps / the median dispatch's time.
 
@@ -48,6 +49,7 @@ from rjax.engine import DecodeState  # noqa: E402
 from rjax.memory import MemoryFitError, kv_bytes_per_position, plan_memory, tree_bytes  # noqa: E402
 from rjax.paged_cache import PagedKVCache  # noqa: E402
 from rjax.precompile import Program, compile_programs  # noqa: E402
+from rjax.sampling import SamplingParams  # noqa: E402
 from rjax.serving import ServingConfig, ServingEngine  # noqa: E402
 from rjax.slots import decode_dispatch, init_slots  # noqa: E402
 
@@ -68,7 +70,8 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
-def decode_inputs(cfg, B: int, context: int, max_len: int, page_size: int, dtype, abstract: bool):
+def decode_inputs(cfg, B: int, context: int, max_len: int, page_size: int, dtype, abstract: bool,
+                  temperature: float = 0.0):
     """(cache, slots) for B slots each holding `context` positions on its own pages (slot b owns
     pages b * max_pages ...), every slot active, greedy and never stopping."""
     max_pages = max_len // page_size
@@ -86,7 +89,8 @@ def decode_inputs(cfg, B: int, context: int, max_len: int, page_size: int, dtype
     rng = np.random.default_rng(B)
     state = DecodeState(jnp.asarray(rng.integers(0, cfg.vocab_size, B), jnp.int32), jnp.zeros((B,), bool),
                         jnp.full((B,), max_len, jnp.int32), jax.random.split(jax.random.key(B), B))
-    return cache, dataclasses.replace(init_slots(B, MAX_STOP_IDS), state=state)
+    return cache, dataclasses.replace(init_slots(B, MAX_STOP_IDS), state=state,
+                                      sampling=SamplingParams.make(B, temperature))
 
 
 def compile_all(cfg, params, batches, a, max_len, dtype, workers):
@@ -94,7 +98,7 @@ def compile_all(cfg, params, batches, a, max_len, dtype, workers):
     `rjax.precompile.compile_programs` call, the compilations in parallel threads."""
     programs = [Program(f"B={B}", decode_dispatch,
                         (cfg, params, *decode_inputs(cfg, B, a.context, max_len, a.page_size, dtype, abstract=True),
-                         a.steps, False, None, not a.general_program)) for B in batches]
+                         a.steps, False, None, a.temperature == 0)) for B in batches]
     report = compile_programs(programs, workers, on_error="record")
     out = {}
     for B in batches:
@@ -105,7 +109,8 @@ def compile_all(cfg, params, batches, a, max_len, dtype, workers):
 
 
 def measure(compiled, cfg, params, B, a, max_len, dtype) -> dict:
-    cache, slots = decode_inputs(cfg, B, a.context, max_len, a.page_size, dtype, abstract=False)
+    cache, slots = decode_inputs(cfg, B, a.context, max_len, a.page_size, dtype, abstract=False,
+                                 temperature=a.temperature)
     jax.block_until_ready((cache, slots))
     t0 = time.perf_counter()
     out, _, slots, cache = compiled(params, cache, slots, None)
@@ -289,9 +294,9 @@ def main(argv=None) -> int:
     p.add_argument("--serve-gen", type=int, default=128)
     p.add_argument("--no-compilation-cache", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny 2-layer shapes for a CPU check of the script")
-    p.add_argument("--general-program", action="store_true",
-                   help="time the dispatch that samples by each slot's settings (a batch with a sampled request) "
-                        "rather than the greedy one the engine runs for greedy requests alone")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every slot samples at this temperature (the dispatch that samples; 0: greedy slots and "
+                        "the engine's greedy program)")
     a = p.parse_args(argv)
     start = time.perf_counter()
 
@@ -315,6 +320,7 @@ def main(argv=None) -> int:
     shares = {s: w for s, _, w in MODELS}
     result = dict(device=str(jax.devices()[0]), backend=jax.default_backend(), jax=jax.__version__,
                   settings=dict(batches=list(a.batches), context=a.context, steps=a.steps, dispatches=a.dispatches,
+                                temperature=a.temperature,
                                 page_size=a.page_size, budget_s=a.budget, smoke=a.smoke),
                   models=[], target=None)
     for i, (shape, quant) in enumerate(models):

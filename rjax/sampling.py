@@ -121,6 +121,8 @@ def check_sample_args(logits, sp: SamplingParams) -> None:
 def sample(logits: jax.Array, key: jax.Array, sp: SamplingParams) -> jax.Array:
     """logits [B, V] float32 -> token ids [B] int32."""
     check_sample_args(logits, sp)
+    # No conditional skips the sort for all-greedy rows: XLA evaluates a conditional on the host,
+    # which inside a decode loop keeps every step there. Greedy programs take the argmax alone
+    # (engine.greedy_decode_loop, the serving dispatches' greedy variants).
     greedy = jnp.argmax(logits, axis=-1)
-    sampled = jax.lax.cond(jnp.any(sp.temperature > 0), lambda: _filtered_sample(logits, key, sp), lambda: greedy)
-    return jnp.where(sp.temperature > 0, sampled, greedy).astype(jnp.int32)
+    return jnp.where(sp.temperature > 0, _filtered_sample(logits, key, sp), greedy).astype(jnp.int32)

@@ -75,9 +75,8 @@ def sample_rows(logits, keys, sp: SamplingParams, greedy_only: bool = False):
             return sample(row[None], key, SamplingParams(t[None], k[None], p[None]))[0]
         return jax.vmap(one)(logits, subs, sp.temperature, sp.top_k, sp.top_p)
 
-    # All-greedy batches (the common serving case) skip the sort that filtered sampling needs.
-    sampled = jax.lax.cond(jnp.any(sp.temperature > 0), draw, lambda: greedy)
-    return jnp.where(sp.temperature > 0, sampled, greedy).astype(jnp.int32), keys
+    # All-greedy batches run greedy_only; here, with a sampled row, the draw runs unconditionally.
+    return jnp.where(sp.temperature > 0, draw(), greedy).astype(jnp.int32), keys
 
 
 class TopLogprobs(NamedTuple):

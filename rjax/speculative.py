@@ -418,7 +418,7 @@ def _propose_rows(logits, keys, sp: SamplingParams, greedy_only: bool):
         hot = sp.temperature > 0
         return jnp.where(hot, drawn, greedy), jnp.where(hot[:, None], jax.nn.log_softmax(f, axis=-1), 0.0)
 
-    return jax.lax.cond(jnp.any(sp.temperature > 0), sampled, lambda: (greedy, jnp.zeros_like(logits)))
+    return sampled()
 
 
 def _draft_rows(dcfg: ModelConfig, dparams, dcache, last, pending, held, n, k: int, keys, sp: SamplingParams,

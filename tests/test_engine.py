@@ -149,15 +149,16 @@ def test_decode_loop_greedy_equals_step_by_step_and_stops_at_stop_token(tiny, lo
 
 
 def test_greedy_decode_loop_holds_no_conditional(tiny):
-    """The property greedy_decode_loop exists for: no conditional in its program (XLA would run
-    one from the host each step, and keep the loop there), where decode_loop's sampling has one."""
+    """Neither loop holds a conditional (XLA would run one from the host each step, and keep the
+    loop there); greedy_decode_loop also leaves out sampling's sort."""
     cfg, params = tiny
     cache, sp, stop = init_cache(cfg, 1, 64), SamplingParams.make(1), jnp.asarray([-1], jnp.int32)
     state = engine.initial_state(jnp.zeros((1,), jnp.int32), jnp.asarray([8]), stop, jax.random.key(0), cache)
     text = {f: f.trace(cfg, params, cache, state, sp, stop, 4).lower().as_text()
             for f in (engine.decode_loop, engine.greedy_decode_loop)}
-    assert "stablehlo.case" in text[engine.decode_loop]
+    assert "stablehlo.case" not in text[engine.decode_loop] and "stablehlo.sort" in text[engine.decode_loop]
     assert "stablehlo.case" not in text[engine.greedy_decode_loop]
+    assert "stablehlo.sort" not in text[engine.greedy_decode_loop]
 
 
 @pytest.mark.parametrize("loop", LOOPS)
