@@ -62,8 +62,8 @@ def sample_rows(logits, keys, sp: SamplingParams, greedy_only: bool = False):
     """`rjax.sample` with one key per row: logits [B, V], keys [B] -> (tokens [B] int32, the keys
     advanced). A row's draw depends on its own key alone, not on the rows beside it.
     greedy_only: the caller knows every row's temperature is 0, so the program holds the argmax
-    alone (the keys advance as they would): no conditional, which would keep XLA's loop around
-    it on the host."""
+    alone, without sampling's sort (the keys advance as they would). Neither form holds a
+    conditional, which XLA would evaluate on the host."""
     pair = jax.vmap(jax.random.split)(keys)
     keys, subs = pair[:, 0], pair[:, 1]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -75,7 +75,6 @@ def sample_rows(logits, keys, sp: SamplingParams, greedy_only: bool = False):
             return sample(row[None], key, SamplingParams(t[None], k[None], p[None]))[0]
         return jax.vmap(one)(logits, subs, sp.temperature, sp.top_k, sp.top_p)
 
-    # All-greedy batches run greedy_only; here, with a sampled row, the draw runs unconditionally.
     return jnp.where(sp.temperature > 0, draw(), greedy).astype(jnp.int32), keys
 
 

@@ -406,8 +406,8 @@ def draft_cache_for(drafter: ModelDrafter, max_len: int, dtype) -> KVCache:
 
 def _propose_rows(logits, keys, sp: SamplingParams, greedy_only: bool):
     """`_propose` for every row at once: logits [B, V], keys [B], sp [B] -> (tokens [B], log q
-    [B, V]; zeros for greedy rows). All-greedy batches skip the sampling filters; greedy_only
-    (every row is known greedy) holds no conditional at all."""
+    [B, V]; zeros for greedy rows). greedy_only (every row is known greedy): the argmax alone;
+    else the sampling filters run for every row, with no conditional."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if greedy_only:
         return greedy, jnp.zeros_like(logits)
