@@ -11,10 +11,10 @@ already there) and each batch size B: a paged cache of B slots, each already hol
 positions in its own pages, and the program `ServingEngine.step` runs for decoding
 (`rjax.slots.decode_dispatch` over the paged cache: a random stream, sampling parameters and
 stop ids per slot, --steps decode steps per dispatch, every slot active; every slot greedy, so
-the engine's program without sampling, or with --temperature T every slot sampling at T, the
-program that samples by each slot's settings). The first dispatch is a
-warm-up; --dispatches timed ones follow, each synced by fetching its tokens. tokens/s = B x
-steps / the median dispatch's time.
+the engine's program without sampling, or with --temperature T every slot sampling at T, with
+--top-p P < 1 through the filter and its sort, as the engine's programs for such requests do).
+The first dispatch is a warm-up; --dispatches timed ones follow, each synced by fetching its
+tokens. tokens/s = B x steps / the median dispatch's time.
 
 Every program is compiled first, all batch sizes in parallel threads, so the compile time is
 paid once per model; the persistent compilation cache under --workdir makes a second run of
@@ -71,7 +71,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def decode_inputs(cfg, B: int, context: int, max_len: int, page_size: int, dtype, abstract: bool,
-                  temperature: float = 0.0):
+                  temperature: float = 0.0, top_p: float = 1.0):
     """(cache, slots) for B slots each holding `context` positions on its own pages (slot b owns
     pages b * max_pages ...), every slot active, greedy and never stopping."""
     max_pages = max_len // page_size
@@ -90,7 +90,7 @@ def decode_inputs(cfg, B: int, context: int, max_len: int, page_size: int, dtype
     state = DecodeState(jnp.asarray(rng.integers(0, cfg.vocab_size, B), jnp.int32), jnp.zeros((B,), bool),
                         jnp.full((B,), max_len, jnp.int32), jax.random.split(jax.random.key(B), B))
     return cache, dataclasses.replace(init_slots(B, MAX_STOP_IDS), state=state,
-                                      sampling=SamplingParams.make(B, temperature))
+                                      sampling=SamplingParams.make(B, temperature, top_p=top_p))
 
 
 def compile_all(cfg, params, batches, a, max_len, dtype, workers):
@@ -98,7 +98,7 @@ def compile_all(cfg, params, batches, a, max_len, dtype, workers):
     `rjax.precompile.compile_programs` call, the compilations in parallel threads."""
     programs = [Program(f"B={B}", decode_dispatch,
                         (cfg, params, *decode_inputs(cfg, B, a.context, max_len, a.page_size, dtype, abstract=True),
-                         a.steps, False, None, a.temperature == 0)) for B in batches]
+                         a.steps, False, None, a.temperature == 0, a.top_p < 1)) for B in batches]
     report = compile_programs(programs, workers, on_error="record")
     out = {}
     for B in batches:
@@ -110,7 +110,7 @@ def compile_all(cfg, params, batches, a, max_len, dtype, workers):
 
 def measure(compiled, cfg, params, B, a, max_len, dtype) -> dict:
     cache, slots = decode_inputs(cfg, B, a.context, max_len, a.page_size, dtype, abstract=False,
-                                 temperature=a.temperature)
+                                 temperature=a.temperature, top_p=a.top_p)
     jax.block_until_ready((cache, slots))
     t0 = time.perf_counter()
     out, _, slots, cache = compiled(params, cache, slots, None)
@@ -297,6 +297,7 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="every slot samples at this temperature (the dispatch that samples; 0: greedy slots and "
                         "the engine's greedy program)")
+    p.add_argument("--top-p", type=float, default=1.0, help="every sampling slot's top-p (< 1: the program that sorts)")
     a = p.parse_args(argv)
     start = time.perf_counter()
 
@@ -320,7 +321,7 @@ def main(argv=None) -> int:
     shares = {s: w for s, _, w in MODELS}
     result = dict(device=str(jax.devices()[0]), backend=jax.default_backend(), jax=jax.__version__,
                   settings=dict(batches=list(a.batches), context=a.context, steps=a.steps, dispatches=a.dispatches,
-                                temperature=a.temperature,
+                                temperature=a.temperature, top_p=a.top_p,
                                 page_size=a.page_size, budget_s=a.budget, smoke=a.smoke),
                   models=[], target=None)
     for i, (shape, quant) in enumerate(models):

@@ -118,11 +118,23 @@ def check_sample_args(logits, sp: SamplingParams) -> None:
         check_sampling(np.asarray(sp.temperature), np.asarray(sp.top_k), np.asarray(sp.top_p))
 
 
-def sample(logits: jax.Array, key: jax.Array, sp: SamplingParams) -> jax.Array:
-    """logits [B, V] float32 -> token ids [B] int32."""
+def filtered(sp: SamplingParams):
+    """[B] bool: the rows whose top-k or top-p filter leaves tokens out (they need the sort)."""
+    return (sp.top_k > 0) | (sp.top_p < 1)
+
+
+def sample(logits: jax.Array, key: jax.Array, sp: SamplingParams, filters: bool = True) -> jax.Array:
+    """logits [B, V] float32 -> token ids [B] int32.
+
+    A row without top-k / top-p draws from softmax(logits / temperature) as it is, with no sort;
+    a filtered row from its sorted, filtered distribution. filters=False (static): the caller
+    knows no row is filtered, so the program holds no sort (over a large vocabulary and batch the
+    most expensive part of a step). A row's token is the same either way. No conditional skips
+    the work for greedy rows: XLA evaluates a conditional on the host, which inside a decode loop
+    keeps every step there; greedy batches have programs of their own."""
     check_sample_args(logits, sp)
-    # No conditional skips the sort for all-greedy rows: XLA evaluates a conditional on the host,
-    # which inside a decode loop keeps every step there. Greedy programs take the argmax alone
-    # (engine.greedy_decode_loop, the serving dispatches' greedy variants).
     greedy = jnp.argmax(logits, axis=-1)
-    return jnp.where(sp.temperature > 0, _filtered_sample(logits, key, sp), greedy).astype(jnp.int32)
+    drawn = jax.random.categorical(key, logits / jnp.maximum(sp.temperature, 1e-6)[:, None], axis=-1)
+    if filters:
+        drawn = jnp.where(filtered(sp), _filtered_sample(logits, key, sp), drawn)
+    return jnp.where(sp.temperature > 0, drawn, greedy).astype(jnp.int32)

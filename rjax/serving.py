@@ -221,11 +221,13 @@ class ServingEngine:
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         u32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.uint32)  # noqa: E731
         f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-        programs = [Program(f"decode B={b} N={c.steps_per_dispatch}{' logprobs' if lp else ''}{' greedy' if g else ''}",
+        # Sampling (with and without top-k / top-p filters) and greedy variants; see _decode.
+        variants = ((False, True, ""), (False, False, " unfiltered"), (True, True, " greedy"))
+        programs = [Program(f"decode B={b} N={c.steps_per_dispatch}{' logprobs' if lp else ''}{name}",
                             decode_dispatch, (self.cfg, self.params, self.cache, self.slots, c.steps_per_dispatch, lp,
-                                              i32(b) if c.paged else None, g))
+                                              i32(b) if c.paged else None, g, f))
                     for b in c.decode_buckets for lp in ((False, True) if logprobs else (False,))
-                    for g in (False, True)]
+                    for g, f, name in variants]
         model = isinstance(self.drafter, ModelDrafter)
         if c.speculative:
             programs += [Program(f"speculative B={b} K={c.draft_tokens} N={c.steps_per_dispatch}"
@@ -529,7 +531,7 @@ class ServingEngine:
             pad = [c.n_slots] * (c.decode_bucket(len(running)) - len(running))
             rows = _put(np.array(running + pad, np.int32))
         out, lp, self.slots, self.cache = decode_dispatch(self.cfg, self.params, self.cache, self.slots,
-                                                          c.steps_per_dispatch, want_lp, rows, self._all_greedy())
+                                                          c.steps_per_dispatch, want_lp, rows, *self._sampling())
         out = np.asarray(out)
         done = np.asarray(self.slots.state.done)
         lp = jax.tree.map(np.asarray, lp) if want_lp else None
@@ -551,6 +553,13 @@ class ServingEngine:
         program without sampling (see `decode_dispatch`); slots not running are done, and what
         they would sample is dropped."""
         return all(r.temperature == 0 for r in self._running.values())
+
+    def _sampling(self) -> tuple[bool, bool]:
+        """decode_dispatch's (greedy, filters) for the running requests: greedy alone, or sampling
+        with the sort that top-k / top-p need only where a sampled request uses them."""
+        if self._all_greedy():
+            return True, True
+        return False, any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1) for r in self._running.values())
 
     def _decode_speculative(self) -> list[StreamEvent]:
         """`_decode` by speculative rounds: every running slot drafts from its own tokens (held

@@ -58,12 +58,13 @@ def request_keys(seeds, sample_index):
     return jax.vmap(one)(seeds, sample_index)
 
 
-def sample_rows(logits, keys, sp: SamplingParams, greedy_only: bool = False):
+def sample_rows(logits, keys, sp: SamplingParams, greedy_only: bool = False, filters: bool = True):
     """`rjax.sample` with one key per row: logits [B, V], keys [B] -> (tokens [B] int32, the keys
     advanced). A row's draw depends on its own key alone, not on the rows beside it.
     greedy_only: the caller knows every row's temperature is 0, so the program holds the argmax
     alone, without sampling's sort (the keys advance as they would). Neither form holds a
-    conditional, which XLA would evaluate on the host."""
+    conditional, which XLA would evaluate on the host. filters=False: no row uses top-k or top-p,
+    so the program holds no sort (`rjax.sample`)."""
     pair = jax.vmap(jax.random.split)(keys)
     keys, subs = pair[:, 0], pair[:, 1]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -72,7 +73,7 @@ def sample_rows(logits, keys, sp: SamplingParams, greedy_only: bool = False):
 
     def draw():
         def one(row, key, t, k, p):
-            return sample(row[None], key, SamplingParams(t[None], k[None], p[None]))[0]
+            return sample(row[None], key, SamplingParams(t[None], k[None], p[None]), filters)[0]
         return jax.vmap(one)(logits, subs, sp.temperature, sp.top_k, sp.top_p)
 
     return jnp.where(sp.temperature > 0, draw(), greedy).astype(jnp.int32), keys
@@ -129,7 +130,7 @@ def prefill_into_slots(cfg: ModelConfig, params: Params, cache, slots: SlotBatch
 
 
 def _decode_steps(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, n_steps: int, logprobs: bool,
-                  greedy: bool):
+                  greedy: bool, filters: bool):
     """The decode loop over every row of `cache` and `slots` (see `decode_dispatch`)."""
     B = slots.state.last_token.shape[0]
     out0 = jnp.full((B, n_steps), -1, jnp.int32)
@@ -145,7 +146,7 @@ def _decode_steps(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, n_s
         i, out, lp, state, cache = carry
         active = ~state.done & (cache.lengths < cache.max_len)
         logits, cache = engine.decode_step(cfg, params, cache, state.last_token, active)
-        tok, keys = sample_rows(logits, state.key, slots.sampling, greedy)
+        tok, keys = sample_rows(logits, state.key, slots.sampling, greedy, filters)
         out = out.at[:, i].set(jnp.where(active, tok, -1))
         if logprobs:
             lp = jax.tree.map(lambda full, step: full.at[:, i].set(step), lp, top_logprobs(logits, tok))
@@ -193,10 +194,10 @@ def _put_rows(full, rows, part):
     return jax.tree.map(lambda f, p: f.at[rows].set(p, mode="drop"), full, part)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "n_steps", "logprobs", "greedy"),
+@functools.partial(jax.jit, static_argnames=("cfg", "n_steps", "logprobs", "greedy", "filters"),
                    donate_argnames=("cache", "slots"), compiler_options=engine.DECODE_LOOP_COMPILER_OPTIONS)
 def decode_dispatch(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, n_steps: int, logprobs: bool = False,
-                    rows=None, greedy: bool = False):
+                    rows=None, greedy: bool = False, filters: bool = True):
     """Up to n_steps decode steps in one XLA program (`engine.decode_loop` with a random stream
     per slot), stopping early when every slot is done. With `logprobs` (static: a second
     program) also each step's TopLogprobs [n_slots, n_steps, ...].
@@ -208,14 +209,16 @@ def decode_dispatch(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, n
     greedy (static: a second program): every slot that runs decodes at temperature 0, so each
     step takes the argmax and the loop holds no sampling conditional (which XLA evaluates on the
     host, once a step). The tokens and the state are those of the general program.
+    filters (static): False where no slot that runs uses top-k or top-p, so that sampling holds
+    no sort over the vocabulary (`rjax.sample`); the same tokens.
     -> (tokens [n_slots, n_steps] int32, -1 where nothing was generated; TopLogprobs or None;
     slots; cache)."""
     if rows is None:
-        return _decode_steps(cfg, params, cache, slots, n_steps, logprobs, greedy)
+        return _decode_steps(cfg, params, cache, slots, n_steps, logprobs, greedy, filters)
     if not isinstance(cache, PagedKVCache):
         raise ValueError("decode_dispatch runs a subset of rows only over a paged cache")
     sub, view = _take_rows(slots, cache, rows)
-    out, lp, sub, view = _decode_steps(cfg, params, view, sub, n_steps, logprobs, greedy)
+    out, lp, sub, view = _decode_steps(cfg, params, view, sub, n_steps, logprobs, greedy, filters)
     B = slots.state.last_token.shape[0]
     out = jnp.full((B, n_steps), -1, jnp.int32).at[rows].set(out, mode="drop")
     if logprobs:

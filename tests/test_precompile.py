@@ -137,7 +137,8 @@ def test_serving_engine_precompiles_every_shape_it_calls(model, page_size):
     report = eng.precompile()
     # A paged engine decodes the running slots padded to 1 or 3 (config.decode_buckets).
     decode = ["decode B=1 N=4", "decode B=3 N=4"] if page_size else ["decode B=3 N=4"]
-    decode += [f"{name} greedy" for name in decode]  # the program for batches of greedy requests alone
+    # The programs for batches of greedy requests alone, and of sampled ones without top-k / top-p.
+    decode += [f"{name} {variant}" for name in decode for variant in ("greedy", "unfiltered")]
     assert sorted(report.compile_s) == sorted(decode + [f"prefill P={p} T={t}" for p, t in eng.prefill_shapes()])
     rng = np.random.default_rng(1)
     lengths = [5, 20, 40, 3, 60, 11]  # singles and pairs over the 16, 32 and 64 buckets

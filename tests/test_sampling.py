@@ -76,3 +76,19 @@ def test_seeded_sampling_is_reproducible_and_per_row_parameters_mix():
 def test_invalid_parameters_are_named(kw, msg):
     with pytest.raises(ValueError, match=msg):
         SamplingParams.make(1, **kw)
+
+
+def test_rows_without_filters_draw_the_same_without_the_sort():
+    """filters=False (no row uses top-k / top-p) holds no sort and draws what the program with
+    the sort draws for those rows; beside filtered rows they draw the same too."""
+    logits = jax.random.normal(jax.random.key(4), (6, 300))
+    key = jax.random.key(5)
+    plain = SamplingParams(jnp.asarray([0.7, 1.0, 1.5, 0.0, 1.0, 0.3]), jnp.zeros(6, jnp.int32), jnp.ones(6))
+    a = sample(logits, key, plain, filters=False)
+    np.testing.assert_array_equal(a, sample(logits, key, plain))
+    mixed = SamplingParams(plain.temperature, jnp.asarray([0, 0, 0, 0, 3, 0]), jnp.asarray([1, 1, 1, 1, 1, 0.5]))
+    b = sample(logits, key, mixed)
+    np.testing.assert_array_equal(np.asarray(a)[:4], np.asarray(b)[:4])
+    assert int(b[4]) in np.argsort(-np.asarray(logits[4]))[:3]
+    text = jax.jit(sample, static_argnames="filters").trace(logits, key, plain, False).lower().as_text()
+    assert "stablehlo.sort" not in text

@@ -445,3 +445,34 @@ def test_greedy_dispatch_is_the_general_one_without_sampling(tiny):
             for g in (False, True)}
     assert "stablehlo.case" not in text[False] and "stablehlo.sort" in text[False]
     assert "stablehlo.case" not in text[True] and "stablehlo.sort" not in text[True]
+
+
+def test_unfiltered_dispatch_samples_the_same_tokens_without_a_sort(tiny):
+    """Sampled slots without top-k / top-p draw the same tokens from decode_dispatch(filters=False),
+    which the engine runs while no running request filters, as from the program that sorts for
+    filtered rows; the first holds no sort. A filtered request beside them changes none of
+    their tokens (each slot's draw depends on its own key and settings alone)."""
+    cfg, params = tiny
+
+    def started(settings):
+        eng = ServingEngine(cfg, params, CONFIG)
+        for i, (p, (t, k, tp)) in enumerate(zip(_prompts(11, 4, cfg.vocab_size), settings)):
+            eng.submit(p, max_new_tokens=9, temperature=t, top_k=k, top_p=tp, seed=i)
+        eng.step()
+        for s in eng._running:
+            eng.pages.grow(s, eng._running[s].length + CONFIG.steps_per_dispatch)
+        eng._sync_block_tables(list(eng._running))
+        return eng
+
+    plain = [(0.9, 0, 1.0), (1.3, 0, 1.0), (0.0, 0, 1.0)]
+    outs = []
+    for settings, filters in ((plain, False), (plain, True), (plain + [(0.9, 5, 0.8)], True)):
+        eng = started(settings)
+        assert eng._sampling() == (False, len(settings) > len(plain))  # what the engine would run
+        rows = jnp.asarray(sorted(eng._running) + [CONFIG.n_slots] * (4 - len(eng._running)), jnp.int32)
+        out, _, _, _ = slots.decode_dispatch(cfg, params, eng.cache, eng.slots, 4, False, rows, False, filters)
+        outs.append(np.asarray(out)[:3])
+    assert (outs[0] >= 0).all() and (outs[0] == outs[1]).all() and (outs[0] == outs[2]).all()
+    eng = started(plain)
+    text = slots.decode_dispatch.trace(cfg, params, eng.cache, eng.slots, 4, False, None, False, False).lower().as_text()
+    assert "stablehlo.sort" not in text and "stablehlo.case" not in text
