@@ -48,6 +48,7 @@ from rjax import engine  # noqa: E402
 from rjax.cache import init_cache  # noqa: E402
 from rjax.generation import activation_dtype  # noqa: E402
 from rjax.model import forward  # noqa: E402
+from rjax.speculative import NgramDrafter  # noqa: E402
 
 CODE = '''def moving_average(values, window):
     """Return the moving averages of values over a sliding window."""
@@ -156,6 +157,26 @@ def expected_tokens(alpha: float, k: int) -> float:
     return k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
+def lookup_rounds(prompt: list[int], reply: list[int], k: int, drafter=None) -> float:
+    """Tokens per round that prompt lookup with K = k would emit while decoding `reply` (plain
+    greedy decoding's tokens after `prompt`), each round keeping the draft's agreeing prefix and
+    the target's next token: with `drafter`'s draft (NgramDrafter.draft), or with drafter None
+    the longest agreeing continuation of any earlier occurrence of the sequence's last token, a
+    bound no rule that drafts what followed a match of the sequence's last tokens can pass."""
+    seq, i, rounds = list(prompt), 0, 0
+    while i < len(reply):
+        ahead = reply[i:i + k]
+        if drafter is not None:
+            cands = [drafter.draft(seq, k)]
+        else:
+            cands = [seq[s + 1:s + 1 + k] for s in range(len(seq) - 1) if seq[s] == seq[-1]]
+        m = max((next((j for j, (x, y) in enumerate(zip(d, ahead)) if x != y), min(len(d), len(ahead)))
+                 for d in cands), default=0)
+        seq += reply[i:i + m + 1]
+        i, rounds = i + m + 1, rounds + 1
+    return len(reply) / max(rounds, 1)
+
+
 def part_ngram(a, out: dict) -> None:
     say(f"(a) prompt lookup on {a.model}")
     t0 = time.perf_counter()
@@ -185,6 +206,11 @@ def part_ngram(a, out: dict) -> None:
                 verify_s=verify_s, round_s=round_s,
                 lookup_and_overhead_s=None if round_s is None else round_s - verify_s)
             r = row["by_k"][k]
+            # What the reply allows: the drafter's and the best lookup's tokens per round on plain
+            # decoding's reply, and the speedup that bound gives at the measured pass costs.
+            r["lookup_tokens_per_round"] = lookup_rounds(plain.prompt_tokens, plain.tokens, k, NgramDrafter())
+            r["bound_tokens_per_round"] = lookup_rounds(plain.prompt_tokens, plain.tokens, k)
+            r["bound_speedup"] = r["bound_tokens_per_round"] * step_s / verify_s
             say(f"  {name} K={k}: {tps:,.0f} tok/s vs plain {plain_tps:,.0f} ({r['speedup']:.2f}x), "
                 f"accepted {s['accepted']}/{s['drafted']}, {r['tokens_per_round']:.2f} tokens/round, "
                 f"same tokens: {_same(r)}")
@@ -262,13 +288,17 @@ def table(out: dict) -> str:
     if "ngram" in out:
         lines += ["(a) prompt lookup, default model, batch 1, greedy",
                   "  decode: tokens after the first / first token to last; call: all tokens / the call's wall time",
+                  "  lookup, bound: tokens per round on plain decoding's reply with the drafter's drafts, and with the "
+                  "best continuation of any earlier occurrence of the last token; bound x: that bound's speedup at the measured step and "
+                  "verify costs",
                   f"{'prompt':16} {'K':>2} {'plain t/s':>9} {'spec t/s':>9} {'speedup':>7} {'call x':>6} {'accept':>6} "
-                  f"{'tok/rnd':>7} {'verify ms':>9} {'round ms':>8} {'same':>4}"]
+                  f"{'tok/rnd':>7} {'lookup':>6} {'bound':>6} {'bound x':>7} {'verify ms':>9} {'round ms':>8} {'same':>4}"]
         for row in out["ngram"]["rows"]:
             for k, r in row["by_k"].items():
                 lines.append(f"{row['prompt']:16} {k:>2} {row['plain_tokens_per_s']:>9,.0f} {r['tokens_per_s']:>9,.0f} "
                              f"{r['speedup']:>6.2f}x {r['call_speedup']:>5.2f}x {r['acceptance']:>6.2f} "
-                             f"{r['tokens_per_round']:>7.2f} {r['verify_s'] * 1e3:>9.3f} "
+                             f"{r['tokens_per_round']:>7.2f} {r['lookup_tokens_per_round']:>6.2f} "
+                             f"{r['bound_tokens_per_round']:>6.2f} {r['bound_speedup']:>6.2f}x {r['verify_s'] * 1e3:>9.3f} "
                              f"{(r['round_s'] or 0) * 1e3:>8.3f} "
                              f"{_same(r):>4}")
     if "draft_model" in out:
@@ -296,8 +326,9 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2-135m-instruct", help="the default model: catalog name or .gguf path")
     p.add_argument("--workdir", default="/tmp/rjax-speculative", help="where the synthetic llama-8b is written")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--ngram-k", default="4,7", help="draft tokens per round for prompt lookup (comma list; up to 7 "
-                                                   "keeps the K + 1 verified positions on the decode attention kernel)")
+    p.add_argument("--ngram-k", default="4,7,15", help="draft tokens per round for prompt lookup (comma list; 15, "
+                   "rjax.generate's default for the default model, keeps the K + 1 verified positions on the decode "
+                   "attention kernel)")
     p.add_argument("--draft-k", default="4,auto", help="draft tokens per round for the draft model (comma list; "
                                                      "'auto': chosen per dispatch from the acceptance rate)")
     p.add_argument("--rounds-per-dispatch", type=int, default=32,
