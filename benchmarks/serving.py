@@ -12,7 +12,7 @@ positions in its own pages, and the program `ServingEngine.step` runs for decodi
 (`rjax.slots.decode_dispatch` over the paged cache: a random stream, sampling parameters and
 stop ids per slot, --steps decode steps per dispatch, every slot active; every slot greedy, so
 the engine's program without sampling, or with --temperature T every slot sampling at T, with
---top-p P < 1 through the filter and its sort, as the engine's programs for such requests do).
+--top-p P < 1 through the filters' search, as the engine's programs for such requests do).
 The first dispatch is a warm-up; --dispatches timed ones follow, each synced by fetching its
 tokens. tokens/s = B x steps / the median dispatch's time.
 
@@ -297,7 +297,7 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="every slot samples at this temperature (the dispatch that samples; 0: greedy slots and "
                         "the engine's greedy program)")
-    p.add_argument("--top-p", type=float, default=1.0, help="every sampling slot's top-p (< 1: the program that sorts)")
+    p.add_argument("--top-p", type=float, default=1.0, help="every sampling slot's top-p (< 1: the program with the filters)")
     a = p.parse_args(argv)
     start = time.perf_counter()
 

@@ -265,13 +265,13 @@ def initial_state(first_tokens, max_new_tokens, stop_ids, key, cache: KVCache, s
 
 # XLA runs a while loop's condition on the host unless the loop is in a command buffer: after
 # every decode step the GPU drains and the host reads the predicate back before it launches the
-# next step. With WHILE and CONDITIONAL among the command-buffer types, a loop with no
-# conditional that XLA keeps on the host (greedy_decode_loop's) is one CUDA graph whose
-# conditional nodes test the predicate on the device; decode_loop's sampling conditional runs
-# from the host, so there each step's body is one graph, launched by the host. The option
-# replaces XLA's list, so the list repeats the default types. H100, batch 1, A/B against the
-# default: llama-1b Q4_K 1,339 against 1,170 tokens/s, smollm2-135m 1,200 against 1,137. A CPU
-# backend ignores it.
+# next step. With WHILE and CONDITIONAL among the command-buffer types, a decode loop is one
+# CUDA graph whose conditional nodes test the predicate on the device. The option replaces
+# XLA's list, so the list repeats the default types. H100, batch 1, A/B against the default:
+# llama-1b Q4_K 1,339 against 1,170 tokens/s, smollm2-135m 1,200 against 1,137. A CPU backend
+# ignores it. The loops must hold no custom call that a command buffer cannot capture, or they
+# fall back to the host (sampling's filters search rather than sort: XLA hands a one-row sort to
+# cub's radix sort, such a call).
 DECODE_LOOP_COMPILER_OPTIONS = {
     "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL",
     "xla_gpu_graph_min_graph_size": 1,

@@ -95,7 +95,7 @@ def workspace_bytes(cfg: ModelConfig, *, n_slots: int, max_len: int, prefill_tok
                     dtype, backend: str | None = None) -> int:
     """An estimate of the temporary memory of the largest dispatch (decode of every slot, or one
     prefill call), beyond the params and the cache: per-layer activations (float32 upper bound),
-    logits plus the sorted copies sampling makes, and where attention runs as the pure-JAX
+    logits plus the copies sampling makes, and where attention runs as the pure-JAX
     reference (not on GPUs) the gathered cache and score matrices, plus a dequantized weight."""
     backend = backend or jax.default_backend()
     item = _float_item(dtype)

@@ -72,32 +72,88 @@ def check_sampling(temperature, top_k, top_p) -> None:
     first_bad("top_p", p, (p > 0) & (p <= 1), "in (0, 1] (1: off)")
 
 
-def _sorted_filtered(logits, sp: SamplingParams):
-    """(order, logits sorted by `order`, divided by the temperature, -inf outside top-k / top-p)."""
+# The filters find where they cut by searching, not by sorting the vocabulary. A sort of [B, V]
+# costs more than the rest of a large batch's decode step, and a sort of one row XLA hands to
+# cub, a custom call no CUDA graph captures, which sends a decode loop back to the host. A
+# search pass tries 16 thresholds at once over each row, so 8 passes settle a 32-bit key and
+# 4-5 an index. (4 thresholds a pass took as long at batch 64 over 128k tokens: twice the
+# passes, each half as long.)
+_WAYS = 16
+
+
+def _order_keys(x):
+    """float32 [B, V] -> uint32 in the same order (-0.0 taken as 0.0)."""
+    b = jax.lax.bitcast_convert_type(x + 0.0, jnp.uint32)
+    return jnp.where(b >> 31 == 1, ~b, b | jnp.uint32(0x80000000))
+
+
+def _search(holds, bits: int, batch: int):
+    """The largest t in [0, 2**bits) for which holds(t) (t: [B, _WAYS, 1] uint32 -> [B, _WAYS]
+    bool, true up to some t and false above it) is true, per row; 0 where holds(0) is false."""
+    rounds = -(-bits // 4)
+    lo = jnp.zeros((batch, 1), jnp.uint32)
+    ways = jnp.arange(_WAYS, dtype=jnp.uint32)[None]
+    for r in range(rounds):
+        step = jnp.uint32(1 << (4 * (rounds - r - 1)))
+        t = lo + ways * step
+        n = jnp.sum(holds(t[:, :, None]), axis=-1, keepdims=True, dtype=jnp.uint32)
+        lo = lo + jnp.maximum(n, 1).astype(jnp.uint32) * step - step
+    return lo[:, 0]
+
+
+def _nth_index(mask, n):
+    """The index of each row's n-th (1-based) True in mask [B, V] (n >= 1, at most its count)."""
+    B, V = mask.shape
+    idx = jnp.arange(V, dtype=jnp.uint32)[None, None]
+    bits = max(4, (V - 1).bit_length())
+    # Each pass reduces [B, _WAYS, V] along its last axis, a row reduction XLA fuses whole.
+    return _search(lambda t: jnp.sum(mask[:, None] & (idx < t), axis=-1, dtype=jnp.uint32) < n[:, None], bits, B)
+
+
+def _keep(logits, sp: SamplingParams):
+    """[B, V] bool: the tokens the filters keep, found without a sort. In the order of the logits
+    (the larger first, ties by index): top-k keeps the first k; of those, top-p keeps each token
+    while the mass before it (the softmax of the logits / temperature over top-k's tokens) is
+    below top_p, so at least the first."""
     B, V = logits.shape
-    order = jnp.argsort(-logits, axis=-1)
-    sorted_logits = jnp.take_along_axis(logits, order, axis=-1) / jnp.maximum(sp.temperature, 1e-6)[:, None]
-    rank = jnp.arange(V)[None, :]
-    drop = (sp.top_k[:, None] > 0) & (rank >= sp.top_k[:, None])
-    sorted_logits = jnp.where(drop, -jnp.inf, sorted_logits)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    return order, jnp.where(mass_before >= sp.top_p[:, None], -jnp.inf, sorted_logits)
+    u = _order_keys(logits)
+    idx = jnp.arange(V, dtype=jnp.uint32)[None]
+
+    # top-k: the k-th largest key, and how many of the tokens at it fall within k (by index).
+    k = jnp.where(sp.top_k > 0, jnp.minimum(sp.top_k, V), V).astype(jnp.uint32)
+    t_k = _search(lambda t: jnp.sum(u[:, None] >= t, axis=-1, dtype=jnp.uint32) >= k[:, None], 32, B)
+    m_k = k - jnp.sum(u > t_k[:, None], axis=1, dtype=jnp.uint32)
+    at_k = u == t_k[:, None]
+    keep_k = (u > t_k[:, None]) | (at_k & (idx <= _nth_index(at_k, m_k)[:, None]))
+    # top-p over what top-k kept: v_p, the lowest key whose tokens start before the mass above
+    # them reaches p; at that key the ties (by index) keep while the mass before them is < p.
+    z = logits / jnp.maximum(sp.temperature, 1e-6)[:, None]
+    z = jnp.where(keep_k, z, -jnp.inf)
+    q = jax.nn.softmax(z, axis=-1)
+    p = sp.top_p[:, None]
+    above = lambda t: jnp.sum(jnp.where(u[:, None] > t, q[:, None], 0.0), axis=-1)  # noqa: E731
+    a = _search(lambda t: above(t) >= p, 32, B)
+    a_holds = jnp.sum(jnp.where(u > a[:, None], q, 0.0), axis=1) >= sp.top_p
+    v_p = jnp.where((sp.top_p < 1) & a_holds, a + 1, 0)
+    # The last key kept, and how many of its tokens (by index).
+    last = jnp.maximum(t_k, v_p)
+    at = keep_k & (u == last[:, None])
+    n_at = jnp.sum(at, axis=1, dtype=jnp.uint32)
+    mass_above = jnp.sum(jnp.where(u > last[:, None], q, 0.0), axis=1)
+    q_at = jnp.max(jnp.where(at, q, 0.0), axis=1)
+    n_p = jnp.ceil((sp.top_p - mass_above) / jnp.maximum(q_at, jnp.finfo(jnp.float32).tiny))
+    n_p = jnp.clip(jnp.nan_to_num(n_p, nan=1.0, posinf=float(V)), 1, V).astype(jnp.uint32)
+    n = jnp.where(v_p == last, jnp.minimum(n_at, n_p), n_at)
+    keep = (u > last[:, None]) | (at & (idx <= _nth_index(at, jnp.maximum(n, 1))[:, None]))
+    return keep | ~filtered(sp)[:, None]
 
 
+@jax.jit  # its own function in a program's text, where tests look for it
 def filtered_logits(logits, sp: SamplingParams):
     """logits [B, V] -> what sampling draws from, in vocabulary order: divided by the temperature,
     -inf outside top-k and top-p (softmax of it is the sampling distribution)."""
-    order, sorted_logits = _sorted_filtered(logits, sp)
-    return jnp.take_along_axis(sorted_logits, jnp.argsort(order, axis=-1), axis=-1)
-
-
-def _filtered_sample(logits, key, sp: SamplingParams):
-    """Temperature, then top-k and top-p over the sorted distribution, then a categorical draw."""
-    order, sorted_logits = _sorted_filtered(logits, sp)
-    choice = jax.random.categorical(key, sorted_logits, axis=-1)
-    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+    z = logits / jnp.maximum(sp.temperature, 1e-6)[:, None]
+    return jnp.where(_keep(logits, sp), z, -jnp.inf)
 
 
 def _is_concrete(*xs) -> bool:
@@ -119,22 +175,21 @@ def check_sample_args(logits, sp: SamplingParams) -> None:
 
 
 def filtered(sp: SamplingParams):
-    """[B] bool: the rows whose top-k or top-p filter leaves tokens out (they need the sort)."""
+    """[B] bool: the rows whose top-k or top-p filter leaves tokens out."""
     return (sp.top_k > 0) | (sp.top_p < 1)
 
 
 def sample(logits: jax.Array, key: jax.Array, sp: SamplingParams, filters: bool = True) -> jax.Array:
     """logits [B, V] float32 -> token ids [B] int32.
 
-    A row without top-k / top-p draws from softmax(logits / temperature) as it is, with no sort;
-    a filtered row from its sorted, filtered distribution. filters=False (static): the caller
-    knows no row is filtered, so the program holds no sort (over a large vocabulary and batch the
-    most expensive part of a step). A row's token is the same either way. No conditional skips
-    the work for greedy rows: XLA evaluates a conditional on the host, which inside a decode loop
-    keeps every step there; greedy batches have programs of their own."""
+    Each row draws from softmax(logits / temperature) over what its top-k and top-p keep (all of
+    the vocabulary where they are off). filters=False (static): the caller knows no row is
+    filtered, so the program leaves out the filters' search (most of a sampled step's cost over
+    a large vocabulary); a row's token is the same either way. No conditional skips the work for
+    greedy rows: XLA evaluates a conditional on the host, which inside a decode loop keeps every
+    step there; greedy batches have programs of their own."""
     check_sample_args(logits, sp)
     greedy = jnp.argmax(logits, axis=-1)
-    drawn = jax.random.categorical(key, logits / jnp.maximum(sp.temperature, 1e-6)[:, None], axis=-1)
-    if filters:
-        drawn = jnp.where(filtered(sp), _filtered_sample(logits, key, sp), drawn)
+    z = filtered_logits(logits, sp) if filters else logits / jnp.maximum(sp.temperature, 1e-6)[:, None]
+    drawn = jax.random.categorical(key, z, axis=-1)
     return jnp.where(sp.temperature > 0, drawn, greedy).astype(jnp.int32)

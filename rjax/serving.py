@@ -556,7 +556,7 @@ class ServingEngine:
 
     def _sampling(self) -> tuple[bool, bool]:
         """decode_dispatch's (greedy, filters) for the running requests: greedy alone, or sampling
-        with the sort that top-k / top-p need only where a sampled request uses them."""
+        with the search that top-k / top-p need only where a sampled request uses them."""
         if self._all_greedy():
             return True, True
         return False, any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1) for r in self._running.values())

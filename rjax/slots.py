@@ -62,9 +62,9 @@ def sample_rows(logits, keys, sp: SamplingParams, greedy_only: bool = False, fil
     """`rjax.sample` with one key per row: logits [B, V], keys [B] -> (tokens [B] int32, the keys
     advanced). A row's draw depends on its own key alone, not on the rows beside it.
     greedy_only: the caller knows every row's temperature is 0, so the program holds the argmax
-    alone, without sampling's sort (the keys advance as they would). Neither form holds a
+    alone, without sampling (the keys advance as they would). Neither form holds a
     conditional, which XLA would evaluate on the host. filters=False: no row uses top-k or top-p,
-    so the program holds no sort (`rjax.sample`)."""
+    so the program leaves their search out (`rjax.sample`)."""
     pair = jax.vmap(jax.random.split)(keys)
     keys, subs = pair[:, 0], pair[:, 1]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -209,8 +209,8 @@ def decode_dispatch(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, n
     greedy (static: a second program): every slot that runs decodes at temperature 0, so each
     step takes the argmax and the loop holds no sampling conditional (which XLA evaluates on the
     host, once a step). The tokens and the state are those of the general program.
-    filters (static): False where no slot that runs uses top-k or top-p, so that sampling holds
-    no sort over the vocabulary (`rjax.sample`); the same tokens.
+    filters (static): False where no slot that runs uses top-k or top-p, so that sampling leaves
+    out their search over the vocabulary (`rjax.sample`); the same tokens.
     -> (tokens [n_slots, n_steps] int32, -1 where nothing was generated; TopLogprobs or None;
     slots; cache)."""
     if rows is None:

@@ -534,7 +534,7 @@ def speculative_dispatch(cfg: ModelConfig, params: Params, cache, slots, drafter
     n_rounds * (k + 1) past its length, within its token budget.
     greedy (static: a second program): every slot that runs decodes at temperature 0, so drafts
     and acceptance take the argmax rule alone (under vmap, acceptance's per-row conditional
-    would otherwise compute the sampled rule, with its sort over the vocabulary, for every row).
+    would otherwise compute the sampled rule, with its filters over the vocabulary, for every row).
     -> (tokens [n_slots, n_rounds * (k + 1)] int32, -1 padded; drafted [n_slots]; accepted
     [n_slots]; slots; cache; draft, advanced)."""
     if rows is None:

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rjax.sampling import SamplingParams, sample
+from rjax.sampling import SamplingParams, filtered_logits, sample
 
 LOGITS = np.log(np.array([0.05, 0.4, 0.1, 0.3, 0.15], np.float64)).astype(np.float32)
 
@@ -78,9 +78,9 @@ def test_invalid_parameters_are_named(kw, msg):
         SamplingParams.make(1, **kw)
 
 
-def test_rows_without_filters_draw_the_same_without_the_sort():
-    """filters=False (no row uses top-k / top-p) holds no sort and draws what the program with
-    the sort draws for those rows; beside filtered rows they draw the same too."""
+def test_rows_without_filters_draw_the_same_without_them():
+    """filters=False (no row uses top-k / top-p) leaves the filters out and draws what the
+    program with them draws for those rows; beside filtered rows they draw the same too."""
     logits = jax.random.normal(jax.random.key(4), (6, 300))
     key = jax.random.key(5)
     plain = SamplingParams(jnp.asarray([0.7, 1.0, 1.5, 0.0, 1.0, 0.3]), jnp.zeros(6, jnp.int32), jnp.ones(6))
@@ -91,4 +91,52 @@ def test_rows_without_filters_draw_the_same_without_the_sort():
     np.testing.assert_array_equal(np.asarray(a)[:4], np.asarray(b)[:4])
     assert int(b[4]) in np.argsort(-np.asarray(logits[4]))[:3]
     text = jax.jit(sample, static_argnames="filters").trace(logits, key, plain, False).lower().as_text()
-    assert "stablehlo.sort" not in text
+    assert "@filtered_logits" not in text
+
+
+def _reference_keep(logits, temperature, top_k, top_p):
+    """The filters by a stable sort, in float64: [V] bool for one row."""
+    x = np.asarray(logits, np.float64)
+    order = np.argsort(-x, kind="stable")
+    z = x[order] / max(temperature, 1e-6)
+    if top_k > 0:
+        z[top_k:] = -np.inf
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    keep_sorted = np.isfinite(z) & ((np.cumsum(p) - p < top_p) | (top_p >= 1))
+    keep = np.zeros(x.size, bool)
+    keep[order] = keep_sorted
+    return keep
+
+
+@pytest.mark.parametrize("kind,V", [("normal", 3000), ("ties", 3000), ("equal", 3000), ("minus_inf", 3000),
+                                    ("normal", 100_000), ("ties", 100_000)])
+def test_filters_keep_what_a_sort_keeps(kind, V):
+    """The search the filters run instead of a sort keeps the same tokens as the sorted rule,
+    also where many logits tie (bf16 logits over a large vocabulary) and top-k or top-p cut
+    inside a run of ties (those keep by index)."""
+    rng = np.random.default_rng(0)
+    B = 12
+    x = rng.normal(size=(B, V)).astype(np.float32) * 2
+    if kind == "ties":  # a few hundred distinct values
+        x = np.round(x * 16) / 16
+    elif kind == "equal":
+        x = np.zeros((B, V), np.float32)
+    elif kind == "minus_inf":
+        x[:, rng.random(V) < 0.5] = -np.inf
+    temperature = np.array([1.0, 0.7, 1.3, 0.5, 1.0, 2.0, 1.0, 0.8, 1.0, 1.0, 0.9, 1.0], np.float32)
+    top_k = np.array([0, 5, 0, 40, 1, 0, 200, 17, 0, V - 1, V, 7], np.int32)
+    top_p = np.array([0.9, 1.0, 0.5, 0.95, 1.0, 0.3, 0.8, 0.99, 1.0, 0.6, 0.05, 0.7], np.float32)
+    sp = SamplingParams(jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p))
+    got = np.isfinite(np.asarray(jax.jit(filtered_logits)(jnp.asarray(x), sp)))
+    for b in range(B):
+        # Where the mass before a token lands within float32 rounding of top_p (equal logits,
+        # top_p a multiple of their probability), that token may go either way.
+        lo, hi = (_reference_keep(x[b], temperature[b], top_k[b], min(top_p[b] + d, 1.0) if top_p[b] < 1 else 1.0)
+                  for d in (-1e-5, 1e-5))
+        msg = f"row {b}: T={temperature[b]} top_k={top_k[b]} top_p={top_p[b]}"
+        assert np.all(got[b] <= hi) and np.all(lo <= got[b]), msg
+        if kind != "equal":
+            np.testing.assert_array_equal(got[b], _reference_keep(x[b], temperature[b], top_k[b], top_p[b]), msg)
+    text = jax.jit(sample).trace(jnp.asarray(x), jax.random.key(0), sp).lower().as_text()
+    assert "stablehlo.sort" not in text and "@filtered_logits" in text

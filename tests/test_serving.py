@@ -413,7 +413,7 @@ def test_greedy_dispatch_is_the_general_one_without_sampling(tiny):
     """decode_dispatch(greedy=True), which the engine runs while every running request is greedy,
     gives the tokens, lengths and state (the random streams advanced alike) of the general
     program, which a batch with a sampled request runs; neither holds a conditional (XLA would
-    evaluate it on the host once a step), and the greedy one leaves out sampling's sort."""
+    evaluate it on the host once a step), and the greedy one leaves out sampling."""
     cfg, params = tiny
 
     def started(temperatures):
@@ -443,14 +443,14 @@ def test_greedy_dispatch_is_the_general_one_without_sampling(tiny):
     eng = started([0.0] * 3)
     text = {g: slots.decode_dispatch.trace(cfg, params, eng.cache, eng.slots, 4, False, None, g).lower().as_text()
             for g in (False, True)}
-    assert "stablehlo.case" not in text[False] and "stablehlo.sort" in text[False]
-    assert "stablehlo.case" not in text[True] and "stablehlo.sort" not in text[True]
+    assert "stablehlo.case" not in text[False] and "@filtered_logits" in text[False]
+    assert "stablehlo.case" not in text[True] and "@filtered_logits" not in text[True]
 
 
-def test_unfiltered_dispatch_samples_the_same_tokens_without_a_sort(tiny):
+def test_unfiltered_dispatch_samples_the_same_tokens_without_the_filters(tiny):
     """Sampled slots without top-k / top-p draw the same tokens from decode_dispatch(filters=False),
-    which the engine runs while no running request filters, as from the program that sorts for
-    filtered rows; the first holds no sort. A filtered request beside them changes none of
+    which the engine runs while no running request filters, as from the program that filters
+    rows; the first holds no filters. A filtered request beside them changes none of
     their tokens (each slot's draw depends on its own key and settings alone)."""
     cfg, params = tiny
 
@@ -475,4 +475,4 @@ def test_unfiltered_dispatch_samples_the_same_tokens_without_a_sort(tiny):
     assert (outs[0] >= 0).all() and (outs[0] == outs[1]).all() and (outs[0] == outs[2]).all()
     eng = started(plain)
     text = slots.decode_dispatch.trace(cfg, params, eng.cache, eng.slots, 4, False, None, False, False).lower().as_text()
-    assert "stablehlo.sort" not in text and "stablehlo.case" not in text
+    assert "@filtered_logits" not in text and "stablehlo.case" not in text

@@ -242,7 +242,7 @@ def test_generate_a_list_with_a_draft_model(tiny_path):
 def test_greedy_and_sampled_requests_share_a_dispatch(tiny, drafter):
     """A sampled request beside greedy ones makes the engine run the general speculative program,
     whose greedy slots still decode exactly as plain greedy; with greedy requests alone it runs
-    the program that holds no sampling (no sort over the vocabulary)."""
+    the program that holds no sampling (no filters over the vocabulary)."""
     from rjax.speculative import speculative_dispatch
 
     cfg, params = tiny
@@ -268,7 +268,7 @@ def test_greedy_and_sampled_requests_share_a_dispatch(tiny, drafter):
     draft = (eng.draft_cache, eng.pending) if drafter == "model" else (i32(B, S + 1), i32(B))
     text = {g: speculative_dispatch.trace(cfg, params, eng.cache, eng.slots, eng.drafter, eng.draft_params, draft, k, 2,
                                           i32(B), g).lower().as_text() for g in (False, True)}
-    assert "stablehlo.sort" in text[False] and "stablehlo.sort" not in text[True]
+    assert "@filtered_logits" in text[False] and "@filtered_logits" not in text[True]
     # No conditional on the temperature in either (the draft model's one on pending tokens is in both).
     cases = {g: t.count("stablehlo.case") for g, t in text.items()}
     assert cases[True] == cases[False] and (drafter == "model" or cases[True] == 0)
