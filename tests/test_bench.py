@@ -207,3 +207,21 @@ def test_e2e_table_beside_llama_cpp(result):
     text = e2e.format_rows([row, e2e.compact_row("llama-8b", "q4_k", None, "skipped")])
     assert "54,603" in text and "3,356" in text and "skipped" in text
 
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn])
+def test_kv_dtype_tma_stream_reads_every_block_of_its_rows(dtype):
+    """The read floor's TMA stream (Mosaic GPU interpreter): each program walks its own run of
+    rows through the ring, refilling slots (4 blocks in 2 slots), and reports the first rows of
+    the last block that landed in slot 0: block 2 of its run, as the bytes of K (fp8 as int8)."""
+    spec = importlib.util.spec_from_file_location("kv_dtype", __import__("pathlib").Path(__file__).parents[1]
+                                                  / "benchmarks" / "kv_dtype.py")
+    kv_dtype = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kv_dtype)
+    k = (jnp.arange(2 * 64 * 128).reshape(1, 2, 64, 128) % 97 - 48).astype(dtype)
+    out = kv_dtype.tma_stream(k, -k, programs=4, block_rows=8, stages=2, interpret=True)
+    rows = np.asarray(jax.lax.bitcast_convert_type(k, jnp.int8) if k.dtype.itemsize == 1 else k).reshape(128, 128)
+    expect = np.stack([rows[p * 32 + 16:p * 32 + 24] for p in range(4)])
+    np.testing.assert_array_equal(np.asarray(out), expect)
+    with pytest.raises(ValueError, match="do not split into 3 programs"):
+        kv_dtype.tma_stream(k, k, programs=3, interpret=True)
