@@ -225,3 +225,16 @@ def test_kv_dtype_tma_stream_reads_every_block_of_its_rows(dtype):
     np.testing.assert_array_equal(np.asarray(out), expect)
     with pytest.raises(ValueError, match="do not split into 3 programs"):
         kv_dtype.tma_stream(k, k, programs=3, interpret=True)
+
+
+def test_speculative_bound_replays_prompt_lookup_and_prices_idle_rounds_as_plain_steps():
+    """benchmarks/speculative.py's bound, by hand: prompt [5 1 2 3 4], reply [1 2 3 7 8], K = 4.
+    Round 1: no earlier 4, nothing kept (idle), 1 emitted. Round 2: the 1 at position 1 drafts
+    [2 3 4 1], 2 tokens kept plus the target's 7. Round 3: no earlier 7, idle, 8 emitted. At a
+    verification of 2 steps: 5 tokens in 2 plain steps and 1 verification, 1.25x."""
+    spec = importlib.util.spec_from_file_location("speculative", __import__("pathlib").Path(__file__).parents[1]
+                                                  / "benchmarks" / "speculative.py")
+    speculative = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(speculative)
+    assert speculative.lookup_rounds([5, 1, 2, 3, 4], [1, 2, 3, 7, 8], 4) == (5 / 3, 3, 2)
+    assert speculative.bound_speedup(5, 3, 2, step_s=1.0, verify_s=2.0) == 1.25
