@@ -119,8 +119,8 @@ def default_num_splits(batch: int, kv_heads: int, num_keys: int, block_k: int, m
                        quantized: bool = False, limit: int = MAX_MERGED_SPLITS) -> int:
     """Merged in the kernel (one query token): up to one wave of programs, down to one key block
     per split. At batch 1 the time is the latency of a program's chain of blocks: 8 splits of one
-    block took 4.7 against 8.0 us for one split of a 1,024-key smollm2 cache
-    (benchmarks/decode_attention_tiles.py). Beyond one wave the extra programs and partials cost
+    block took 4.7 against 8.0 us for one split of a 1,024-key smollm2 cache (the kernel timed
+    alone, H100). Beyond one wave the extra programs and partials cost
     more than they save: llama-8b at batch 8 spent 19.4 us per layer with 5 splits, 13.7 with 2
     (benchmarks/profile_decode.py).
 

@@ -191,7 +191,7 @@ def default_int8_config(qtype: QType, m: int, n: int, k: int) -> int8.Int8GemvCo
 
     One row of Q4_K with K <= 2048 < N: 4 weight rows per program and twice the programs. H100,
     us per product in llama-1b's decode step (benchmarks/profile_decode.py): 3072x2048 3.2 vs
-    3.6, 16384x2048 8.7 vs 9.4. Alone (benchmarks/int8_gemv_tiles.py) the square products gained
+    3.6, 16384x2048 8.7 vs 9.4. Timed alone, the square products gained
     too (4096x4096 5.6 vs 6.0), but in the model they lost (9.8 vs 7.5 us at llama-8b, 3.5 vs
     3.3 at llama-1b), so they keep the default."""
     block_n, values, warps, prefetch = INT8_TILES[qtype]
