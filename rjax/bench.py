@@ -4,9 +4,9 @@ memory-bandwidth roofline measured in the same run.
 What is measured (one model, random prompts of `prompt_len` token ids):
 - HBM bandwidth: the fastest of several probes over a large device array (a device-to-device
   copy, elementwise passes; `rjax.roofline.measure_bandwidth`), counting bytes read + written,
-  the median of several runs each, beside the device's nominal figure where it is known. The
-  fastest is the ceiling every decode step is held against: a slower probe would overstate the
-  fraction reached.
+  the fastest of several runs each, beside the device's nominal figure where it is known. The
+  fastest is the ceiling every decode step is held against: a slower probe or run would
+  overstate the fraction reached.
 - compile: every program the run calls (prefill per batch size, decode per batch size and N)
   is lowered, then compiled concurrently in threads before anything is timed
   (rjax.precompile); the total is the lowering time plus the compiles' wall time, plus what

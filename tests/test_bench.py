@@ -158,12 +158,13 @@ def test_kv_bytes_respect_sliding_windows():
 
 
 def test_bandwidth_is_the_fastest_probe_counting_reads_and_writes():
-    bw = measure_bandwidth(4 << 20, repeats=3, passes=2)
+    bw = measure_bandwidth(4 << 20, repeats=3, passes=2, batches=4)
     assert bw["array_bytes"] == 4 << 20 and set(bw["probes"]) == {"copy", "add_one", "negate"}
     # A copy moves the array once each way; an elementwise dispatch does it once per pass.
     assert bw["bytes_moved"] == 2 * (4 << 20) * (1 if bw["probe"] == "copy" else 2)
-    assert bw["median_s"] == pytest.approx(float(np.median(bw["samples_s"])))
-    assert bw["bytes_per_s"] == pytest.approx(bw["bytes_moved"] / bw["median_s"]) and bw["gb_per_s"] > 0
+    # A probe's rate is its fastest batch: a slower one was held back by something else.
+    assert len(bw["samples_s"]) == 4 and bw["best_s"] == min(bw["samples_s"])
+    assert bw["bytes_per_s"] == pytest.approx(bw["bytes_moved"] / bw["best_s"]) and bw["gb_per_s"] > 0
     assert bw["gb_per_s"] == pytest.approx(max(p["gb_per_s"] for p in bw["probes"].values()))
 
 
