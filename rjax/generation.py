@@ -24,6 +24,7 @@ from rjax import checks, engine
 from rjax.config import ModelConfig
 from rjax.tensor_parallel import place_cache
 from rjax.cache import KVCache, check_kv_dtype, init_cache
+from rjax.plan import TUNING
 from rjax.precompile import compile_programs, decode_program, prefill_program
 from rjax.loaders import Model
 from rjax.engine import ContextLengthError, PromptTooLongError  # noqa: F401 (part of this module's API)
@@ -193,12 +194,17 @@ def _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed,
     stop_ids = jnp.asarray(sorted(tok.eos_ids) or [-1], jnp.int32)
     key, sub = jax.random.split(jax.random.key(seed))
     greedy = temperature == 0
+    filters = bool(top_k > 0 or top_p < 1)
     decode_loop = engine.greedy_decode_loop if greedy else engine.decode_loop
+    # Sampling without top-k / top-p leaves out their search (the same tokens), called as
+    # decode_program compiles it.
+    loop_args = () if greedy or filters else (TUNING, False)
     # Both programs at once, before the first call (a no-op where they are compiled already).
     compiled = compile_programs([prefill_program(cfg, model.params, B, tokens.shape[1], S, cache.dtype,
                                                  kv_dtype=cache.kv_dtype),
                                  decode_program(cfg, model.params, B, S, cache.dtype, steps_per_dispatch,
-                                                int(stop_ids.shape[0]), kv_dtype=cache.kv_dtype, greedy=greedy)])
+                                                int(stop_ids.shape[0]), kv_dtype=cache.kv_dtype, greedy=greedy,
+                                                filters=filters)])
 
     t0 = time.perf_counter()
     first, cache = engine.prefill_and_sample(cfg, model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
@@ -222,7 +228,7 @@ def _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed,
     steps_left = int(budget.max()) - 1  # decode steps any slot can still take
 
     def launch(cache, state):
-        return decode_loop(cfg, model.params, cache, state, sp, stop_ids, steps_per_dispatch)
+        return decode_loop(cfg, model.params, cache, state, sp, stop_ids, steps_per_dispatch, *loop_args)
 
     call = None if np.asarray(state.done).all() else launch(cache, state)
     launched = 1

@@ -30,6 +30,7 @@ from rjax.cache import init_cache
 from rjax.tensor_parallel import abstract_cache
 from rjax.config import ModelConfig
 from rjax.model import Params
+from rjax.plan import TUNING
 from rjax.sampling import SamplingParams
 
 
@@ -108,18 +109,24 @@ def prefill_program(cfg: ModelConfig, params: Params, batch: int, bucket: int, c
 
 
 def decode_program(cfg: ModelConfig, params: Params, batch: int, cache_len: int, dtype, n_steps: int,
-                   n_stop_ids: int = 1, kv_dtype: str | None = None, greedy: bool = False) -> Program:
+                   n_stop_ids: int = 1, kv_dtype: str | None = None, greedy: bool = False,
+                   filters: bool = True) -> Program:
     """`engine.decode_loop` (`greedy`: `engine.greedy_decode_loop`) of `n_steps` steps over
     `batch` slots of a `cache_len` cache (K/V stored as `kv_dtype`), with a stop set of
-    `n_stop_ids` token ids."""
+    `n_stop_ids` token ids. filters=False: the loop without top-k / top-p, called as
+    `decode_loop(..., n_steps, TUNING, False)`."""
     cache = abstract_cache(_abstract(lambda: init_cache(cfg, batch, cache_len, dtype, kv_dtype)), params.tp)
     stop_ids = jax.ShapeDtypeStruct((n_stop_ids,), jnp.int32)
     state = _abstract(lambda: engine.initial_state(jnp.zeros((batch,), jnp.int32), 1, jnp.full((n_stop_ids,), -1),
                                                    jax.random.key(0), init_cache(cfg, batch, cache_len, dtype,
                                                                                  kv_dtype)))
     sp = _abstract(lambda: SamplingParams.make(batch))
-    return Program(f"decode B={batch} N={n_steps}", engine.greedy_decode_loop if greedy else engine.decode_loop,
-                   (cfg, params, cache, state, sp, stop_ids, n_steps))
+    if greedy:
+        return Program(f"decode B={batch} N={n_steps}", engine.greedy_decode_loop,
+                       (cfg, params, cache, state, sp, stop_ids, n_steps))
+    extra = () if filters else (TUNING, False)
+    return Program(f"decode B={batch} N={n_steps}" + ("" if filters else " unfiltered"), engine.decode_loop,
+                   (cfg, params, cache, state, sp, stop_ids, n_steps) + extra)
 
 
 @dataclasses.dataclass(frozen=True)

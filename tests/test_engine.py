@@ -22,6 +22,7 @@ from rjax.generation import PromptTooLongError, check_prompt_lengths
 from rjax.loaders.gguf import ModelFileError, load_gguf
 from gguf_blocks.formats import TensorFormatError
 from gguf_blocks.qtensor import QTensor
+from rjax.plan import TUNING
 from rjax.sampling import SamplingParams
 
 
@@ -165,6 +166,27 @@ def test_greedy_decode_loop_holds_no_conditional(tiny):
     assert "stablehlo.case" not in text[engine.decode_loop] and "stablehlo.sort" not in text[engine.decode_loop]
     assert "stablehlo.case" not in text[engine.greedy_decode_loop]
     assert "stablehlo.sort" not in text[engine.greedy_decode_loop]
+
+
+def test_unfiltered_decode_loop_samples_the_same_without_the_search(tiny):
+    """decode_loop(filters=False), for slots that sample without top-k or top-p, draws the
+    tokens the general loop draws, and its program leaves the filters' search out."""
+    cfg, params = tiny
+    prompts = _prompts(6, [5, 9], cfg.vocab_size)
+    t, l = engine.pad_prompts(prompts)
+    sp = SamplingParams(jnp.asarray([0.8, 1.3]), jnp.zeros(2, jnp.int32), jnp.ones(2))
+    stop, key = jnp.asarray([-1], jnp.int32), jax.random.key(3)
+    runs = []
+    for extra in ((), (TUNING, False)):
+        cache = init_cache(cfg, 2, 64)
+        first, cache = engine.prefill_and_sample(cfg, params, cache, jnp.asarray(t), jnp.asarray(l), None, key, sp)
+        state = engine.initial_state(first, jnp.asarray([12, 12]), stop, key, cache)
+        out, state, cache = engine.decode_loop(cfg, params, cache, state, sp, stop, 11, *extra)
+        runs.append(np.asarray(out))
+        text = engine.decode_loop.trace(cfg, params, cache, state, sp, stop, 11, *extra).lower().as_text()
+        assert ("@filtered_logits" in text) == (extra == ())
+    np.testing.assert_array_equal(runs[1], runs[0])
+    assert (runs[0] >= 0).all() and len({tuple(r) for r in runs[0]}) == 2
 
 
 @pytest.mark.parametrize("loop", LOOPS)
