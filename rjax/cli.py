@@ -49,19 +49,35 @@ def cmd_pull(a) -> int:
     return 0
 
 
+def cmd_list(a) -> int:
+    from rjax.catalog import rjax_home
+    from rjax.hub import local_models
+
+    models = local_models()
+    if a.json:
+        print(json.dumps([dict(name=m.name, path=str(m.path), size=m.size, architecture=m.architecture,
+                               quant=m.quant, error=m.error) for m in models], indent=2))
+        return 0
+    if not models:
+        print(f"no models in {rjax_home() / 'models'}; `rjax pull NAME` fetches one", file=sys.stderr)
+        return 0
+    width = max(len(m.name) for m in models)
+    print(f"{'NAME':{width}}  {'SIZE':>10}  {'ARCH':8}  {'QUANT':8}  FILE")
+    for m in models:
+        print(f"{m.name:{width}}  {m.size / 1e6:7.1f} MB  {m.architecture or '?':8}  {m.quant or '?':8}  {m.path}"
+              + (f"  ({m.error})" if m.error else ""))
+    return 0
+
+
 def cmd_info(a) -> int:
-    from rjax.info import model_info, model_plan
+    from rjax.info import format_info, model_info, model_plan
 
     if a.plan:
-        print(model_plan(a.model, rows=a.rows, tokens=a.tokens, gpu=a.backend == "gpu", paged=a.paged))
+        gpu = None if a.backend is None else a.backend == "gpu"
+        print(model_plan(a.model, rows=a.rows, tokens=a.tokens, gpu=gpu, paged=a.paged))
         return 0
-    info = model_info(a.model)
-    if a.json:
-        print(json.dumps(info, indent=2))
-    else:
-        from rjax.info import format_info
-
-        print(format_info(info))
+    info = model_info(a.model, backend=a.backend)
+    print(json.dumps(info, indent=2) if a.json else format_info(info, tensors=a.tensors))
     return 0
 
 
@@ -133,23 +149,35 @@ def cmd_chat(a) -> int:
                   file=sys.stderr)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(extensions: bool = True) -> argparse.ArgumentParser:
+    """The whole command; `extensions=False` leaves out the subcommands other modules add, whose
+    modules import jax."""
     parser = argparse.ArgumentParser(prog="rjax", description="Functional LLM inference on JAX/XLA.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("pull", help="download a catalog model into the cache")
-    p.add_argument("name", nargs="?", help="catalog name (default: the default model)")
+    p = sub.add_parser("pull", help="download a model into $RJAX_HOME: a catalog name, a GGUF of a Hugging Face "
+                                    "repository, or a URL")
+    p.add_argument("name", nargs="?", help="catalog name (default: the default model), org/repo:QUANT "
+                                           "(e.g. Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M), org/repo/FILE.gguf, "
+                                           "or https://.../FILE.gguf")
     p.add_argument("--list", action="store_true", help="list catalog models and whether they are present")
     p.set_defaults(func=cmd_pull)
 
-    p = sub.add_parser("info", help="architecture, shapes, tensor types, parameter count and bytes")
-    p.add_argument("model")
+    p = sub.add_parser("list", help="the models that are local: name, size, architecture, quant, file")
     p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("info", help="a model's summary from its header: architecture, parameters, quant mix, "
+                                    "context, chat template, memory plan")
+    p.add_argument("model", help="catalog name, pulled name (org/repo:QUANT), .gguf file or Hugging Face directory")
+    p.add_argument("--json", action="store_true", help="everything as one JSON object, the tensors included")
+    p.add_argument("--tensors", action="store_true", help="list every tensor (name, type, shape) in natural order")
     p.add_argument("--plan", action="store_true",
                    help="print the fusion plan: which kernel takes each product, where norms and GLUs run")
     p.add_argument("--rows", type=int, default=1, help="with --plan: sequences in the step (default 1)")
     p.add_argument("--tokens", type=int, default=1, help="with --plan: tokens per sequence (default 1: decode)")
-    p.add_argument("--backend", choices=("gpu", "cpu"), default="gpu", help="with --plan: plan for (default gpu)")
+    p.add_argument("--backend", choices=("gpu", "cpu"), default=None,
+                   help="the memory plan's and --plan's backend (default: the one present)")
     p.add_argument("--paged", action="store_true", help="with --plan: a paged cache, rows given (the serving engine)")
     p.set_defaults(func=cmd_info)
 
@@ -171,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_decoding_args(p)
     p.set_defaults(func=cmd_chat)
 
-    for register in _extensions():
+    for register in _extensions() if extensions else ():
         register(sub)
     return parser
 
@@ -197,8 +225,12 @@ def enable_compilation_cache() -> None:
 def main(argv=None) -> int:
     from rjax.catalog import CatalogError
 
-    args = build_parser().parse_args(argv)
-    enable_compilation_cache()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # pull, list and info read files and compile nothing: they run without importing jax
+    header_only = bool(argv) and argv[0] in ("pull", "list", "info") and "--plan" not in argv
+    args = build_parser(extensions=not header_only).parse_args(argv)
+    if not header_only:
+        enable_compilation_cache()
     try:
         return args.func(args) or 0
     except KeyboardInterrupt:

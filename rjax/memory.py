@@ -13,8 +13,6 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from rjax.config import ModelConfig
@@ -30,7 +28,10 @@ class MemoryFitError(ValueError):
 def available_bytes(device=None, budget_bytes: int | None = None) -> tuple[int, str]:
     """(free bytes, where the number comes from) for `device` (default: the first device).
     `budget_bytes` is used where the device keeps no memory statistics."""
-    device = device or jax.devices()[0]
+    if device is None:
+        import jax  # here, not above: `rjax info` plans for the CPU without starting jax
+
+        device = jax.devices()[0]
     stats = device.memory_stats() or {}
     if "bytes_limit" in stats:
         limit, in_use = int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
@@ -45,10 +46,10 @@ def available_bytes(device=None, budget_bytes: int | None = None) -> tuple[int, 
         return limit - in_use, f"{device} memory_stats"
     if budget_bytes is not None:
         return int(budget_bytes), f"the configured budget for {device}"
-    return _host_available_bytes(), f"available host memory for {device}"
+    return host_available_bytes(), f"available host memory for {device}"
 
 
-def _host_available_bytes() -> int:
+def host_available_bytes() -> int:
     # MemAvailable counts reclaimable page cache too; free pages alone would understate it.
     try:
         with open("/proc/meminfo") as f:
@@ -61,6 +62,8 @@ def _host_available_bytes() -> int:
 
 
 def tree_bytes(tree) -> int:
+    import jax
+
     return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
@@ -82,7 +85,13 @@ def _kv_name(dtype):
 
 
 def _itemsize(dtype) -> int:
-    return 2 if isinstance(dtype, str) and dtype == "bf16" else np.dtype(jnp.dtype(dtype)).itemsize
+    if isinstance(dtype, str) and dtype == "bf16":
+        return 2
+    if isinstance(dtype, np.dtype) or (isinstance(dtype, type) and issubclass(dtype, np.generic)):
+        return np.dtype(dtype).itemsize
+    import jax.numpy as jnp
+
+    return np.dtype(jnp.dtype(dtype)).itemsize
 
 
 def _float_item(dtype) -> int:
@@ -97,7 +106,10 @@ def workspace_bytes(cfg: ModelConfig, *, n_slots: int, max_len: int, prefill_tok
     prefill call), beyond the params and the cache: per-layer activations (float32 upper bound),
     logits plus the copies sampling makes, and where attention runs as the pure-JAX
     reference (not on GPUs) the gathered cache and score matrices, plus a dequantized weight."""
-    backend = backend or jax.default_backend()
+    if backend is None:
+        import jax
+
+        backend = jax.default_backend()
     item = _float_item(dtype)
     per_token = 4 * (4 * cfg.d_model + 3 * cfg.d_ff + 2 * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim)
     logits = 6 * 4 * cfg.vocab_size
@@ -156,7 +168,7 @@ def plan_memory(cfg: ModelConfig, *, max_len: int, page_size: int | None = 16, n
                 n_pages: int | None = None, tokens_per_slot: int | None = None, max_slots: int = DEFAULT_MAX_SLOTS,
                 prefill_tokens: int = 4096, prefill_prompts: int = 16, dtype=np.float32, params_bytes: int = 0,
                 reserve_bytes: int | None = None, available: int | None = None, budget_bytes: int | None = None,
-                device=None, tp: int = 1, draft_cfg: ModelConfig | None = None) -> MemoryPlan:
+                device=None, tp: int = 1, draft_cfg: ModelConfig | None = None, backend: str | None = None) -> MemoryPlan:
     """The slots and pages that fit, or MemoryFitError.
 
     dtype: the KV dtype, a float dtype or "int8" / "fp8" (`kv_bytes_per_position`).
@@ -171,6 +183,7 @@ def plan_memory(cfg: ModelConfig, *, max_len: int, page_size: int | None = 16, n
     cache and params_bytes (the whole model's) divided by tp; a refusal says how many devices
     would fit. draft_cfg: a speculative draft model's KV cache beside the target's, of the same
     slots, pages and dtype (counted in the KV cache; its workspace is the target's, reused).
+    backend: "gpu" or "cpu", the workspace estimate's (default jax's default backend).
     """
     if available is None:
         available, source = available_bytes(device, budget_bytes)
@@ -183,7 +196,7 @@ def plan_memory(cfg: ModelConfig, *, max_len: int, page_size: int | None = 16, n
 
     def ws(n):
         return workspace_bytes(cfg, n_slots=n, max_len=max_len, prefill_tokens=prefill_tokens,
-                               prefill_prompts=min(prefill_prompts, n), dtype=dtype)
+                               prefill_prompts=min(prefill_prompts, n), dtype=dtype, backend=backend)
 
     fixed = params_bytes + reserve
 

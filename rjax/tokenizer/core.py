@@ -14,7 +14,7 @@ import numpy as np
 import tokenizers
 
 from rjax.loaders.errors import ModelFileError
-from rjax.loaders.gguf import open_gguf
+from rjax.loaders.gguf_header import open_gguf
 from rjax.tokenizer.chat_template import _fallback_template, compile_chat_template
 from rjax.tokenizer.gguf_vocab import (SUPPORTED_GGUF_MODELS, TOKEN_NORMAL, _BYTE_LEVEL_SPLITS, _GEMMA_ARCHITECTURES,
                                        _GGUFMetadata, _byte_level_backend, _sentencepiece_backend)
