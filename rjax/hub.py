@@ -124,13 +124,14 @@ def pull(ref: HubRef | UrlRef, home=None, progress: bool = True) -> Path:
     return pull_url(ref, home, progress) if isinstance(ref, UrlRef) else pull_hub(ref, home, progress)
 
 
-def pull_hub(ref: HubRef, home=None, progress: bool = True) -> Path:
+def pull_hub(ref: HubRef, home=None, progress: bool = True, *, endpoint: str | None = None) -> Path:
+    """`endpoint`: the hub's URL (default huggingface_hub's: $HF_ENDPOINT, else huggingface.co)."""
     from huggingface_hub import HfApi, constants, hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
-    where = f"{constants.ENDPOINT}/{ref.repo}"
+    where = f"{endpoint or constants.ENDPOINT}/{ref.repo}"
     try:
-        siblings = HfApi().model_info(ref.repo, files_metadata=True).siblings or []
+        siblings = HfApi(endpoint=endpoint).model_info(ref.repo, files_metadata=True).siblings or []
     except RepositoryNotFoundError as e:
         raise CatalogError(f"cannot pull {ref.repo}: no such model repository at {where} (or it is private or "
                            f"gated: set HF_TOKEN)") from e
@@ -146,7 +147,8 @@ def pull_hub(ref: HubRef, home=None, progress: bool = True) -> Path:
         return dest
     stamp_path(dest).unlink(missing_ok=True)
     try:
-        got = Path(hf_hub_download(ref.repo, file, local_dir=local_dir, tqdm_class=_bar(progress)))
+        got = Path(hf_hub_download(ref.repo, file, local_dir=local_dir, endpoint=endpoint,
+                                   tqdm_class=_bar(progress)))
     except (HfHubHTTPError, OSError) as e:
         raise CatalogError(f"cannot pull {ref.repo}/{file} from {where}: {e} (run the same pull again to "
                            f"resume)") from e
@@ -173,17 +175,25 @@ def pull_url(ref: UrlRef, home=None, progress: bool = True) -> Path:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")
-    with open(part, "ab") as out:
-        resume = out.tell()
-        try:  # resumes with a Range request; a server that ignores it sends the whole file again
-            http_get(ref.url, out, resume_size=resume, displayed_filename=ref.file_name,
-                     tqdm_class=_bar(progress))
-        except HfHubHTTPError as e:
-            if e.response is None or e.response.status_code != 416 or not resume:
-                raise CatalogError(f"cannot pull {ref.url}: {e} (run the same pull again to resume)") from e
-            # 416: nothing left past the part's end, which is then the whole file (checked below)
-        except OSError as e:
-            raise CatalogError(f"cannot pull {ref.url}: {e} (run the same pull again to resume)") from e
+    try:
+        with open(part, "ab") as out:
+            resume = out.tell()
+            try:  # resumes with a Range request; a server that ignores it sends the whole file again
+                http_get(ref.url, out, resume_size=resume, displayed_filename=ref.file_name,
+                         tqdm_class=_bar(progress))
+            except HfHubHTTPError as e:
+                if e.response is None or e.response.status_code != 416 or not resume:
+                    raise CatalogError(f"cannot pull {ref.url}: {e}") from e
+                # 416: nothing is left past the part's end, so the part is the whole file (checked below)
+            except OSError as e:
+                raise CatalogError(f"cannot pull {ref.url}: {e}") from e
+    except BaseException as e:
+        if part.stat().st_size == 0:
+            part.unlink()
+        elif isinstance(e, CatalogError):
+            raise CatalogError(f"{e} ({part.stat().st_size:,} bytes are kept in {part}: run the same pull again "
+                               f"to resume)") from e.__cause__
+        raise
     try:
         _check_gguf(part, ref.url)
     except CatalogError:

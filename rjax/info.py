@@ -45,6 +45,7 @@ def model_info(model: str, *, backend: str | None = None, home=None) -> dict:
         from rjax.loaders.safetensors import describe_hf_dir
 
         info, (_, cfg) = describe_hf_dir(path), checkpoint_config(path)
+        info["name"] = None  # a GGUF's general.name; a checkpoint's config does not carry one
         info["chat_template"] = (path / "chat_template.jinja").is_file() or _hf_has_template(path)
         info["quant"] = max(info["tensor_types"], key=lambda k: info["tensor_types"][k]["bytes"])
     else:

@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGUFReader
+from gguf import GGUFReader, LlamaFileType
 
 import rjax
 from rjax.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_generate_json_matches_the_python_api(smollm2_path, smollm2, capsys):
@@ -72,17 +77,47 @@ def test_chat_session_feeds_the_whole_history_back(smollm2):
     assert session.reset().cache is None and session.reset().messages == []
 
 
-def test_info_counts_parameters_and_bytes(smollm2_path, capsys):
+def test_info_matches_gguf_py_reader(smollm2_path, capsys):
+    """The summary's numbers against gguf-py's own reader of the whole file."""
     assert main(["info", str(smollm2_path), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     reader = GGUFReader(smollm2_path)
-    assert info["architecture"] == "llama"
+    assert info["architecture"] == "llama" == reader.fields["general.architecture"].contents()
     assert info["parameters"] == sum(int(np.prod(t.shape)) for t in reader.tensors) == 134_515_008
     assert info["tensor_bytes"] == sum(int(t.n_bytes) for t in reader.tensors)
-    assert info["tensor_types"]["Q4_1"]["count"] == 210 and info["tensor_types"]["Q8_0"]["count"] == 1
+    by_type: dict = {}
+    for t in reader.tensors:
+        entry = by_type.setdefault(t.tensor_type.name, dict(count=0, bytes=0))
+        entry["count"] += 1
+        entry["bytes"] += int(t.n_bytes)
+    assert info["tensor_types"] == by_type and by_type["Q4_1"]["count"] == 210
+    assert info["quant"] == LlamaFileType(reader.fields["general.file_type"].contents()).name.removeprefix("MOSTLY_")
+    assert info["config"]["context_length"] == reader.fields["llama.context_length"].contents() == 8192
+    assert info["chat_template"] is ("tokenizer.chat_template" in reader.fields) is True
     assert info["config"]["n_kv_heads"] == 3 and info["config"]["head_dim"] == 64
+    assert sorted((t["name"], t["type"], t["shape"], t["bytes"]) for t in info["tensors"]) == sorted(
+        (t.name, t.tensor_type.name, [int(d) for d in t.shape[::-1]], int(t.n_bytes)) for t in reader.tensors)
+    memory = info["memory"]
+    assert memory["backend"] == "cpu" and memory["params_bytes"] == info["tensor_bytes"]
+    assert memory["kv_bytes_per_position"] == 2 * 30 * 3 * 64 * 4  # K and V, layers, kv heads, head dim, float32
+
     assert main(["info", str(smollm2_path)]) == 0
-    assert "blk.29.ffn_down.weight" in capsys.readouterr().out
+    summary = capsys.readouterr().out
+    assert "blk.0" not in summary and "memory (cpu)" in summary and "chat template  yes" in summary
+    assert main(["info", str(smollm2_path), "--tensors"]) == 0
+    names = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("    ")]
+    blocks = [int(n.split(".")[1]) for n in names if n.startswith("blk.")]
+    assert len(names) == 272 and blocks == sorted(blocks) and blocks[-1] == 29  # blk.2 before blk.10
+
+
+def test_info_reads_the_header_without_jax(smollm2_path):
+    """`rjax info` neither loads tensor data nor starts jax: it answers in well under a second."""
+    code = ("import sys; from rjax.cli import main; assert main(['info', sys.argv[1]]) == 0; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'torch')))")
+    run = subprocess.run([sys.executable, "-c", code, str(smollm2_path)], capture_output=True, text=True,
+                         cwd=REPO, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[-1] == "[]"
 
 
 @pytest.mark.parametrize("argv, message", [
