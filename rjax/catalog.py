@@ -117,7 +117,8 @@ CATALOG: Mapping[str, CatalogEntry] = types.MappingProxyType(
 def add_model_argument(parser) -> None:
     """The `-m/--model` option every subcommand that loads a model takes."""
     parser.add_argument("-m", "--model", default=DEFAULT_MODEL,
-                        help=f"catalog name, .gguf file or Hugging Face directory (default: {DEFAULT_MODEL})")
+                        help=f"catalog name, pulled model (org/repo:QUANT, org/repo/FILE.gguf, URL or file name), "
+                             f".gguf file or Hugging Face directory (default: {DEFAULT_MODEL})")
 
 
 # ---------------------------------------------------------------------------------------------

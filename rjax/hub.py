@@ -25,6 +25,7 @@ import fnmatch
 import functools
 import os
 import re
+import sys
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -127,7 +128,7 @@ def pull(ref: HubRef | UrlRef, home=None, progress: bool = True) -> Path:
 def pull_hub(ref: HubRef, home=None, progress: bool = True, *, endpoint: str | None = None) -> Path:
     """`endpoint`: the hub's URL (default huggingface_hub's: $HF_ENDPOINT, else huggingface.co)."""
     from huggingface_hub import HfApi, constants, hf_hub_download
-    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+    from huggingface_hub.errors import RepositoryNotFoundError
 
     where = f"{endpoint or constants.ENDPOINT}/{ref.repo}"
     try:
@@ -135,7 +136,7 @@ def pull_hub(ref: HubRef, home=None, progress: bool = True, *, endpoint: str | N
     except RepositoryNotFoundError as e:
         raise CatalogError(f"cannot pull {ref.repo}: no such model repository at {where} (or it is private or "
                            f"gated: set HF_TOKEN)") from e
-    except (HfHubHTTPError, OSError) as e:
+    except _network_errors() as e:
         raise CatalogError(f"cannot pull {ref.repo}: {where} could not be read: {e}") from e
     by_name = {s.rfilename: s for s in siblings}
     file = _choose(list(by_name), ref, where, "Its .gguf files")
@@ -149,7 +150,7 @@ def pull_hub(ref: HubRef, home=None, progress: bool = True, *, endpoint: str | N
     try:
         got = Path(hf_hub_download(ref.repo, file, local_dir=local_dir, endpoint=endpoint,
                                    tqdm_class=_bar(progress)))
-    except (HfHubHTTPError, OSError) as e:
+    except _network_errors() as e:
         raise CatalogError(f"cannot pull {ref.repo}/{file} from {where}: {e} (run the same pull again to "
                            f"resume)") from e
     try:
@@ -185,7 +186,7 @@ def pull_url(ref: UrlRef, home=None, progress: bool = True) -> Path:
                 if e.response is None or e.response.status_code != 416 or not resume:
                     raise CatalogError(f"cannot pull {ref.url}: {e}") from e
                 # 416: nothing is left past the part's end, so the part is the whole file (checked below)
-            except OSError as e:
+            except _network_errors() as e:
                 raise CatalogError(f"cannot pull {ref.url}: {e}") from e
     except BaseException as e:
         if part.stat().st_size == 0:
@@ -203,6 +204,15 @@ def pull_url(ref: UrlRef, home=None, progress: bool = True) -> Path:
     os.replace(part, dest)
     _write_stamp(dest, sha256)
     return dest
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """What a failed request raises: the hub's HTTP errors, OS errors, and the errors of the HTTP
+    client huggingface_hub uses (httpx, or httpx2 in its newer versions)."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    clients = (sys.modules[m].HTTPError for m in ("httpx2", "httpx") if hasattr(sys.modules.get(m), "HTTPError"))
+    return (HfHubHTTPError, OSError, *clients)
 
 
 def _bar(progress: bool):
