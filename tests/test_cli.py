@@ -182,3 +182,17 @@ def test_chat_with_an_int8_cache_and_bad_settings(smollm2_path, smollm2, monkeyp
     assert out.out.strip() == want.strip() and "[speculative:" in out.err
     session = ChatSession(smollm2, max_new_tokens=8, kv_dtype="int8")
     assert "".join(session.send("Say hello.")) == want and session.cache.kv_dtype == "int8"
+
+
+def test_info_plans_for_the_backend_present(tiny_path, capsys):
+    import jax
+
+    from rjax.info import present_backend
+
+    assert present_backend() == jax.default_backend() == "cpu"
+    assert main(["info", str(tiny_path), "--plan"]) == 0
+    present = capsys.readouterr().out
+    assert main(["info", str(tiny_path), "--plan", "--backend", "cpu"]) == 0
+    assert capsys.readouterr().out == present
+    assert main(["info", str(tiny_path), "--plan", "--backend", "gpu"]) == 0
+    assert capsys.readouterr().out != present
