@@ -2,9 +2,9 @@
 
 What a user can name:
 
-- `org/repo:PATTERN`: the one `.gguf` file of the repository whose name holds PATTERN as a word
-  (`Q4_K_M` matches `qwen2.5-0.5b-instruct-q4_k_m.gguf`, not `...-q4_k_m-imat.gguf`'s neighbour
-  `...-q4_k_s.gguf`), or a glob (`*Q4_K_M*.gguf`); `org/repo` alone, its only `.gguf` file;
+- `org/repo:PATTERN`: the one `.gguf` file of the repository whose name holds PATTERN as a word,
+  case aside (`Q4_K_M` matches `qwen2.5-0.5b-instruct-q4_k_m.gguf`; `Q4_K` does not), or
+  matches it as a glob (`*Q4_K*`); `org/repo` alone: its only `.gguf` file;
 - `org/repo/path/file.gguf`: that file;
 - `https://host/.../file.gguf`: a plain URL.
 
@@ -31,7 +31,7 @@ from urllib.parse import unquote, urlsplit
 
 from tqdm import tqdm
 
-from rjax.catalog import CatalogError, _write_stamp, file_sha256, rjax_home, stamp_path
+from rjax.catalog import CatalogError, _stamp_vouches, _write_stamp, file_sha256, rjax_home, stamp_path
 
 HUB_DIR, URL_DIR = "hf", "url"
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
@@ -90,12 +90,13 @@ def _choose(files: list[str], ref: HubRef, where: str, hint: str) -> str:
     found = matching(files, ref)
     if len(found) == 1:
         return found[0]
-    ggufs = [f for f in files if f.lower().endswith(".gguf")] or ["(no .gguf files)"]
-    what = (f"no file {ref.file}" if ref.file else f"no .gguf file matching {ref.pattern!r}" if not found and ref.pattern
-            else "no .gguf file" if not found else f"{len(found)} .gguf files"
-            + (f" matching {ref.pattern!r}" if ref.pattern else ""))
-    pick = f"; name one as {ref.repo}:QUANT or {ref.repo}/FILE" if len(found) > 1 or ref.pattern else ""
-    raise CatalogError(f"{where} has {what}{pick}. {hint}: {', '.join(ggufs)}")
+    matching_what = f" matching {ref.pattern!r}" if ref.pattern else ""
+    if not found:
+        problem = f"no file {ref.file}" if ref.file else f"no .gguf file{matching_what}"
+    else:
+        problem = f"{len(found)} .gguf files{matching_what}; name one as {ref.repo}:QUANT or {ref.repo}/FILE"
+    ggufs = [f for f in files if f.lower().endswith(".gguf")] or ["(none)"]
+    raise CatalogError(f"{where} has {problem}. {hint}: {', '.join(ggufs)}")
 
 
 def _is_stamped(path: Path) -> bool:
@@ -144,7 +145,7 @@ def pull_hub(ref: HubRef, home=None, progress: bool = True, *, endpoint: str | N
     sha256 = lfs.sha256 if lfs is not None else None
     local_dir = store_dir(ref, home)
     dest = local_dir / file
-    if _is_stamped(dest) and (sha256 is None or stamp_path(dest).read_text().split()[0] == sha256):
+    if _stamp_vouches(dest, sha256) if sha256 else _is_stamped(dest):
         return dest
     stamp_path(dest).unlink(missing_ok=True)
     try:
@@ -245,7 +246,8 @@ def find_local(text: str, home=None) -> Path | None:
         raise CatalogError(f"{ref.url} is not pulled (expected at {path}); run `rjax pull {ref.url}`")
     here = [p.relative_to(root).as_posix() for p in _ggufs(root)]
     if not here:
-        raise CatalogError(f"nothing is pulled from {ref.repo} (looked in {root}); run `rjax pull {text}`")
+        raise CatalogError(f"{text} is no local path, and nothing is pulled from the repository {ref.repo} "
+                           f"(looked in {root}); run `rjax pull {text}`")
     return root / _choose(here, ref, f"the pulled copy of {ref.repo} ({root})", "Pulled")
 
 

@@ -198,7 +198,7 @@ def test_pull_from_the_hub_then_use_it_offline(server, gguf_bytes, tmp_path):
         assert catalog.resolve_model(name, home) == dest, name
     with pytest.raises(CatalogError, match=r"no \.gguf file matching 'Q4_K_M'.*Pulled: tiny-Q8_0.gguf"):
         catalog.resolve_model("org/tiny-GGUF:Q4_K_M", home)
-    with pytest.raises(CatalogError, match=r"nothing is pulled from org/other.*rjax pull org/other:Q8_0"):
+    with pytest.raises(CatalogError, match=r"nothing is pulled from the repository org/other.*rjax pull org/other:Q8_0"):
         catalog.resolve_model("org/other:Q8_0", home)
 
 

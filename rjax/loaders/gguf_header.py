@@ -96,15 +96,15 @@ class _HeaderReader(_BoundedReader):
     def _get_field_parts(self, orig_offs, raw_type):
         if raw_type == GGUFValueType.ARRAY and int(self._get(orig_offs, np.uint32)[0]) == GGUFValueType.STRING:
             raw_item_type, count = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
-            length = struct.Struct(("=" if self.byte_order == "I" else "<" if sys.byteorder == "big" else ">") + "Q").unpack_from
-            view, end, offs = memoryview(self.data), len(self.data), orig_offs + 12
-            for _ in range(int(count[0])):
-                if offs + 8 > end:
-                    break
+            order = "=" if self.byte_order == "I" else "<" if sys.byteorder == "big" else ">"
+            length = struct.Struct(order + "Q").unpack_from
+            view, end, offs, n, seen = memoryview(self.data), len(self.data), orig_offs + 12, int(count[0]), 0
+            while seen < n and offs + 8 <= end:
                 offs += 8 + length(view, offs)[0]
-            if offs > end:
-                raise _PastEnd(f"an array of {int(count[0]):,} strings at byte {orig_offs:,} runs past the end of "
-                               f"the file ({end:,} bytes)")
+                seen += 1
+            if seen < n or offs > end:
+                raise _PastEnd(f"an array of {n:,} strings at byte {orig_offs:,} runs past the end of the file "
+                               f"({end:,} bytes)")
             return offs - orig_offs, [raw_item_type, count], [], [GGUFValueType.ARRAY, GGUFValueType.STRING]
         return super()._get_field_parts(orig_offs, raw_type)
 
