@@ -168,7 +168,8 @@ def plan_memory(cfg: ModelConfig, *, max_len: int, page_size: int | None = 16, n
                 n_pages: int | None = None, tokens_per_slot: int | None = None, max_slots: int = DEFAULT_MAX_SLOTS,
                 prefill_tokens: int = 4096, prefill_prompts: int = 16, dtype=np.float32, params_bytes: int = 0,
                 reserve_bytes: int | None = None, available: int | None = None, budget_bytes: int | None = None,
-                device=None, tp: int = 1, draft_cfg: ModelConfig | None = None, backend: str | None = None) -> MemoryPlan:
+                device=None, tp: int = 1, draft_cfg: ModelConfig | None = None,
+                backend: str | None = None) -> MemoryPlan:
     """The slots and pages that fit, or MemoryFitError.
 
     dtype: the KV dtype, a float dtype or "int8" / "fp8" (`kv_bytes_per_position`).

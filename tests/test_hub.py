@@ -42,6 +42,7 @@ class Server:
         self.listed_sha: dict[tuple[str, str], str] = {}  # a wrong sha256 the file list gives instead
         self.files: dict[str, bytes] = {}
         self.requests: list[tuple[str, str, str | None]] = []
+        self.authorized: list[str] = []  # paths of the requests that carried a token
         server = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -56,6 +57,8 @@ class Server:
 
             def answer(self, body: bool):
                 server.requests.append((self.command, self.path, self.headers.get("Range")))
+                if self.headers.get("Authorization") == "Bearer hf_test_token":
+                    server.authorized.append(self.path)
                 path = self.path.split("?")[0]
                 if m := re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/[^/]+)?", path):
                     return self.api(m.group(1))
@@ -175,8 +178,8 @@ def test_pull_from_the_hub_then_use_it_offline(server, gguf_bytes, tmp_path):
     server.repos["org/tiny-GGUF"] = {"tiny-Q8_0.gguf": gguf_bytes, "tiny-Q4_K_M.gguf": other,
                                      "README.md": b"# tiny"}
     home = tmp_path / "home"
-    env = dict(os.environ, HF_ENDPOINT=server.url, RJAX_HOME=str(home), PYTHONPATH=str(REPO_ROOT),
-               NO_PROXY="127.0.0.1")
+    env = dict(os.environ, HF_ENDPOINT=server.url, HF_TOKEN="hf_test_token", RJAX_HOME=str(home),
+               PYTHONPATH=str(REPO_ROOT), NO_PROXY="127.0.0.1")
     run = subprocess.run([sys.executable, "-m", "rjax.cli", "pull", "org/tiny-GGUF:Q8_0"], env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
@@ -185,6 +188,8 @@ def test_pull_from_the_hub_then_use_it_offline(server, gguf_bytes, tmp_path):
     assert catalog.stamp_path(dest).read_text().split()[0] == hashlib.sha256(gguf_bytes).hexdigest()
     assert _store_files(home) == ["hf/org/tiny-GGUF/tiny-Q8_0.gguf", "hf/org/tiny-GGUF/tiny-Q8_0.gguf.sha256"]
     assert any(m == "GET" and "/resolve/main/tiny-Q8_0.gguf" in p for m, p, _ in server.requests)
+    # HF_TOKEN went with the file list and the downloads
+    assert server.authorized == [p for _, p, _ in server.requests if "/api/models/" in p or "/resolve/" in p]
 
     listed = subprocess.run([sys.executable, "-m", "rjax.cli", "list", "--json"], env=env, capture_output=True,
                             text=True, timeout=60)
@@ -198,7 +203,7 @@ def test_pull_from_the_hub_then_use_it_offline(server, gguf_bytes, tmp_path):
         assert catalog.resolve_model(name, home) == dest, name
     with pytest.raises(CatalogError, match=r"no \.gguf file matching 'Q4_K_M'.*Pulled: tiny-Q8_0.gguf"):
         catalog.resolve_model("org/tiny-GGUF:Q4_K_M", home)
-    with pytest.raises(CatalogError, match=r"nothing is pulled from the repository org/other.*rjax pull org/other:Q8_0"):
+    with pytest.raises(CatalogError, match=r"nothing is pulled from the repository org/other.*pull org/other:Q8_0"):
         catalog.resolve_model("org/other:Q8_0", home)
 
 
@@ -232,7 +237,8 @@ def test_hub_checksum_mismatch_leaves_nothing(server, gguf_bytes, tmp_path):
     assert _store_files(tmp_path) == []
 
 
-def test_url_pull_resumes_a_partial_download(server, gguf_bytes, tmp_path):
+def test_url_pull_resumes_a_partial_download(server, gguf_bytes, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")  # a hub token is not sent to other hosts
     server.files["m/tiny.gguf"] = gguf_bytes
     url = f"{server.url}/files/m/tiny.gguf"
     part = tmp_path / "models/url/tiny.gguf.part"
@@ -241,7 +247,7 @@ def test_url_pull_resumes_a_partial_download(server, gguf_bytes, tmp_path):
     part.write_bytes(gguf_bytes[:half])  # what an interrupted pull left
     dest = catalog.pull(url, tmp_path, progress=False)
     assert dest == tmp_path / "models/url/tiny.gguf" and dest.read_bytes() == gguf_bytes
-    assert server.requests == [("GET", "/files/m/tiny.gguf", f"bytes={half}-")]
+    assert server.requests == [("GET", "/files/m/tiny.gguf", f"bytes={half}-")] and server.authorized == []
     assert _store_files(tmp_path) == ["url/tiny.gguf", "url/tiny.gguf.sha256"]
     assert catalog.resolve_model(url, tmp_path) == catalog.resolve_model("tiny.gguf", tmp_path) == dest
     assert catalog.pull(url, tmp_path, progress=False) == dest and len(server.requests) == 1  # no second download
