@@ -20,7 +20,7 @@ from pathlib import Path
 def present_backend() -> str:
     """jax's default backend ("cpu", "gpu", "tpu"). jax finds accelerators through plugins (the
     `jax_plugins` entry points and namespace, or libtpu); where none is installed it can only be
-    the CPU, known here without the second or so that importing jax takes."""
+    the CPU, which is then answered without importing jax."""
     if (not entry_points(group="jax_plugins") and importlib.util.find_spec("jax_plugins") is None
             and importlib.util.find_spec("libtpu") is None):
         return "cpu"
