@@ -210,6 +210,19 @@ def restore(cache, slot, snap: PrefixSnapshot):
     return cache.set_row(slot, snap.k, snap.v, snap.length, snap.k_scale, snap.v_scale)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def grow(cache: KVCache, max_len: int) -> KVCache:
+    """A contiguous `cache` with room for `max_len` positions, holding what it held (a
+    conversation that outgrows its cache keeps its keys and values instead of prefilling again).
+    Not donated: a request refused after growing leaves the caller's cache as it was."""
+    def pad(x):  # per-position arrays ([n_slots, Hkv, max_len, ...]); fp8's per-head scales stay
+        return jnp.pad(x, [(0, 0), (0, 0), (0, max_len - x.shape[2])] + [(0, 0)] * (x.ndim - 3))
+    scales = (None, None) if cache.k_scale is None or cache.k_scale[0].ndim < 3 else \
+        (tuple(map(pad, cache.k_scale)), tuple(map(pad, cache.v_scale)))
+    return dataclasses.replace(cache, k=tuple(map(pad, cache.k)), v=tuple(map(pad, cache.v)),
+                               **({} if scales[0] is None else dict(k_scale=scales[0], v_scale=scales[1])))
+
+
 def _replace(arrays: tuple, i: int, new) -> tuple:
     return arrays[:i] + (new,) + arrays[i + 1:]
 

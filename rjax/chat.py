@@ -10,6 +10,19 @@ draft model keeps a cache of its own beside the target's, reused the same way.
 
 A turn that is refused (text that is not UTF-8, a conversation past the context, settings out
 of range) raises before anything changes: the session keeps its messages and its cache.
+
+A reply that stops early (Ctrl-C, or the caller closing the stream) is kept as far as it was
+streamed: the user's message and the partial reply join the history, and the cache keeps
+what it holds, its extra positions (tokens generated but not yet shown) dropped at the next
+turn by the same length reset. A reply stopped before its first token is rolled back with its
+user message.
+
+A model file without a chat template (a base model) is chatted with as raw completion: the
+conversation is its turns' text joined as one document, which the model continues.
+
+The cache grows by buckets (`rjax.cache.grow`, keeping what it holds) rather than being made
+afresh when a conversation outgrows it, so the programs a conversation needs are those of a few
+cache lengths and prompt buckets, each compiled once.
 """
 from __future__ import annotations
 
@@ -18,12 +31,18 @@ from typing import Iterator
 
 import jax.numpy as jnp
 
-from rjax.cache import KVCache, check_kv_dtype, init_cache
+from rjax.cache import KVCache, check_kv_dtype, grow, init_cache
+from rjax.engine import alive
 from rjax.generation import (STEPS_PER_DISPATCH, _visible, activation_dtype, cache_length, check_draft_tokens,
                              check_prompt_lengths, check_request, check_text, load_drafter, stream_ids)
 from rjax.loaders import Model
 from rjax.sampling import SamplingParams
 from rjax.speculative import ModelDrafter, SpeculativeStats, draft_cache_for, speculative_ids
+
+
+# The smallest cache a conversation starts with: a few turns fit before it grows (each length a
+# program of its own to compile).
+MIN_CACHE = 1024
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -55,6 +74,7 @@ class ChatSession:
     draft_cache: KVCache | None = None
     draft_held: int = 0     # of cached_ids, how many the draft model's cache holds
     speculative_counts: dict | None = None  # the last reply's verification steps, drafted and accepted tokens
+    progress: bool = False  # show a "compiling" bar on stderr while a new program is built
 
     def __post_init__(self):
         if self.system and not self.messages:
@@ -68,63 +88,86 @@ class ChatSession:
         return dataclasses.replace(self, messages=[], cache=None, cached_ids=[], reused_tokens=0, draft_cache=None,
                                    draft_held=0, speculative_counts=None)
 
+    @property
+    def raw(self) -> bool:
+        """True for a model file without a chat template: turns are raw completion."""
+        return self.model.tokenizer.chat_template is None
+
+    def encode(self, messages: list[dict]) -> list[int]:
+        """The conversation's ids: rendered by the chat template, or (raw) its text as one document."""
+        tok = self.model.tokenizer
+        if self.raw:
+            return tok.encode("".join(m["content"] for m in messages))
+        return tok.encode_chat(messages)
+
     def _cache_for(self, ids: list[int]) -> tuple[KVCache, KVCache | None, int]:
         """Caches (the target's, the draft model's or None) that can hold `ids` plus a reply, and
         how many of `ids` both already hold."""
         cfg = self.model.config
         needed = len(ids) + self.max_new_tokens
         draft = self.drafter[1] if self.drafter else None
-        if self.cache is None or needed > self.cache.max_len:
-            S = cache_length(needed, cfg.context_length)
+        S = cache_length(max(needed, MIN_CACHE), cfg.context_length)
+        if self.cache is None:
             cache = init_cache(cfg, 1, S, activation_dtype(), self.kv_dtype)
             return cache, None if draft is None else draft_cache_for(self.drafter[0], S, activation_dtype()), 0
         keep = min(common_prefix(self.cached_ids, ids), len(ids) - 1)  # at least one token to prefill
         if draft is not None:
             keep = min(keep, self.draft_held)
+
         def held(c):  # each cache its own lengths array: both are donated
+            c = grow(c, S) if S > c.max_len else c
             return dataclasses.replace(c, lengths=jnp.asarray([keep], jnp.int32))
 
         return held(self.cache), None if draft is None else held(self.draft_cache), keep
 
     def send(self, text: str) -> Iterator[str]:
         """Add a user turn and stream the assistant's reply; the reply joins the history. A
-        refused turn (ValueError) leaves the session as it was."""
+        refused turn (ValueError) leaves the session as it was; a reply stopped early is kept as
+        far as it was streamed (see the module docstring)."""
         tok = self.model.tokenizer
         messages = [*self.messages, {"role": "user", "content": check_text(text, "message")}]
-        ids = tok.encode_chat(messages)
+        ids = self.encode(messages)
         check_prompt_lengths(self.model, [ids])
+        before = (self.cache, self.cached_ids, self.draft_cache, self.draft_held)
         cache, draft_cache, keep = self._cache_for(ids)
         stats: dict = {}
         seed = self.seed + len(messages)
         # Checked here, before the session lets go of its caches.
         if self.drafter is None:
             steps = stream_ids(self.model, [ids[keep:]], cache=cache, stats=stats, max_new_tokens=self.max_new_tokens,
-                               temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed)
+                               temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed,
+                               progress=self.progress)
         else:
             check_request(self.model, [ids[keep:]], max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                           top_k=self.top_k, top_p=self.top_p, seed=seed, steps_per_dispatch=STEPS_PER_DISPATCH,
                           cache=cache)
             steps = self._speculative(ids, keep, cache, draft_cache, seed, stats)
-        self.messages = messages
         self.cache, self.cached_ids, self.reused_tokens = None, [], keep  # donated below
         self.draft_cache, self.draft_held, self.speculative_counts = None, 0, None
         dec = tok.stream_decoder()
         reply, generated = [], []
-        for step in steps:
-            generated.extend(step[0])
-            for t in _visible(tok, step[0]):
-                chunk = dec.add(t)
-                reply.append(chunk)
-                if chunk:
-                    yield chunk
-        tail = dec.flush()
-        if tail:
-            reply.append(tail)
-            yield tail
-        self.cache, self.cached_ids = stats["cache"], ids + generated[:-1]
-        if stats.get("draft_cache") is not None:
-            self.draft_cache, self.draft_held = stats["draft_cache"], int(stats["draft_cache"].lengths[0])
-        self.messages.append({"role": "assistant", "content": "".join(reply)})
+        try:
+            for step in steps:
+                generated.extend(step[0])
+                for t in _visible(tok, step[0]):
+                    chunk = dec.add(t)
+                    reply.append(chunk)
+                    if chunk:
+                        yield chunk
+            tail = dec.flush()
+            if tail:
+                reply.append(tail)
+                yield tail
+        finally:
+            steps.close()  # stopped early: nothing left running on the device (engine.settle)
+            if alive(stats.get("cache")):
+                self.cache, self.cached_ids = stats["cache"], ids + generated[:-1]
+                if alive(stats.get("draft_cache")):
+                    self.draft_cache, self.draft_held = stats["draft_cache"], int(stats["draft_cache"].lengths[0])
+            elif alive(before[0]) and (before[2] is None or alive(before[2])):  # stopped before the prefill
+                self.cache, self.cached_ids, self.draft_cache, self.draft_held = before
+            if generated:
+                self.messages = [*messages, {"role": "assistant", "content": "".join(reply)}]
 
     def _speculative(self, ids, keep, cache, draft_cache, seed, stats: dict):
         """The reply's tokens by speculative decoding; leaves the caches and counts in `stats`."""

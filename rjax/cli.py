@@ -30,6 +30,12 @@ def _add_decoding_args(p: argparse.ArgumentParser) -> None:
                         "scale per token and head) or fp8 (e4m3, one scale per head) (default bf16)")
 
 
+def _add_template_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a jinja2 chat template to use instead of the model file's (a base model has none: "
+                        "without this its prompts are completed as raw text)")
+
+
 def _draft_tokens(value: str):
     return value if value == "auto" else int(value)
 
@@ -90,13 +96,41 @@ def _mesh(tp: int):
     return make_tp(tp).mesh
 
 
+def _load_for_text(a, **kw):
+    """The model for generate and chat: with --chat-template FILE as its template; a model file
+    without one (a base model) is said so in one line, and its prompts are raw text."""
+    import dataclasses
+    from pathlib import Path
+
+    import rjax
+    from rjax.tokenizer import compile_chat_template
+
+    template = None
+    if a.chat_template:
+        try:
+            template = Path(a.chat_template).read_text(encoding="utf-8")
+            compile_chat_template(template)
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template {a.chat_template}: cannot read it ({e})") from None
+        except Exception as e:  # jinja2's syntax errors
+            raise ValueError(f"--chat-template {a.chat_template}: not a valid template ({e})") from None
+    model = rjax.load(a.model, **kw)
+    if template is not None:
+        model = dataclasses.replace(model, tokenizer=dataclasses.replace(model.tokenizer, chat_template=template))
+    elif model.tokenizer.chat_template is None and not getattr(a, "raw", False):
+        print(f"rjax: {model.name} has no chat template (a base model): completing the raw text "
+              f"(--chat-template FILE gives one)", file=sys.stderr)
+    return model
+
+
 def cmd_generate(a) -> int:
     import rjax
 
-    model = rjax.load(a.model, progress=not a.json, mesh=_mesh(a.tp))
+    model = _load_for_text(a, progress=not a.json, mesh=_mesh(a.tp))
+    raw = a.raw or model.tokenizer.chat_template is None
     kw = _sampling_kwargs(a)
     if a.json or a.speculative:
-        result = rjax.generate(model, a.prompt, raw=a.raw, speculative=a.speculative, draft_tokens=a.draft_tokens,
+        result = rjax.generate(model, a.prompt, raw=raw, speculative=a.speculative, draft_tokens=a.draft_tokens,
                                kv_dtype=a.kv_dtype, **kw)
         if a.json:
             print(json.dumps(result.to_json()))
@@ -108,9 +142,16 @@ def cmd_generate(a) -> int:
               f"decode {result.decode_tokens_per_s:.1f} tokens/s, finish: {result.finish_reason}]", file=sys.stderr)
         return 0
     stats: dict = {}
-    for chunk in rjax.stream(model, a.prompt, raw=a.raw, stats=stats, kv_dtype=a.kv_dtype, **kw):
-        sys.stdout.write(chunk)
-        sys.stdout.flush()
+    chunks = rjax.stream(model, a.prompt, raw=raw, stats=stats, kv_dtype=a.kv_dtype, progress=True, **kw)
+    try:
+        for chunk in chunks:
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        chunks.close()  # waits for the device work under way: exiting while it runs aborts the process
+        sys.stdout.write("\n")
+        print("[interrupted]", file=sys.stderr)
+        return 130
     sys.stdout.write("\n")
     if a.verbose:
         print(f"[compile {stats['compile_s']:.1f} s, ttft {stats['ttft_s']:.3f} s, "
@@ -119,34 +160,14 @@ def cmd_generate(a) -> int:
 
 
 def cmd_chat(a) -> int:
-    import rjax
+    from rjax.catalog import rjax_home
     from rjax.chat import ChatSession
+    from rjax.chat_repl import run
 
-    model = rjax.load(a.model)
+    model = _load_for_text(a)
     session = ChatSession(model, system=a.system, kv_dtype=a.kv_dtype, speculative=a.speculative,
-                          draft_tokens=a.draft_tokens, **_sampling_kwargs(a))
-    print(f"chatting with {model.name} (Ctrl-D or /exit to leave, /reset to start over)", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            print(file=sys.stderr)
-            return 0
-        if line.strip() in ("/exit", "/quit"):
-            return 0
-        if line.strip() == "/reset":
-            session = session.reset()
-            continue
-        if not line.strip():
-            continue
-        for chunk in session.send(line):
-            sys.stdout.write(chunk)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        if session.speculative_counts:
-            s = session.speculative_counts
-            print(f"[speculative: {s['accepted']} of {s['drafted']} drafted tokens accepted in {s['steps']} steps]",
-                  file=sys.stderr)
+                          draft_tokens=a.draft_tokens, progress=True, **_sampling_kwargs(a))
+    return run(session, history=rjax_home() / "chat_history")
 
 
 def build_parser(extensions: bool = True) -> argparse.ArgumentParser:
@@ -184,6 +205,7 @@ def build_parser(extensions: bool = True) -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate a reply (streams to stdout)")
     add_model_argument(p)
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
+    _add_template_arg(p)
     _add_sampling_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with tokens, text and timings")
     p.add_argument("-v", "--verbose", action="store_true", help="print timings to stderr")
@@ -192,9 +214,10 @@ def build_parser(extensions: bool = True) -> argparse.ArgumentParser:
     p.add_argument("prompt")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("chat", help="multi-turn conversation in the terminal")
+    p = sub.add_parser("chat", help="multi-turn conversation in the terminal (/help inside lists its commands)")
     add_model_argument(p)
     p.add_argument("--system", default=None, help="system prompt")
+    _add_template_arg(p)
     _add_sampling_args(p)
     _add_decoding_args(p)
     p.set_defaults(func=cmd_chat)

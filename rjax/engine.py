@@ -371,3 +371,19 @@ def pad_prompts(prompts: list[list[int]], bucket: int | None = None) -> tuple[np
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
     return tokens, lengths
+
+
+def settle(*trees) -> None:
+    """Wait for the device work that produces the arrays in `trees` (those not donated since).
+    A stream that stops early (Ctrl-C, a consumer that breaks off) calls this before it lets go
+    of its last dispatch: a process that exits while XLA's CPU threads still run a computation
+    aborts ("terminate called without an active exception"), and a caller that goes on gets
+    buffers that are complete."""
+    live = [x for x in jax.tree.leaves(trees) if isinstance(x, jax.Array) and not x.is_deleted()]
+    if live:
+        jax.block_until_ready(live)
+
+
+def alive(tree) -> bool:
+    """Whether `tree` is there and none of its arrays has been donated (deleted) since."""
+    return tree is not None and not any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(tree))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from typing import Iterator, Sequence
 
 import jax
@@ -88,8 +89,13 @@ def check_text(text, what: str = "prompt") -> str:
 
 
 def encode_prompt(model: Model, prompt: str, raw: bool = False) -> list[int]:
-    """Chat-template the prompt as one user turn (unless raw), then tokenize."""
+    """Chat-template the prompt as one user turn (unless raw), then tokenize. A model file
+    without a chat template (a base model) gets its prompt as raw text, with a warning."""
     prompt = check_text(prompt)
+    if not raw and model.tokenizer.chat_template is None:
+        warnings.warn(f"{model.name} has no chat template (a base model): the prompt is completed as raw text "
+                      f"(raw=True says so and silences this)", stacklevel=3)
+        raw = True
     if raw:
         return model.tokenizer.encode(prompt)
     return model.tokenizer.encode_chat([{"role": "user", "content": prompt}])
@@ -159,7 +165,8 @@ STEPS_PER_DISPATCH = 32
 def stream_ids(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                steps_per_dispatch: int = STEPS_PER_DISPATCH, stats: dict | None = None,
-               cache: KVCache | None = None, kv_dtype: str | None = None) -> Iterator[list[list[int]]]:
+               cache: KVCache | None = None, kv_dtype: str | None = None,
+               progress: bool = False) -> Iterator[list[list[int]]]:
     """Generate for several tokenized prompts at once (one cache slot each), yielding the new
     token ids of every prompt after each device dispatch.
 
@@ -171,17 +178,19 @@ def stream_ids(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens
     decode programs, concurrently, before the first call; `ttft_s` then runs from the prefill
     call to the first token on the host), each prompt's finish reason and the final `cache`,
     which holds every prompt and generated token but the last one generated.
+    `progress`: a "compiling" bar on stderr while programs not yet compiled in this process are
+    built (or read from the persistent compile cache).
 
     The request is checked (`check_request`) when this is called, before the first step."""
     prompts = check_request(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                             top_p=top_p, seed=seed, steps_per_dispatch=steps_per_dispatch, cache=cache)
     check_kv_dtype(kv_dtype)
     return _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, steps_per_dispatch, stats,
-                       cache, kv_dtype)
+                       cache, kv_dtype, progress)
 
 
 def _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, steps_per_dispatch, stats, cache,
-                kv_dtype=None):
+                kv_dtype=None, progress=False):
     cfg, tok = model.config, model.tokenizer
     B = len(prompts)
     tokens, lengths = engine.pad_prompts(prompts)
@@ -204,54 +213,63 @@ def _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed,
                                                  kv_dtype=cache.kv_dtype),
                                  decode_program(cfg, model.params, B, S, cache.dtype, steps_per_dispatch,
                                                 int(stop_ids.shape[0]), kv_dtype=cache.kv_dtype, greedy=greedy,
-                                                filters=filters)])
+                                                filters=filters)], progress=progress)
 
     t0 = time.perf_counter()
-    first, cache = engine.prefill_and_sample(cfg, model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
-                                             None, sub, sp)
-    # The decode state is made while the prefill runs (it needs only the device's first tokens).
-    budget = np.minimum(max_new_tokens, S - end).astype(np.int32)
-    state = engine.initial_state(first, jax.device_put(budget), stop_ids, key, cache)
-    first_host = np.asarray(first)
-    ttft = time.perf_counter() - t0
-    generated = [[int(t)] for t in first_host]
-    yield [[int(t)] for t in first_host]
+    call = None
+    try:
+        first, cache = engine.prefill_and_sample(cfg, model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
+                                                 None, sub, sp)
+        # The decode state is made while the prefill runs (it needs only the device's first tokens).
+        budget = np.minimum(max_new_tokens, S - end).astype(np.int32)
+        state = engine.initial_state(first, jax.device_put(budget), stop_ids, key, cache)
+        first_host = np.asarray(first)
+        ttft = time.perf_counter() - t0
+        generated = [[int(t)] for t in first_host]
+        yield [[int(t)] for t in first_host]
 
-    # Decode speed: the tokens after the first over the time from the first token on the host to
-    # the last (the programs were compiled above, so no dispatch includes a compilation), as
-    # speculative decoding measures it.
-    # Each dispatch is launched before the one before it is read back (see STEPS_PER_DISPATCH).
-    # None is launched past what the token budgets allow; one launched before a stop token was
-    # read back runs no step.
-    dispatches: list[tuple[float, int]] = []
-    t_prev = time.perf_counter()
-    steps_left = int(budget.max()) - 1  # decode steps any slot can still take
+        # Decode speed: the tokens after the first over the time from the first token on the host to
+        # the last (the programs were compiled above, so no dispatch includes a compilation), as
+        # speculative decoding measures it.
+        # Each dispatch is launched before the one before it is read back (see STEPS_PER_DISPATCH).
+        # None is launched past what the token budgets allow; one launched before a stop token was
+        # read back runs no step.
+        dispatches: list[tuple[float, int]] = []
+        t_prev = time.perf_counter()
+        steps_left = int(budget.max()) - 1  # decode steps any slot can still take
 
-    def launch(cache, state):
-        return decode_loop(cfg, model.params, cache, state, sp, stop_ids, steps_per_dispatch, *loop_args)
+        def launch(cache, state):
+            return decode_loop(cfg, model.params, cache, state, sp, stop_ids, steps_per_dispatch, *loop_args)
 
-    call = None if np.asarray(state.done).all() else launch(cache, state)
-    launched = 1
-    while call is not None:
-        out, state, cache = call
-        call = None
-        if launched * steps_per_dispatch < steps_left:
-            call = launch(cache, state)
-            cache, launched = call[2], launched + 1  # this cache was donated to the new call
-        out, done = jax.device_get((out, state.done))
-        if done.all():
+        call = None if np.asarray(state.done).all() else launch(cache, state)
+        launched = 1
+        while call is not None:
+            out, state, cache = call
             call = None
-        new = [[int(t) for t in row if t >= 0] for row in out]
-        now = time.perf_counter()
-        dispatches.append((now - t_prev, sum(len(r) for r in new)))
-        t_prev = now
-        for g, r in zip(generated, new):
-            g.extend(r)
-        yield new
+            if launched * steps_per_dispatch < steps_left:
+                call = launch(cache, state)
+                cache, launched = call[2], launched + 1  # this cache was donated to the new call
+            out, done = jax.device_get((out, state.done))
+            if done.all():
+                call = None
+            new = [[int(t) for t in row if t >= 0] for row in out]
+            now = time.perf_counter()
+            dispatches.append((now - t_prev, sum(len(r) for r in new)))
+            t_prev = now
+            for g, r in zip(generated, new):
+                g.extend(r)
+            yield new
+    finally:
+        # Stopped early or not, nothing of this stream is left running on the device; a stream
+        # that stopped early leaves its last cache in `stats` (its slots' lengths past what
+        # was yielded: a caller rolls back by resetting them, as rjax.chat does).
+        engine.settle(call, cache)
+        if stats is not None:
+            stats["cache"] = cache if call is None else call[2]
     decode_s = sum(d for d, _ in dispatches)
     if stats is not None:
         eos = set(tok.eos_ids)
-        stats.update(cache=cache, compile_s=compiled.total_s, ttft_s=ttft, decode_s=decode_s,
+        stats.update(compile_s=compiled.total_s, ttft_s=ttft, decode_s=decode_s,
                      first_dispatch_s=dispatches[0][0] if dispatches else 0.0,
                      decode_tokens_per_s=(sum(n for _, n in dispatches) / decode_s) if decode_s > 0 else 0.0,
                      finish_reasons=["stop" if g and g[-1] in eos else
@@ -356,10 +374,13 @@ def stream(model: Model, prompt: str, *, raw: bool = False, stats: dict | None =
 
 def _stream_text(model: Model, steps) -> Iterator[str]:
     dec = model.tokenizer.stream_decoder()
-    for step in steps:
-        chunk = "".join(dec.add(t) for t in _visible(model.tokenizer, step[0]))
-        if chunk:
-            yield chunk
+    try:
+        for step in steps:
+            chunk = "".join(dec.add(t) for t in _visible(model.tokenizer, step[0]))
+            if chunk:
+                yield chunk
+    finally:  # a stream stopped early (Ctrl-C in a notebook, a break) settles its device work now
+        steps.close()
     tail = dec.flush()
     if tail:
         yield tail

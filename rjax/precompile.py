@@ -177,7 +177,9 @@ def compile_programs(programs: Sequence[Program], workers: int | None = None, pr
     # Each program starts compiling as soon as it is lowered, while the next one lowers (XLA
     # releases the GIL): the wait is the lowering plus about the last compile, not their sum.
     t0 = time.perf_counter()
-    bar = tqdm(total=len(programs), desc="compile", unit="program", disable=not progress, leave=False)
+    # The bar shows only once a program must be built: programs this process has compiled
+    # already are found without a flicker on the terminal.
+    bar = None
     lowered_s: dict[str, float] = {}
     times: dict[str, float] = {}
     compiled: dict[str, Any] = {}
@@ -188,8 +190,10 @@ def compile_programs(programs: Sequence[Program], workers: int | None = None, pr
             key = p.key()
             if (exe := _COMPILED.get(key)) is not None:
                 lowered_s[p.name], times[p.name], compiled[p.name] = 0.0, 0.0, exe
-                bar.update()
                 continue
+            if bar is None:
+                bar = tqdm(total=len(programs), initial=len(compiled), desc="compiling", unit="program",
+                           disable=not progress, leave=False)
             t = time.perf_counter()
             try:
                 lo = p.lower()
@@ -210,6 +214,7 @@ def compile_programs(programs: Sequence[Program], workers: int | None = None, pr
             _COMPILED.put(key, exe)
     finally:  # on a failure: return now, leaving compiles already running to finish on their own
         pool.shutdown(wait=False, cancel_futures=True)
-        bar.close()
+        if bar is not None:
+            bar.close()
     lower_s = lower_end - t0
     return CompileReport(workers, lower_s, time.perf_counter() - lower_end, lowered_s, times, compiled, errors)

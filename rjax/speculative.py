@@ -340,46 +340,50 @@ def speculative_ids(cfg: ModelConfig, params: Params, cache: KVCache, prompt: li
     key, sub = jax.random.split(jax.random.key(seed))
     tokens, lengths = engine.pad_prompts([prompt[held:]])
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
-    first, cache = engine.prefill_and_sample(cfg, params, cache, tokens, lengths, None, sub, sp)
-    if isinstance(drafter, ModelDrafter):
-        _, draft_cache = engine.prefill(drafter.cfg, draft_params, draft_cache, tokens, lengths)
-    else:
-        draft_params = draft_cache = None
-    stops = jax.device_put(np.asarray(sorted(set(int(s) for s in stop_ids)) or [-1], np.int32))
-    state = initial_state(prompt, first[0], max_new_tokens, stops, key, cache.max_len)
-    yield [int(first[0])]
-    candidates = tuple(draft_tokens) if isinstance(draft_tokens, (tuple, list)) else (draft_tokens,)
-    cost_ratio = 0.0 if draft_params is None else _nbytes(draft_params) / max(_nbytes(params), 1)
-    alpha = 0.5
+    call = None
+    try:
+        first, cache = engine.prefill_and_sample(cfg, params, cache, tokens, lengths, None, sub, sp)
+        if isinstance(drafter, ModelDrafter):
+            _, draft_cache = engine.prefill(drafter.cfg, draft_params, draft_cache, tokens, lengths)
+        else:
+            draft_params = draft_cache = None
+        stops = jax.device_put(np.asarray(sorted(set(int(s) for s in stop_ids)) or [-1], np.int32))
+        state = initial_state(prompt, first[0], max_new_tokens, stops, key, cache.max_len)
+        yield [int(first[0])]
+        candidates = tuple(draft_tokens) if isinstance(draft_tokens, (tuple, list)) else (draft_tokens,)
+        cost_ratio = 0.0 if draft_params is None else _nbytes(draft_params) / max(_nbytes(params), 1)
+        alpha = 0.5
 
-    greedy = not np.any(np.asarray(sp.temperature) > 0)
+        greedy = not np.any(np.asarray(sp.temperature) > 0)
 
-    def launch(k, state, cache, draft_cache):
-        return k, speculative_loop(cfg, params, cache, state, sp, stops, drafter, draft_params, draft_cache, k,
-                                   rounds_per_dispatch, greedy=greedy)
+        def launch(k, state, cache, draft_cache):
+            return k, speculative_loop(cfg, params, cache, state, sp, stops, drafter, draft_params, draft_cache, k,
+                                       rounds_per_dispatch, greedy=greedy)
 
-    call = None if bool(state.done) else launch(choose_k(alpha, candidates, cost_ratio), state, cache, draft_cache)
-    while call is not None:
-        k, (out, state, cache, draft_cache) = call
-        # The next call is launched before this one is read back when its K is already known:
-        # a launch costs the host about 3 ms (XLA updates the loop's CUDA graph), which then
-        # overlaps this call's rounds on the device. After the sequence has ended it runs no round.
-        k_next = choose_k(alpha, candidates, cost_ratio)
-        call = launch(k, state, cache, draft_cache) if k_next == k else None
-        before = (stats.drafted, stats.accepted)
-        # One read back of everything the host needs (a sync per value cost about 1 ms a call).
-        out, done, *counts = jax.device_get((out, state.done, state.steps, state.drafted, state.accepted))
-        stats.steps, stats.drafted, stats.accepted = (int(c) for c in counts)
-        stats.k_used.append(k)
-        if stats.drafted > before[0]:
-            alpha = 0.5 * alpha + 0.5 * (stats.accepted - before[1]) / (stats.drafted - before[0])
-        yield [int(t) for t in out.reshape(-1) if t >= 0]
-        if call is not None:  # the caches are the launched call's (it adds nothing once done)
-            _, (_, _, cache, draft_cache) = call
-            if done:
-                call = None
-        elif not done:
-            call = launch(choose_k(alpha, candidates, cost_ratio), state, cache, draft_cache)
+        call = None if bool(state.done) else launch(choose_k(alpha, candidates, cost_ratio), state, cache, draft_cache)
+        while call is not None:
+            k, (out, state, cache, draft_cache) = call
+            # The next call is launched before this one is read back when its K is already known:
+            # a launch costs the host about 3 ms (XLA updates the loop's CUDA graph), which then
+            # overlaps this call's rounds on the device. After the sequence has ended it runs no round.
+            k_next = choose_k(alpha, candidates, cost_ratio)
+            call = launch(k, state, cache, draft_cache) if k_next == k else None
+            before = (stats.drafted, stats.accepted)
+            # One read back of everything the host needs (a sync per value cost about 1 ms a call).
+            out, done, *counts = jax.device_get((out, state.done, state.steps, state.drafted, state.accepted))
+            stats.steps, stats.drafted, stats.accepted = (int(c) for c in counts)
+            stats.k_used.append(k)
+            if stats.drafted > before[0]:
+                alpha = 0.5 * alpha + 0.5 * (stats.accepted - before[1]) / (stats.drafted - before[0])
+            yield [int(t) for t in out.reshape(-1) if t >= 0]
+            if call is not None:  # the caches are the launched call's (it adds nothing once done)
+                _, (_, _, cache, draft_cache) = call
+                if done:
+                    call = None
+            elif not done:
+                call = launch(choose_k(alpha, candidates, cost_ratio), state, cache, draft_cache)
+    finally:  # stopped early or not, nothing is left running on the device (engine.settle)
+        engine.settle(call, cache, draft_cache)
     stats.cache, stats.draft_cache = cache, draft_cache
 
 

@@ -15,7 +15,7 @@ import jinja2
 import numpy as np
 import pytest
 
-from rjax.tokenizer import GEMMA_FALLBACK_TEMPLATE, Tokenizer
+from rjax.tokenizer import Tokenizer
 from tests.oracle.client import oracle_random_qwen2, oracle_save_tokenizer, oracle_tokenize
 
 pytestmark = pytest.mark.oracle
@@ -147,7 +147,7 @@ def test_special_ids_match_transformers(model):
 def test_smollm2_chat_template_matches_transformers(smollm2_path):
     tok = _gguf_tokenizer(str(smollm2_path))
     oracle = oracle_tokenize(smollm2_path, CORPUS, MESSAGES)
-    assert oracle["chat_rendered"] is not None and not tok.chat_template_is_fallback
+    assert oracle["chat_rendered"] is not None
     assert tok.apply_chat_template(MESSAGES, add_generation_prompt=True) == oracle["chat_rendered"]
     assert tok.encode_chat(MESSAGES) == oracle["chat_ids"]
     # Without a system message the template inserts SmolLM's default one.
@@ -155,26 +155,14 @@ def test_smollm2_chat_template_matches_transformers(smollm2_path):
     assert rendered.startswith("<|im_start|>system\n") and rendered.endswith("<|im_end|>\n")
 
 
-def test_gemma3_fallback_chat_template(gemma3_path):
+def test_gemma3_base_model_has_no_chat_template(gemma3_path):
+    """A base model's file carries no template, and none is made up for it (a guessed one makes
+    it answer with garbage): rendering a conversation is refused with a message saying why."""
     tok = _gguf_tokenizer(str(gemma3_path))
     oracle = oracle_tokenize(gemma3_path, CORPUS, MESSAGES)
-    assert oracle["chat_template"] is None  # the file has none: rjax supplies Gemma's format
-    assert tok.chat_template == GEMMA_FALLBACK_TEMPLATE and tok.chat_template_is_fallback
-    expected = (
-        "<bos><start_of_turn>user\nYou are a concise assistant.\n\nWhat is the capital of France?<end_of_turn>\n"
-        "<start_of_turn>model\nParis.<end_of_turn>\n"
-        "<start_of_turn>user\nAnd of Japan? 🇯🇵<end_of_turn>\n"
-        "<start_of_turn>model\n"
-    )
-    assert tok.apply_chat_template(MESSAGES) == expected
-    ids = tok.encode_chat(MESSAGES)
-    assert ids[0] == tok.bos_id and ids[1] != tok.bos_id  # exactly one BOS: the template's
-    assert ids == tok.encode(expected, add_bos=False)
-    assert ids.count(tok.token_to_id("<start_of_turn>")) == 4
-    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
-    assert tok.apply_chat_template(parts) == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
-    with pytest.raises(jinja2.exceptions.TemplateError, match="alternate"):
-        tok.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    assert oracle["chat_template"] is None and tok.chat_template is None
+    with pytest.raises(ValueError, match="no chat template"):
+        tok.encode_chat(MESSAGES)
 
 
 # --- streaming --------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ def make_setup(model: str, *, model_id: str, slots: int, max_len: int | None, st
         m = rjax.load(model, mesh=make_tp(tp).mesh if tp > 1 else None)
         tok = m.tokenizer
         if chat_template is not None:
-            tok = dataclasses.replace(tok, chat_template=chat_template, chat_template_is_fallback=False)
+            tok = dataclasses.replace(tok, chat_template=chat_template)
         ctx = m.config.context_length
         length = max_len if max_len is not None else min(DEFAULT_MAX_LEN, ctx)
         if length > ctx:

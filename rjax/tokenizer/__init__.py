@@ -11,17 +11,17 @@ wins (see `gguf_vocab._BYTE_LEVEL_SPLITS` for the one difference that shows on r
 
 Modules: `core` (the `Tokenizer`: construction from either source, encode/decode, chat),
 `gguf_vocab` (a `tokenizers` backend from a GGUF file's vocabulary), `chat_template` (the jinja2
-environment and the built-in fallback templates), `stream` (incremental detokenization).
+environment), `stream` (incremental detokenization).
 """
 
-from rjax.tokenizer.chat_template import CHATML_FALLBACK_TEMPLATE, GEMMA_FALLBACK_TEMPLATE, compile_chat_template
+from rjax.tokenizer.chat_template import compile_chat_template
 from rjax.tokenizer.core import Tokenizer
 from rjax.tokenizer.gguf_vocab import (SUPPORTED_GGUF_MODELS, TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNKNOWN,
                                        TOKEN_UNUSED, TOKEN_USER_DEFINED, byte_alphabet)
 from rjax.tokenizer.stream import StreamDecoder
 
 __all__ = [
-    "CHATML_FALLBACK_TEMPLATE", "GEMMA_FALLBACK_TEMPLATE", "SUPPORTED_GGUF_MODELS", "StreamDecoder",
+    "SUPPORTED_GGUF_MODELS", "StreamDecoder",
     "TOKEN_BYTE", "TOKEN_CONTROL", "TOKEN_NORMAL", "TOKEN_UNKNOWN", "TOKEN_UNUSED", "TOKEN_USER_DEFINED",
     "Tokenizer", "byte_alphabet", "compile_chat_template",
 ]

@@ -1,5 +1,6 @@
-"""Chat templates: the jinja2 environment Hugging Face templates expect, and the built-in
-templates for a model file that carries none."""
+"""Chat templates: the jinja2 environment Hugging Face templates expect. A model file without
+a template gets none (a base model: rjax generate and chat say so and complete raw text): a
+guessed template makes a base model answer with garbage, silently."""
 
 from __future__ import annotations
 
@@ -11,38 +12,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
-import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-from rjax.tokenizer.gguf_vocab import _GEMMA_ARCHITECTURES
-
-# Gemma's turn format, used when a Gemma GGUF carries no template (gemma-3-270m has none). The
-# system message, if any, is prepended to the first user turn; the assistant's role is "model".
-GEMMA_FALLBACK_TEMPLATE = (
-    "{{ bos_token }}"
-    "{%- if messages and messages[0]['role'] == 'system' -%}"
-    "{%- set system_prefix = render_content(messages[0]['content']) + '\n\n' -%}"
-    "{%- set turns = messages[1:] -%}"
-    "{%- else -%}{%- set system_prefix = '' -%}{%- set turns = messages -%}{%- endif -%}"
-    "{%- for message in turns -%}"
-    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
-    "{{ raise_exception('Gemma chat roles must alternate user/assistant/user/...') }}"
-    "{%- endif -%}"
-    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
-    "{{ '<start_of_turn>' + role + '\n' + (system_prefix if loop.first else '') }}"
-    "{{ render_content(message['content']) | trim }}"
-    "{{ '<end_of_turn>\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
-)
-
-# ChatML, for a vocabulary that has <|im_start|>/<|im_end|> but no template.
-CHATML_FALLBACK_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + render_content(message['content']) + '<|im_end|>\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
-)
 
 
 def _render_content(content: Any) -> str:
@@ -89,13 +59,3 @@ def compile_chat_template(source: str) -> jinja2.Template:
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     env.globals["render_content"] = _render_content
     return env.from_string(source)
-
-
-def _fallback_template(architecture: str, backend: tokenizers.Tokenizer, special_texts: set[str]) -> str | None:
-    """A built-in chat template for a model file that has none: Gemma's turn format for the Gemma
-    family, ChatML for a vocabulary with <|im_start|>/<|im_end|> special tokens, else none."""
-    if architecture.split("_")[0] in _GEMMA_ARCHITECTURES and backend.token_to_id("<start_of_turn>") is not None:
-        return GEMMA_FALLBACK_TEMPLATE
-    if {"<|im_start|>", "<|im_end|>"} <= special_texts:
-        return CHATML_FALLBACK_TEMPLATE
-    return None

@@ -15,7 +15,7 @@ import tokenizers
 
 from rjax.loaders.errors import ModelFileError
 from rjax.loaders.gguf_header import open_gguf
-from rjax.tokenizer.chat_template import _fallback_template, compile_chat_template
+from rjax.tokenizer.chat_template import compile_chat_template
 from rjax.tokenizer.gguf_vocab import (SUPPORTED_GGUF_MODELS, TOKEN_NORMAL, _BYTE_LEVEL_SPLITS, _GEMMA_ARCHITECTURES,
                                        _GGUFMetadata, _byte_level_backend, _sentencepiece_backend)
 from rjax.tokenizer.stream import StreamDecoder
@@ -48,8 +48,6 @@ class Tokenizer:
     add_bos: bool
     add_eos: bool
     chat_template: str | None
-    # True when `chat_template` is a built-in fallback, not one from the model file.
-    chat_template_is_fallback: bool = False
     special_tokens: Mapping[str, str | None] = field(default_factory=dict)  # bos_token, eos_token, ... as text
     special_ids: frozenset[int] = frozenset()  # ids decode(skip_special=True) drops
     byte_fallback_ids: frozenset[int] = frozenset()  # <0x00>..<0xFF> of a byte-fallback vocabulary
@@ -128,7 +126,6 @@ class Tokenizer:
             add_bos=meta.typed("tokenizer.ggml.add_bos_token", bool, default_add_bos),
             add_eos=meta.typed("tokenizer.ggml.add_eos_token", bool, False),
             chat_template=template,
-            architecture=architecture,
             special_tokens=specials,
         )
 
@@ -203,7 +200,6 @@ class Tokenizer:
             add_bos=bool(add_bos) and bos_id is not None,
             add_eos=bool(add_eos) and eos_id is not None,
             chat_template=template,
-            architecture=str(model_config.get("model_type", "")),
             special_tokens=specials,
         )
 
@@ -218,7 +214,6 @@ class Tokenizer:
         add_bos: bool,
         add_eos: bool,
         chat_template: str | None,
-        architecture: str,
         special_tokens: Mapping[str, str | None],
     ) -> Tokenizer:
         added = backend.get_added_tokens_decoder()
@@ -231,10 +226,6 @@ class Tokenizer:
             index = backend.token_to_id(text)
             if index is not None and text in special_texts:
                 eos_ids.add(index)
-        is_fallback = False
-        if not chat_template:
-            chat_template = _fallback_template(architecture, backend, special_texts)
-            is_fallback = chat_template is not None
         return cls(
             backend=backend,
             bos_id=bos_id,
@@ -242,8 +233,7 @@ class Tokenizer:
             eos_ids=frozenset(eos_ids),
             add_bos=add_bos,
             add_eos=add_eos,
-            chat_template=chat_template,
-            chat_template_is_fallback=is_fallback,
+            chat_template=chat_template or None,
             special_tokens=dict(special_tokens),
             special_ids=frozenset(i for i, t in added.items() if t.special),
             byte_fallback_ids=frozenset(byte_fallback_ids),
@@ -290,7 +280,7 @@ class Tokenizer:
         """The conversation rendered as the model expects it (text, to be encoded with
         `encode_chat` or `encode(..., add_bos=False)` when the template writes BOS itself)."""
         if self.chat_template is None:
-            raise ValueError("this tokenizer has no chat template, and no built-in one fits its vocabulary")
+            raise ValueError("the model file has no chat template (a base model): give one, or use raw text")
         context = {name: value for name, value in self.special_tokens.items()}
         context.update(tools=None, documents=None)
         context.update(extra)
