@@ -20,9 +20,11 @@ user message.
 A model file without a chat template (a base model) is chatted with as raw completion: the
 conversation is its turns' text joined as one document, which the model continues.
 
-The cache grows by buckets (`rjax.cache.grow`, keeping what it holds) rather than being made
-afresh when a conversation outgrows it, so the programs a conversation needs are those of a few
-cache lengths and prompt buckets, each compiled once.
+Turn latency does not grow with the conversation: each turn's new tokens are prefilled in
+pieces of PREFILL_CHUNK (one prefill program for every length), and the cache grows by buckets
+(`rjax.cache.grow`, keeping what it holds) rather than being made afresh and prefilled again
+when the conversation outgrows it. A conversation compiles two programs per cache length,
+starting at MIN_CACHE.
 """
 from __future__ import annotations
 
@@ -43,6 +45,9 @@ from rjax.speculative import ModelDrafter, SpeculativeStats, draft_cache_for, sp
 # The smallest cache a conversation starts with: a few turns fit before it grows (each length a
 # program of its own to compile).
 MIN_CACHE = 1024
+# Each turn's new tokens are prefilled in pieces of this many (rjax.generation.stream_ids): one
+# prefill program for turns of every length, where a bucket per length compiled one per bucket.
+PREFILL_CHUNK = 64
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -136,7 +141,7 @@ class ChatSession:
         if self.drafter is None:
             steps = stream_ids(self.model, [ids[keep:]], cache=cache, stats=stats, max_new_tokens=self.max_new_tokens,
                                temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed,
-                               progress=self.progress)
+                               progress=self.progress, prefill_chunk=PREFILL_CHUNK)
         else:
             check_request(self.model, [ids[keep:]], max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                           top_k=self.top_k, top_p=self.top_p, seed=seed, steps_per_dispatch=STEPS_PER_DISPATCH,

@@ -166,7 +166,7 @@ def stream_ids(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                steps_per_dispatch: int = STEPS_PER_DISPATCH, stats: dict | None = None,
                cache: KVCache | None = None, kv_dtype: str | None = None,
-               progress: bool = False) -> Iterator[list[list[int]]]:
+               progress: bool = False, prefill_chunk: int | None = None) -> Iterator[list[list[int]]]:
     """Generate for several tokenized prompts at once (one cache slot each), yielding the new
     token ids of every prompt after each device dispatch.
 
@@ -180,20 +180,31 @@ def stream_ids(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens
     which holds every prompt and generated token but the last one generated.
     `progress`: a "compiling" bar on stderr while programs not yet compiled in this process are
     built (or read from the persistent compile cache).
+    `prefill_chunk` (one prompt only; a length of engine.PROMPT_BUCKETS): the prompt is
+    prefilled in pieces of this many tokens, each padded to it, so prompts of any length call
+    one prefill program (a conversation's turns, each of a new length, compile nothing new).
 
     The request is checked (`check_request`) when this is called, before the first step."""
     prompts = check_request(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                             top_p=top_p, seed=seed, steps_per_dispatch=steps_per_dispatch, cache=cache)
     check_kv_dtype(kv_dtype)
+    if prefill_chunk is not None and (prefill_chunk not in engine.PROMPT_BUCKETS or len(prompts) != 1):
+        raise ValueError(f"prefill_chunk must be one of engine.PROMPT_BUCKETS, for one prompt; got {prefill_chunk!r} "
+                         f"for {len(prompts)} prompts")
     return _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, steps_per_dispatch, stats,
-                       cache, kv_dtype, progress)
+                       cache, kv_dtype, progress, prefill_chunk)
 
 
 def _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, steps_per_dispatch, stats, cache,
-                kv_dtype=None, progress=False):
+                kv_dtype=None, progress=False, prefill_chunk=None):
     cfg, tok = model.config, model.tokenizer
     B = len(prompts)
-    tokens, lengths = engine.pad_prompts(prompts)
+    if prefill_chunk is None:
+        pieces = [engine.pad_prompts(prompts)]
+    else:
+        [p] = prompts
+        pieces = [engine.pad_prompts([p[i:i + prefill_chunk]], prefill_chunk) for i in range(0, len(p), prefill_chunk)]
+    lengths = sum(n for _, n in pieces)
     if cache is None:
         cache = place_cache(init_cache(cfg, B, cache_length(int(lengths.max()) + max_new_tokens, cfg.context_length),
                                        activation_dtype(), kv_dtype), model.params.tp)
@@ -209,7 +220,7 @@ def _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed,
     # decode_program compiles it.
     loop_args = () if greedy or filters else (TUNING, False)
     # Both programs at once, before the first call (a no-op where they are compiled already).
-    compiled = compile_programs([prefill_program(cfg, model.params, B, tokens.shape[1], S, cache.dtype,
+    compiled = compile_programs([prefill_program(cfg, model.params, B, pieces[0][0].shape[1], S, cache.dtype,
                                                  kv_dtype=cache.kv_dtype),
                                  decode_program(cfg, model.params, B, S, cache.dtype, steps_per_dispatch,
                                                 int(stop_ids.shape[0]), kv_dtype=cache.kv_dtype, greedy=greedy,
@@ -218,8 +229,9 @@ def _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed,
     t0 = time.perf_counter()
     call = None
     try:
-        first, cache = engine.prefill_and_sample(cfg, model.params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
-                                                 None, sub, sp)
+        for tokens, n in pieces:  # the last piece's sample is the first token
+            first, cache = engine.prefill_and_sample(cfg, model.params, cache, jnp.asarray(tokens), jnp.asarray(n),
+                                                     None, sub, sp)
         # The decode state is made while the prefill runs (it needs only the device's first tokens).
         budget = np.minimum(max_new_tokens, S - end).astype(np.int32)
         state = engine.initial_state(first, jax.device_put(budget), stop_ids, key, cache)

@@ -1,6 +1,7 @@
-"""Ctrl-C: `rjax generate` and `rjax chat` as real processes sent SIGINT mid-reply, and
-`rjax.stream` / ChatSession stopped mid-reply in this process; the chat's slash commands.
-All on the tiny synthetic model (no chat template: a base model, completed as raw text)."""
+"""The terminal chat and Ctrl-C: `rjax generate` and `rjax chat` as real processes sent SIGINT
+mid-reply; `rjax.stream` and ChatSession stopped mid-reply in this process; the chat's slash
+commands and its prefill in pieces. All on the tiny synthetic model, which has no chat template
+(a base model: completed as raw text)."""
 from __future__ import annotations
 
 import json
@@ -144,3 +145,21 @@ def test_chat_commands_check_before_changing(tiny_model, tmp_path):
     assert loaded.messages == session.messages and loaded.system == "Be brief." and loaded.cache is None
     assert command(loaded, "/reset")[0].messages == [{"role": "system", "content": "Be brief."}]
     assert command(loaded, "/exit")[2] and "/save FILE" in command(loaded, "/help")[1]
+
+
+def test_prefill_in_chunks_gives_the_same_tokens(tiny_model):
+    """A prompt of 100 tokens prefilled in pieces of 16 (one program for any length, as chat
+    turns are) continues as the same prompt prefilled at once."""
+    from rjax.cache import init_cache
+    from rjax.generation import activation_dtype, stream_ids
+
+    ids = tiny_model.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)[:100]
+    assert len(ids) == 100
+
+    def run(**kw):
+        cache = init_cache(tiny_model.config, 1, 1024, activation_dtype())
+        return [t for step in stream_ids(tiny_model, [ids], cache=cache, max_new_tokens=8, **kw) for t in step[0]]
+
+    assert run(prefill_chunk=16) == run()
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        stream_ids(tiny_model, [ids], prefill_chunk=10)
