@@ -139,7 +139,8 @@ def cmd_generate(a) -> int:
         s = result.speculative
         print(f"[speculative ({s['drafter']}): {s['accepted']} of {s['drafted']} drafted tokens accepted in "
               f"{s['steps']} steps; "
-              f"decode {result.decode_tokens_per_s:.1f} tokens/s, finish: {result.finish_reason}]", file=sys.stderr)
+              f"decode {result.decode_tokens_per_s:.1f} tokens/s (compile {s['compile_s']:.1f} s left out), "
+              f"finish: {result.finish_reason}]", file=sys.stderr)
         return 0
     stats: dict = {}
     chunks = rjax.stream(model, a.prompt, raw=raw, stats=stats, kv_dtype=a.kv_dtype, progress=True, **kw)

@@ -365,12 +365,13 @@ def _speculative_generate(model: Model, ids: list[int], drafter, draft: Model | 
     ttft = time.perf_counter() - t0
     for new in steps:
         generated += new
-    decode_s = time.perf_counter() - t0 - ttft
+    decode_s = time.perf_counter() - t0 - ttft - stats.compile_s  # as plain decoding's: no compile in it
     reason = "stop" if generated[-1] in tok.eos_ids else "length" if len(generated) >= max_new_tokens else "context"
     return GenerationResult(ids, generated, tok.decode(_visible(tok, generated)), reason, ttft,
                             (len(generated) - 1) / decode_s if decode_s > 0 else 0.0,
                             dict(steps=stats.steps, drafted=stats.drafted, accepted=stats.accepted,
-                                 drafter="ngram" if draft is None else draft.name, k_used=stats.k_used))
+                                 drafter="ngram" if draft is None else draft.name, k_used=stats.k_used,
+                                 compile_s=stats.compile_s))
 
 
 def _visible(tok, ids: list[int]) -> list[int]:

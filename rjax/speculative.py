@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Iterator
 
 import jax
@@ -291,6 +292,9 @@ class SpeculativeStats:
     drafted: int = 0    # draft tokens proposed
     accepted: int = 0   # of those, kept
     k_used: list[int] = dataclasses.field(default_factory=list)  # K of each dispatch
+    # Seconds the launches spent compiling a loop program (each K's first launch), which the
+    # decode rate leaves out as rjax.generate's plain decoding does (its programs compiled ahead).
+    compile_s: float = 0.0
     # At the end: the caches, holding the prompt and every token generated but the last (the
     # draft cache one fewer when the last round accepted every draft).
     cache: KVCache | None = None
@@ -357,8 +361,12 @@ def speculative_ids(cfg: ModelConfig, params: Params, cache: KVCache, prompt: li
         greedy = not np.any(np.asarray(sp.temperature) > 0)
 
         def launch(k, state, cache, draft_cache):
-            return k, speculative_loop(cfg, params, cache, state, sp, stops, drafter, draft_params, draft_cache, k,
-                                       rounds_per_dispatch, greedy=greedy)
+            programs, t = speculative_loop._cache_size(), time.perf_counter()
+            call = speculative_loop(cfg, params, cache, state, sp, stops, drafter, draft_params, draft_cache, k,
+                                    rounds_per_dispatch, greedy=greedy)
+            if speculative_loop._cache_size() > programs:  # compiled before it dispatched
+                stats.compile_s += time.perf_counter() - t
+            return k, call
 
         call = None if bool(state.done) else launch(choose_k(alpha, candidates, cost_ratio), state, cache, draft_cache)
         while call is not None:
