@@ -99,6 +99,18 @@ class _Request:
     pending: bool = False
 
 
+def check_memory(cfg: ModelConfig, params: Params, config: ServingConfig, draft_cfg: ModelConfig | None = None, *,
+                 available_bytes: int | None = None, budget_bytes: int | None = None,
+                 reserve_bytes: int | None = None):
+    """The memory plan of an engine of `config` (`rjax.memory.plan_memory`), before anything is
+    allocated: MemoryFitError where its cache and workspace do not fit."""
+    return plan_memory(cfg, max_len=config.max_len, page_size=config.page_size, n_slots=config.n_slots,
+                       n_pages=config.pool_pages if config.paged else None, prefill_tokens=config.max_prefill_tokens,
+                       prefill_prompts=config.max_prefill_prompts, dtype=config.kv_dtype, reserve_bytes=reserve_bytes,
+                       available=available_bytes, budget_bytes=budget_bytes,
+                       tp=1 if params.tp is None else params.tp.size, draft_cfg=draft_cfg)
+
+
 class ServingEngine:
     """Continuous batching over one model: `submit` requests, then iterate `run()` (or call
     `step()`) for (request_id, new tokens, finished) events. Not thread-safe beyond `submit` and
@@ -119,11 +131,8 @@ class ServingEngine:
         dcfg = self._check_draft(cfg, params, config, draft)
         self.cfg, self.params, self.config = cfg, params, config
         self.default_stop_ids = check_stop_ids(cfg, config, stop_ids)
-        plan_memory(cfg, max_len=config.max_len, page_size=config.page_size, n_slots=config.n_slots,
-                    n_pages=config.pool_pages if config.paged else None, prefill_tokens=config.max_prefill_tokens,
-                    prefill_prompts=config.max_prefill_prompts, dtype=config.kv_dtype, reserve_bytes=reserve_bytes,
-                    available=available_bytes, budget_bytes=budget_bytes, tp=1 if params.tp is None else params.tp.size,
-                    draft_cfg=dcfg)
+        check_memory(cfg, params, config, dcfg, available_bytes=available_bytes, budget_bytes=budget_bytes,
+                     reserve_bytes=reserve_bytes)
         self.cache = self._new_cache(cfg, params)
         self.pages: PageAllocator | None = None
         if config.paged:

@@ -41,6 +41,28 @@ def test_setup_loads_the_model_with_the_given_template_and_limits(tiny_path):
                    chat_template=None, precompile=False)()
 
 
+def test_serve_max_len_defaults_to_the_context_that_fits(tiny_path, monkeypatch, caplog):
+    import dataclasses
+    import logging
+
+    import rjax.memory
+    from rjax.serving import check_memory
+
+    def setup():
+        return make_setup(str(tiny_path), model_id="tiny", slots=2, max_len=None, steps_per_dispatch=4,
+                          chat_template=None, precompile=False)()
+
+    eng = setup().make_engine()
+    assert eng.config.max_len == eng.cfg.context_length == 8192
+    # Memory for 2,048 positions a slot but not 4,096: the longest half of the context that fits, said in the log.
+    plan = check_memory(eng.cfg, eng.params, dataclasses.replace(eng.config, max_len=2048), available_bytes=1 << 40)
+    need = plan.kv_bytes + plan.workspace_bytes + (256 << 20)
+    monkeypatch.setattr(rjax.memory, "available_bytes", lambda device=None, budget_bytes=None: (need, "a test budget"))
+    with caplog.at_level(logging.INFO, logger="rjax.server.cli"):
+        assert setup().make_engine().config.max_len == 2048
+    assert "--max-len 2048" in caplog.text and "8192 positions" in caplog.text
+
+
 def test_serve_refuses_bad_limits_before_loading():
     from rjax.server.cli import cmd_serve
 

@@ -6,8 +6,11 @@ import dataclasses
 import logging
 from pathlib import Path
 
-DEFAULT_MAX_LEN = 2048
+# Without --max-len, the longest sequence is the model's context where the memory plan fits it,
+# halved until it does, down to this.
+MIN_MAX_LEN = 256
 PAGE_SIZE = 16
+log = logging.getLogger(__name__)
 
 
 def make_setup(model: str, *, model_id: str, slots: int, max_len: int | None, steps_per_dispatch: int,
@@ -30,22 +33,48 @@ def make_setup(model: str, *, model_id: str, slots: int, max_len: int | None, st
         if chat_template is not None:
             tok = dataclasses.replace(tok, chat_template=chat_template)
         ctx = m.config.context_length
-        length = max_len if max_len is not None else min(DEFAULT_MAX_LEN, ctx)
-        if length > ctx:
-            raise ValueError(f"--max-len {length} exceeds the context length of {m.name} ({ctx} tokens)")
+        if max_len is not None and max_len > ctx:
+            raise ValueError(f"--max-len {max_len} exceeds the context length of {m.name} ({ctx} tokens)")
         stop_ids = sorted(tok.eos_ids)
         # A draft model (anything but prompt lookup) is loaded beside the target, as rjax.generate loads it.
         draft = load_drafter(m, speculative)[1] if speculative not in (None, "ngram") else None
-        config = ServingConfig(n_slots=slots, max_len=length, page_size=PAGE_SIZE if length % PAGE_SIZE == 0 else None,
-                               steps_per_dispatch=steps_per_dispatch, max_stop_ids=max(8, len(stop_ids)),
-                               kv_dtype=jnp.dtype(activation_dtype()).name if kv_dtype == "bf16" else kv_dtype,
-                               prefix_cache=prefix_cache, speculative=speculative if draft is None else "model",
-                               draft_tokens=draft_tokens)
+
+        def config_for(length: int) -> ServingConfig:
+            return ServingConfig(n_slots=slots, max_len=length,
+                                 page_size=PAGE_SIZE if length % PAGE_SIZE == 0 else None,
+                                 steps_per_dispatch=steps_per_dispatch, max_stop_ids=max(8, len(stop_ids)),
+                                 kv_dtype=jnp.dtype(activation_dtype()).name if kv_dtype == "bf16" else kv_dtype,
+                                 prefix_cache=prefix_cache, speculative=speculative if draft is None else "model",
+                                 draft_tokens=draft_tokens)
+
+        config = config_for(max_len if max_len is not None else
+                            fitting_max_len(m, config_for, None if draft is None else draft.config))
         pair = None if draft is None else (draft.config, draft.params)
         return Setup(tok, lambda: ServingEngine(m.config, m.params, config, stop_ids=stop_ids, draft=pair), model_id,
                      precompile)
 
     return setup
+
+
+def fitting_max_len(model, config_for, draft_cfg=None) -> int:
+    """The model's context where the memory plan fits a cache of it for every slot, else the
+    longest half of it that fits (logged); MemoryFitError where not even MIN_MAX_LEN does."""
+    from rjax.memory import MemoryFitError
+    from rjax.serving import check_memory
+
+    ctx = length = model.config.context_length
+    while True:
+        try:
+            check_memory(model.config, model.params, config_for(length), draft_cfg)
+            break
+        except MemoryFitError as e:
+            if length <= MIN_MAX_LEN:
+                raise
+            length, refusal = max(MIN_MAX_LEN, length // 2), e
+    if length < ctx:
+        log.info("--max-len %d: a cache of the model's context (%d positions) for every slot does not fit (%s)",
+                 length, ctx, refusal)
+    return length
 
 
 def cmd_serve(a) -> int:
@@ -93,8 +122,8 @@ def register_cli(subparsers) -> None:
                    help="KV cache: bf16 (unquantized, in the activation dtype), int8 (per token and head scales) "
                         "or fp8 (e4m3, per head scales) (default bf16)")
     p.add_argument("--max-len", type=int, default=None,
-                   help=f"positions per sequence, prompt and reply (default: {DEFAULT_MAX_LEN} or the model's "
-                        f"context if shorter)")
+                   help="positions per sequence, prompt and reply (default: the model's context where the "
+                        "memory plan fits it for every slot, else the longest half of it that fits)")
     p.add_argument("--max-queued", type=int, default=256,
                    help="sequences waiting for a slot before new requests get 429 (default: 256)")
     p.add_argument("--steps-per-dispatch", type=int, default=8, help="decode steps per device dispatch (default: 8)")
