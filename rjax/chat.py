@@ -166,7 +166,9 @@ class ChatSession:
         finally:
             steps.close()  # stopped early: nothing left running on the device (engine.settle)
             if alive(stats.get("cache")):
-                self.cache, self.cached_ids = stats["cache"], ids + generated[:-1]
+                # Stopped during the prefill, the cache holds only part of the turn.
+                held = int(stats["cache"].lengths[0])
+                self.cache, self.cached_ids = stats["cache"], (ids + generated[:-1])[:held]
                 if alive(stats.get("draft_cache")):
                     self.draft_cache, self.draft_held = stats["draft_cache"], int(stats["draft_cache"].lengths[0])
             elif alive(before[0]) and (before[2] is None or alive(before[2])):  # stopped before the prefill
