@@ -94,6 +94,11 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+    # Modules that hold a slow test run first, each still whole (its module-scoped fixtures set
+    # up once): pytest-xdist then starts the long work early, and the run ends on short tests
+    # that an idle worker can take over.
+    slow = {item.path for item in items if "slow" in item.keywords and not item.get_closest_marker("skip")}
+    items.sort(key=lambda item: item.path not in slow)
 
 
 @pytest.fixture(scope="session")
