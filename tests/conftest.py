@@ -61,13 +61,17 @@ def pytest_unconfigure(config):
 @pytest.fixture(autouse=True)
 def _keep_compilation_cache_settings():
     """Put back the run's cache settings after a test changed them (`rjax.cli.main` and
-    `rjax bench` set their own when called in-process)."""
+    `rjax bench` set their own when called in-process), and reopen the run's cache directory
+    if the test may have moved it."""
     yield
     import jax
+    from jax.experimental.compilation_cache import compilation_cache
 
-    for name, value in _CACHE_SETTINGS.items():
-        if getattr(jax.config, name) != value:
-            jax.config.update(name, value)
+    changed = {name: value for name, value in _CACHE_SETTINGS.items() if getattr(jax.config, name) != value}
+    for name, value in changed.items():
+        jax.config.update(name, value)
+    if {"jax_compilation_cache_dir", "jax_enable_compilation_cache"} & set(changed):
+        compilation_cache.reset_cache()  # reopened at the next compile, from the settings above
 
 
 @pytest.fixture(autouse=True, scope="module")
