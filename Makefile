@@ -7,6 +7,8 @@ run:
 	@scripts/bootstrap.sh
 	.venv/bin/rjax generate "$(PROMPT)"
 
+# worksteal: each worker starts on a contiguous half of the tests (modules stay whole, their
+# fixtures set up once) and an idle worker takes over half of the other's remaining tests.
 test:
 	@scripts/bootstrap.sh oracle
-	.venv/bin/python -m pytest -n 2 $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -n 2 --dist worksteal $(PYTEST_ARGS)

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,13 +19,59 @@ if str(REPO) not in sys.path:  # lets tests import `tests.oracle.client`
     sys.path.insert(0, str(REPO))
 
 
+# The persistent compilation cache of one test run, as JAX's own settings: the controller
+# creates it, and the pytest-xdist workers and every subprocess (notebook kernels, CLI
+# commands) inherit these through the environment.
+_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+_CACHE_SETTINGS = {
+    "jax_enable_compilation_cache": True,
+    # Every program, however fast to compile: on the CPU a cached executable loads in about an
+    # eighth of its compile time.
+    "jax_persistent_cache_min_compile_time_secs": 0.0,
+    "jax_persistent_cache_min_entry_size_bytes": 0,
+}
+
+
 def pytest_configure(config):
-    # Tests compile into memory only: an in-process `rjax.cli.main` (the CLI tests) would switch
-    # its test process to the persistent compilation cache in $RJAX_HOME, shared with the user's
-    # runs and with the other test processes.
+    """Share compiled programs between test modules and workers, through a persistent
+    compilation cache in a directory of this run's own (never the user's $RJAX_HOME, removed
+    at the end). `_release_compiled_programs` empties the in-memory caches after every module,
+    so without it each module would compile the same programs again."""
     import jax
 
-    jax.config.update("jax_enable_compilation_cache", False)
+    if not hasattr(config, "workerinput"):  # the controller, or a run without pytest-xdist
+        config._rjax_xla_cache = tempfile.mkdtemp(prefix="rjax-test-xla-cache-")
+        os.environ[_CACHE_ENV] = config._rjax_xla_cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    _CACHE_SETTINGS["jax_compilation_cache_dir"] = os.environ[_CACHE_ENV]
+    for name, value in _CACHE_SETTINGS.items():
+        jax.config.update(name, value)
+    # JAX opens the cache directory at its first compile and keeps it for the process: compile
+    # now, so that a test that points the setting elsewhere (`rjax.cli.main` sets
+    # $RJAX_HOME/xla-cache) cannot move this process's cache.
+    jax.jit(lambda x: x + 1)(0)
+
+
+def pytest_unconfigure(config):
+    cache = getattr(config, "_rjax_xla_cache", None)
+    if cache is not None:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _keep_compilation_cache_settings():
+    """Put back the run's cache settings after a test changed them (`rjax.cli.main` and
+    `rjax bench` set their own when called in-process), and reopen the run's cache directory
+    if the test may have moved it."""
+    yield
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    changed = {name: value for name, value in _CACHE_SETTINGS.items() if getattr(jax.config, name) != value}
+    for name, value in changed.items():
+        jax.config.update(name, value)
+    if {"jax_compilation_cache_dir", "jax_enable_compilation_cache"} & set(changed):
+        compilation_cache.reset_cache()  # reopened at the next compile, from the settings above
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -50,6 +98,11 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+    # Modules that hold a slow test run first, each still whole (its module-scoped fixtures set
+    # up once): pytest-xdist then starts the long work early, and the run ends on short tests
+    # that an idle worker can take over.
+    slow = {item.path for item in items if "slow" in item.keywords and not item.get_closest_marker("skip")}
+    items.sort(key=lambda item: item.path not in slow)
 
 
 @pytest.fixture(scope="session")
