@@ -20,8 +20,8 @@ if str(REPO) not in sys.path:  # lets tests import `tests.oracle.client`
 
 
 # The persistent compilation cache of one test run, as JAX's own settings: the controller
-# creates it, and the pytest-xdist workers and every subprocess (notebook kernels, CLI
-# commands) inherit these through the environment.
+# creates it, and the pytest-xdist workers and the notebook kernels inherit it through the
+# environment (a CLI command run as a subprocess keeps its own $RJAX_HOME/xla-cache).
 _CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 _CACHE_SETTINGS = {
     "jax_enable_compilation_cache": True,
