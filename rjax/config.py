@@ -10,7 +10,7 @@ import dataclasses
 import math
 from typing import Literal
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +48,7 @@ class ModelConfig:
     # global layers only), 1.0 = none; derived in __post_init__ when not given.
     layer_rope_linear: tuple[float, ...] = ()
     # Per-frequency divisors of the rope frequencies (head_dim // 2 of them): how llama.cpp stores
-    # Llama-3 scaling (the `rope_freqs` tensor). None = none.
+    # Llama-3 scaling (the `rope_freqs` tensor) and Phi-3's LongRoPE (its short factors). None = none.
     rope_freq_factors: tuple[float, ...] | None = None
     qkv_bias: bool = False
     qk_norm: bool = False
@@ -81,3 +81,12 @@ class ModelConfig:
     @property
     def q_per_kv(self) -> int:
         return self.n_heads // self.n_kv_heads
+
+
+def longrope_context(context: int, original: int, short, long) -> int:
+    """The context a LongRoPE model (Phi-3) runs with its short factors: all of it where the long
+    factors are the same, else up to its original context. Past that, transformers switches
+    every position to the long factors at once and llama.cpp picks them by the context size;
+    rjax keeps one set of frequencies, so it stops at the original context instead of
+    silently mixing the two."""
+    return context if long is None or tuple(long) == tuple(short) else min(context, original)

@@ -24,12 +24,20 @@ def expected_shape(cfg, field: str) -> tuple[int, ...]:
         "q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,),
         "wq": (q, d), "wk": (kv, d), "wv": (kv, d), "wo": (d, q), "bq": (q,), "bk": (kv,), "bv": (kv,),
         "w_gate": (cfg.d_ff, d), "w_up": (cfg.d_ff, d), "w_down": (d, cfg.d_ff),
+        "wqkv": (q + 2 * kv, d), "w_gate_up": (2 * cfg.d_ff, d),
     }[field]
+
+
+# Products a file may store stacked (Phi-3 does): either the stacked field or all of its parts.
+FUSED_FIELDS = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 
 
 def required_layer_fields(cfg: ModelConfig) -> list[str]:
     """The `LayerParams` fields every layer of `cfg` must load, in the order missing ones are named."""
-    required = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down"]
+    if cfg.arch == "phi3":
+        required = ["attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down"]
+    else:
+        required = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down"]
     if cfg.qkv_bias:
         required += ["bq", "bk", "bv"]
     if cfg.qk_norm:
@@ -39,7 +47,18 @@ def required_layer_fields(cfg: ModelConfig) -> list[str]:
     return required
 
 
+def missing_layer_fields(cfg: ModelConfig, have) -> list[str]:
+    """The required fields of one layer that `have` (the fields loaded) lacks; a stacked product
+    stands in for its parts and its parts for it."""
+    have = set(have)
+    for fused, parts in FUSED_FIELDS.items():
+        if fused in have or have.issuperset(parts):
+            have |= {fused, *parts}
+    return [f for f in required_layer_fields(cfg) if f not in have]
+
+
 def assemble_params(cfg: ModelConfig, top: dict, layers: list[dict]) -> Params:
     """Loaded fields (top-level ones, and one dict per layer) -> Params; a tied head is the embedding."""
-    return Params(embed=top["embed"], layers=tuple(LayerParams(**l) for l in layers),
+    unfused = dict.fromkeys(p for parts in FUSED_FIELDS.values() for p in parts)  # None where stacked
+    return Params(embed=top["embed"], layers=tuple(LayerParams(**{**unfused, **l}) for l in layers),
                   final_norm=top["final_norm"], lm_head=None if cfg.tie_embeddings else top["lm_head"])

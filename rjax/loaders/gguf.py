@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from rjax.config import ModelConfig
 from rjax.loaders.errors import ModelFileError, check_finite, listing
-from rjax.loaders.fields import BIAS_FIELDS, NORM_FIELDS, assemble_params, expected_shape, required_layer_fields
+from rjax.loaders.fields import BIAS_FIELDS, NORM_FIELDS, assemble_params, expected_shape, missing_layer_fields
 # the header lives apart, without jax, so that `rjax info` reads it without starting the engine
 from rjax.loaders.gguf_header import (GGUF_MAGIC, config_from_metadata, config_from_reader,  # noqa: F401
                                       metadata, open_gguf)
@@ -42,7 +42,7 @@ def _to_device(w):
 
 
 LAYER_TENSORS = {
-    "attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
+    "attn_norm": "attn_norm", "attn_qkv": "wqkv", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
     "ffn_norm": "ffn_norm", "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down",
     "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv",
     "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
@@ -65,6 +65,8 @@ def _place(name: str, cfg: ModelConfig, path) -> tuple[int | None, str] | None:
     if not parts[1].isdigit() or int(parts[1]) >= cfg.n_layers:
         raise ModelFileError(f"{path}: tensor {name!r} names block {parts[1]!r}, but the file has "
                              f"{cfg.n_layers} blocks ({cfg.arch}.block_count)")
+    if cfg.arch == "phi3" and field == "w_up":  # Phi-3's ffn_up holds gate and up stacked
+        field = "w_gate_up"
     return int(parts[1]), field
 
 
@@ -101,10 +103,9 @@ def load_params(reader: GGUFReader, cfg: ModelConfig, progress: bool = True, on_
         check_finite(path, t.name, host)
         (top if layer is None else layers[layer])[field] = _to_device(host) if on_device else host
     missing = [n for n, f in TOP_TENSORS.items() if f not in top and (f != "lm_head" or not cfg.tie_embeddings)]
-    required = required_layer_fields(cfg)
-    inverse = {v: k for k, v in LAYER_TENSORS.items()}
+    inverse = {v: k for k, v in LAYER_TENSORS.items()} | {"w_gate_up": "ffn_up"}
     for i, layer in enumerate(layers):
-        missing += [f"blk.{i}.{inverse[f]}" for f in required if f not in layer]
+        missing += [f"blk.{i}.{inverse[f]}" for f in missing_layer_fields(cfg, layer)]
     if missing:
         raise ModelFileError(f"{path}: missing tensors: {listing(missing, 8)}")
     return assemble_params(cfg, top, layers)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
-from rjax.config import ModelConfig, RopeScaling, SUPPORTED_ARCHITECTURES
+from rjax.config import ModelConfig, RopeScaling, SUPPORTED_ARCHITECTURES, longrope_context
 from rjax.loaders.errors import MAX_CONTEXT, MAX_DIM, MAX_LAYERS, MAX_VOCAB, ModelFileError
 
 GGUF_MAGIC = b"GGUF"
@@ -201,11 +201,15 @@ class _Meta:
         raise ModelFileError(f"{self.path}: {message}")
 
 
+# The architectures a GGUF may name: the config's, and qwen3moe (Qwen3 with experts).
+GGUF_ARCHITECTURES = (*SUPPORTED_ARCHITECTURES, "qwen3moe")
+
+
 def config_from_metadata(meta: dict, path: str | os.PathLike = "<gguf>") -> ModelConfig:
     arch = meta.get("general.architecture")
-    if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:
         raise ModelFileError(f"{path}: unsupported architecture {arch!r:.80} (general.architecture); "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                             f"supported: {', '.join(GGUF_ARCHITECTURES)}")
     m = _Meta(meta, arch, path)
     n_layers = m.int("block_count", maximum=MAX_LAYERS)
     d_model = m.int("embedding_length")
@@ -239,12 +243,30 @@ def config_from_metadata(meta: dict, path: str | os.PathLike = "<gguf>") -> Mode
                   rms_eps=m.float("attention.layer_norm_rms_epsilon"), rope_theta=rope_theta,
                   rope_scaling=scaling)
     window = m.int("attention.sliding_window", 0, required=False, minimum=0, maximum=MAX_CONTEXT)
+    n_experts = m.int("expert_count", 0, required=False, minimum=0, maximum=4096)
+    if n_experts:  # Mixtral is written as llama with experts, Qwen3-MoE as qwen3moe
+        used = m.int("expert_used_count", maximum=n_experts)
+        norm = m.raw("expert_weights_norm", True, required=False)  # llama.cpp renormalizes unless told not to
+        common.update(n_experts=n_experts, n_experts_used=used, expert_norm=bool(norm),
+                      expert_d_ff=m.int("expert_feed_forward_length", d_ff, required=False))
+    elif arch == "qwen3moe":
+        m.fail(f"missing metadata key '{arch}.expert_count' (a {arch} model has experts)")
+    if arch == "qwen3moe":  # Qwen3's layers with a mixture of experts for the MLP
+        arch = common["arch"] = "qwen3"
     try:
         if arch == "llama":
             return ModelConfig(**common, rope_pairing="pairs", layer_rope_linear=(linear,) * n_layers,
                                layer_windows=(window or None,) * n_layers if window else ())
-        if arch == "qwen2":
-            return ModelConfig(**common, rope_pairing="halves", qkv_bias=True, layer_rope_linear=(linear,) * n_layers,
+        if arch in ("qwen2", "qwen3"):  # qwen2: biases on q, k, v; qwen3: per-head norms of q and k instead
+            return ModelConfig(**common, rope_pairing="halves", qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3",
+                               layer_rope_linear=(linear,) * n_layers,
+                               layer_windows=(window or None,) * n_layers if window else ())
+        if arch == "phi3":
+            # LongRoPE: the frequency factors are tensors (read in config_from_reader); the
+            # attention factor scales rope's cos and sin, so it scales every q.k by its square
+            attn_factor = m.float("rope.scaling.attn_factor", 1.0, required=False)
+            return ModelConfig(**common, rope_pairing="halves", layer_rope_linear=(linear,) * n_layers,
+                               attn_scale=attn_factor ** 2 / math.sqrt(head_dim),
                                layer_windows=(window or None,) * n_layers if window else ())
         # gemma3: five sliding-window layers (rope base 10k) then one global layer (rope base from the file),
         # unless the file says otherwise: a pattern n (every n-th layer global) or one flag per layer
@@ -288,18 +310,33 @@ def config_from_reader(reader: GGUFReader, path: str | os.PathLike = "<gguf>") -
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     if tied != cfg.tie_embeddings:  # the file says it by having (or not) a separate head
         cfg = dataclasses.replace(cfg, tie_embeddings=tied)
-    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if freqs is not None:  # llama.cpp's form of Llama-3 rope scaling: per-frequency divisors
-        if freqs.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            raise ModelFileError(f"{path}: tensor 'rope_freqs.weight' is {freqs.tensor_type.name}; expected F32")
-        factors = np.asarray(freqs.data, np.float32).reshape(-1)
-        if factors.size != cfg.head_dim // 2:
-            raise ModelFileError(f"{path}: tensor 'rope_freqs.weight' has {factors.size} values; "
-                                 f"head_dim {cfg.head_dim} needs {cfg.head_dim // 2}")
-        if not (np.isfinite(factors).all() and (factors > 0).all()):
-            raise ModelFileError(f"{path}: tensor 'rope_freqs.weight' holds values that are not positive numbers")
-        cfg = dataclasses.replace(cfg, rope_freq_factors=tuple(float(f) for f in factors), rope_scaling=None)
+    factors = _freq_factors(reader, "rope_freqs.weight", cfg, path)
+    if factors is not None:  # llama.cpp's form of Llama-3 rope scaling: per-frequency divisors
+        cfg = dataclasses.replace(cfg, rope_freq_factors=factors, rope_scaling=None)
+    short = _freq_factors(reader, "rope_factors_short.weight", cfg, path)
+    if short is not None:  # Phi-3's LongRoPE
+        long = _freq_factors(reader, "rope_factors_long.weight", cfg, path)
+        original = _Meta(metadata(reader), cfg.arch, path).int("rope.scaling.original_context_length",
+                                                               maximum=MAX_CONTEXT)
+        cfg = dataclasses.replace(cfg, rope_freq_factors=short,
+                                  context_length=longrope_context(cfg.context_length, original, short, long))
     return cfg
+
+
+def _freq_factors(reader: GGUFReader, name: str, cfg: ModelConfig, path) -> tuple[float, ...] | None:
+    """A tensor of per-frequency rope divisors (head_dim // 2 positive numbers), or None if absent."""
+    t = next((t for t in reader.tensors if t.name == name), None)
+    if t is None:
+        return None
+    if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        raise ModelFileError(f"{path}: tensor {name!r} is {t.tensor_type.name}; expected F32")
+    factors = np.asarray(t.data, np.float32).reshape(-1)
+    if factors.size != cfg.head_dim // 2:
+        raise ModelFileError(f"{path}: tensor {name!r} has {factors.size} values; "
+                             f"head_dim {cfg.head_dim} needs {cfg.head_dim // 2}")
+    if not (np.isfinite(factors).all() and (factors > 0).all()):
+        raise ModelFileError(f"{path}: tensor {name!r} holds values that are not positive numbers")
+    return tuple(float(f) for f in factors)
 
 
 def quant_name(reader: GGUFReader) -> str | None:

@@ -11,13 +11,14 @@ import math
 import os
 from pathlib import Path
 
-from rjax.config import ModelConfig, RopeScaling
+from rjax.config import ModelConfig, RopeScaling, longrope_context
 from rjax.loaders.errors import MAX_CONTEXT, MAX_DIM, MAX_LAYERS, MAX_VOCAB, ModelFileError
 
 CONFIG_FILE = "config.json"
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma3_text", "gemma3")
-_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3"}
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "gemma3")
+_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+         "gemma3_text": "gemma3"}
 
 # transformers' defaults for the keys a config.json may leave out, per model_type
 _DEFAULTS = {
@@ -28,6 +29,11 @@ _DEFAULTS = {
     "qwen2": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, rope_theta=10000.0,
                   tie_word_embeddings=False, hidden_act="silu", sliding_window=4096,
                   use_sliding_window=False, max_window_layers=28),
+    "qwen3": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, rope_theta=10000.0,
+                  tie_word_embeddings=False, hidden_act="silu", sliding_window=4096,
+                  use_sliding_window=False, max_window_layers=28),
+    "phi3": dict(rms_norm_eps=1e-5, max_position_embeddings=4096, rope_theta=10000.0,
+                 tie_word_embeddings=False, hidden_act="silu", original_max_position_embeddings=4096),
     "gemma3_text": dict(rms_norm_eps=1e-6, max_position_embeddings=131072, rope_theta=1_000_000.0,
                         rope_local_base_freq=10_000.0, tie_word_embeddings=True,
                         hidden_activation="gelu_pytorch_tanh", head_dim=256, query_pre_attn_scalar=256,
@@ -239,10 +245,15 @@ def _arch_config(keys: _Keys, model_type: str, hf: dict, common: dict, n_layers:
     rp = _object(keys, "rope_parameters") or _object(keys, "rope_scaling")
     if hf.get("partial_rotary_factor") is not None:
         rp = {**rp, "partial_rotary_factor": hf["partial_rotary_factor"]}
+    extra = {}
+    if model_type == "phi3" and rp.get("rope_type", rp.get("type")) in ("longrope", "su"):
+        extra, rp = _longrope(keys, rp, head_dim=common["head_dim"], context=context), {
+            k: v for k, v in rp.items() if k not in ("rope_type", "type")}
+        common["context_length"] = extra.pop("context_length")
     theta, scaling, linear = _rope(keys, rp, keys.float("rope_theta"), context, ("default", "linear", "llama3"))
-    if model_type == "mistral":  # one window for every layer, when the config sets one
-        windows = (keys.window(),) * n_layers
-    elif model_type == "qwen2":  # windows only with use_sliding_window, on layers >= max_window_layers
+    if model_type in ("mistral", "phi3"):  # one window for every layer, when the config sets one
+        windows = (keys.window(),) * n_layers if "sliding_window" in hf or model_type == "mistral" else ()
+    elif model_type in ("qwen2", "qwen3"):  # windows only with use_sliding_window, on layers >= max_window_layers
         window = keys.window() if keys.get("use_sliding_window") else None
         first = keys.int("max_window_layers", minimum=0, maximum=MAX_LAYERS)
         types = _layer_types(keys, n_layers, ["sliding_attention" if window is not None and i >= first
@@ -251,7 +262,32 @@ def _arch_config(keys: _Keys, model_type: str, hf: dict, common: dict, n_layers:
     else:  # llama has no sliding window
         windows = ()
     return ModelConfig(**common, rope_theta=theta, rope_scaling=scaling, layer_rope_linear=(linear,) * n_layers,
-                       qkv_bias=model_type == "qwen2", layer_windows=windows)
+                       qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3", layer_windows=windows, **extra)
+
+
+def _longrope(keys: _Keys, rp: dict, head_dim: int, context: int) -> dict:
+    """Phi-3's LongRoPE ("longrope", or "su" as older configs call it) -> ModelConfig fields: the
+    short factors as per-frequency divisors, the attention factor (which scales rope's cos and sin,
+    so every q.k by its square) folded into the attention scale, the context they hold for."""
+    original = rp.get("original_max_position_embeddings") or keys.get("original_max_position_embeddings")
+    if isinstance(original, bool) or not isinstance(original, int) or not 1 <= original <= MAX_CONTEXT:
+        keys.fail(f"rope original_max_position_embeddings = {original!r:.80} is not an integer in [1, {MAX_CONTEXT:,}]")
+    factors = {}
+    for name in ("short_factor", "long_factor"):
+        value = rp.get(name)
+        if (not isinstance(value, list) or len(value) != head_dim // 2
+                or not all(not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+                           for v in value)):
+            keys.fail(f"longrope rope scaling needs {name!r}: {head_dim // 2} positive numbers (head_dim "
+                      f"{head_dim} / 2), got {value!r:.80}")
+        factors[name] = tuple(float(v) for v in value)
+    factor = rp.get("factor") or context / original
+    attention = rp.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    attention = _positive(keys, "rope attention_factor", attention)
+    return dict(rope_freq_factors=factors["short_factor"], attn_scale=attention ** 2 / math.sqrt(head_dim),
+                context_length=longrope_context(context, original, factors["short_factor"], factors["long_factor"]))
 
 
 def checkpoint_config(path: Path) -> tuple[str, ModelConfig]:

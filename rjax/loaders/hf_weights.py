@@ -16,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from rjax.config import ModelConfig
 from rjax.loaders.errors import ModelFileError, listing
-from rjax.loaders.fields import expected_shape, required_layer_fields
+from rjax.loaders.fields import expected_shape, missing_layer_fields
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -31,6 +31,8 @@ _LAYER_COMMON = {
     "self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv",
     "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
     "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up", "mlp.down_proj.weight": "w_down",
+    # Phi-3 stores q, k, v and gate, up stacked along the output rows, as the fused params hold them
+    "self_attn.qkv_proj.weight": "wqkv", "mlp.gate_up_proj.weight": "w_gate_up",
 }
 _LAYER_LLAMA = {**_LAYER_COMMON, "post_attention_layernorm.weight": "ffn_norm"}
 _LAYER_GEMMA = {**_LAYER_COMMON, "post_attention_layernorm.weight": "post_attn_norm",
@@ -135,11 +137,11 @@ def tensor_plan(cfg: ModelConfig, model_type: str, tensors: dict, where: Path
         raise ModelFileError(f"{where}: tensors the {model_type} forward pass has no place for: "
                              f"{listing(unknown, 6)}")
 
-    required = required_layer_fields(cfg)
     have = set(plan.values())
     inverse = {f: n for n, f in layer_map.items()}
     prefix = _prefix_of(tensors)
-    missing = [f"{prefix}layers.{i}.{inverse[f]}" for i in range(cfg.n_layers) for f in required if (i, f) not in have]
+    missing = [f"{prefix}layers.{i}.{inverse[f]}" for i in range(cfg.n_layers)
+               for f in missing_layer_fields(cfg, {f for j, f in have if j == i})]
     missing = [f"{prefix}embed_tokens.weight"] * ((None, "embed") not in have) + missing
     missing += [f"{prefix}norm.weight"] * ((None, "final_norm") not in have)
     untied_head_missing = not cfg.tie_embeddings and (None, "lm_head") not in have

@@ -358,3 +358,44 @@ def oracle_random_model(
               "--tie-word-embeddings" if tie_word_embeddings else "--no-tie-word-embeddings"])
 
     return _cached_dir(key, build)
+
+
+# llama.cpp's own converter and its gguf-py, from the llama-cpp-python sdist (which vendors llama.cpp).
+LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"
+_SDIST_ROOT = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
+_CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+
+
+def llama_cpp_converter() -> Path:
+    """llama.cpp's source directory with convert_hf_to_gguf.py, conversion/ and gguf-py/, fetched
+    once from PyPI (`pip download` of the sdist, by the oracle env's pip) and kept in the cache."""
+    import tarfile
+
+    target = CACHE_DIR / LLAMA_CPP_SDIST.replace("==", "-")
+    if (target / ".complete").is_file():
+        return target
+
+    def build(work: Path, out: Path) -> None:
+        proc = subprocess.run([str(_oracle_python()), "-m", "pip", "download", "-q", "--no-deps", "--no-binary",
+                               ":all:", LLAMA_CPP_SDIST, "-d", str(work)], capture_output=True, text=True,
+                              timeout=TIMEOUT_S)
+        sdists = list(work.glob("*.tar.gz"))
+        if proc.returncode or len(sdists) != 1:
+            raise OracleUnavailable(f"could not fetch {LLAMA_CPP_SDIST} (llama.cpp's GGUF converter) from PyPI:\n"
+                                    f"{proc.stderr[-2000:]}")
+        with tarfile.open(sdists[0]) as tar:
+            members = [m for m in tar.getmembers()
+                       if m.name.startswith(_SDIST_ROOT) and m.name[len(_SDIST_ROOT):].startswith(_CONVERTER_PARTS)]
+            tar.extractall(work / "src", members=members, filter="data")
+        os.replace(work / "src" / _SDIST_ROOT, out)
+
+    return _cached_dir(target.name, build)
+
+
+def oracle_to_gguf(directory: str | os.PathLike) -> Path:
+    """A checkpoint directory as llama.cpp's convert_hf_to_gguf.py writes it (float32 tensors, its
+    tensor names, metadata and Q/K row order). The file lives in the cache: do not modify it."""
+    key = _key("to-gguf", directory, {"converter": LLAMA_CPP_SDIST})
+    converter = llama_cpp_converter()
+    return _cached_file(key, ".gguf", lambda work, out: _run(
+        ["to-gguf", "--model", Path(directory).resolve(), "--converter", converter, "--out", out]))

@@ -9,7 +9,8 @@ writes. Every subcommand writes one output file or directory (`--out`):
   save-pretrained  a GGUF's weights, tokenizer and generation config as a plain safetensors checkpoint -> dir
   save-tokenizer   only the tokenizer transformers builds from a model, as a Hugging Face directory -> dir
   random-qwen2     a small random-weight Qwen2 checkpoint with its own tiny byte-level tokenizer -> dir
-  random-model     a small random-weight llama / mistral / qwen2 / gemma3_text checkpoint, any config -> dir
+  random-model     a small random-weight llama / mistral / qwen2 / qwen3 / phi3 / gemma3_text checkpoint -> dir
+  to-gguf          a checkpoint directory converted by llama.cpp's own convert_hf_to_gguf.py (float32) -> .gguf
 
 `serve` runs those subcommands one after another, read as JSON argument lists from stdin, each
 answered by one JSON line on stdout: the client keeps one such process per test process, so torch
@@ -320,6 +321,8 @@ _RANDOM_MODEL_CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 
@@ -355,6 +358,38 @@ def cmd_random_model(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
+    if args.arch == "phi3":  # llama.cpp's Phi-3 converter reads a byte-level BPE only when named GPT2Tokenizer
+        config_path = out / "tokenizer_config.json"
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        config["tokenizer_class"] = "GPT2Tokenizer"
+        config_path.write_text(json.dumps(config), encoding="utf-8")
+
+
+# --- to-gguf ----------------------------------------------------------------------------------
+
+# The converter refuses a byte-level BPE whose pre-tokenizer it cannot recognize by the ids it gives
+# for a probe text; the tiny tokenizer's ids are its own, so it is named for the split rule it uses.
+_CONVERT = """
+import runpy, sys
+root = sys.argv.pop(1)
+sys.path[:0] = [root, root + "/gguf-py"]
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+sys.argv[0] = root + "/convert_hf_to_gguf.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def cmd_to_gguf(args) -> None:
+    """llama.cpp's convert_hf_to_gguf.py, with its own gguf-py, in a child process (the gguf package
+    of this env must not be mixed with the converter's)."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", _CONVERT, args.converter, args.model, "--outtype", "f32",
+                           "--outfile", args.out], capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"run_oracle to-gguf: convert_hf_to_gguf.py failed ({proc.returncode}):\n"
+                         f"{proc.stderr[-4000:]}")
 
 
 # --- entry ------------------------------------------------------------------------------------
@@ -414,6 +449,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--tie-word-embeddings", action=argparse.BooleanOptionalAction, default=True)
     m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     m.set_defaults(run=cmd_random_model)
+
+    g = sub.add_parser("to-gguf", help="a checkpoint directory as llama.cpp's converter writes it (float32)")
+    g.add_argument("--model", required=True, help="checkpoint directory")
+    g.add_argument("--converter", required=True, help="llama.cpp's source directory (convert_hf_to_gguf.py, "
+                   "conversion/, gguf-py/)")
+    g.add_argument("--out", required=True, help="output .gguf")
+    g.set_defaults(run=cmd_to_gguf)
     return p
 
 
