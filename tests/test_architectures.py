@@ -184,16 +184,18 @@ def test_gemma3_text_local_global_linear_rope_matches_transformers():
 
 @pytest.mark.oracle
 def test_gemma3_gguf_pattern_local_base_and_linear_rope_match_transformers():
-    # GGUF has no query_pre_attn_scalar: llama.cpp scales by head_dim, so the model uses that
+    # GGUF has no query_pre_attn_scalar (llama.cpp scales by head_dim, so the model uses that) and
+    # llama.cpp's converter writes no layer pattern (llama.cpp runs Gemma 3's five local layers, then
+    # one global): six layers in that pattern
     directory = oracle_random_model(
-        "gemma3_text", seed=13, num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=16,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        "gemma3_text", seed=13, num_hidden_layers=6, sliding_window=8, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 20_000.0}})
     cfg, err = _check(directory, "gguf", [6, 17, 33])
-    assert cfg.layer_windows == (8, 8, None) and cfg.layer_rope_theta == (2e4, 2e4, 1e6)
-    assert cfg.layer_rope_linear == (1.0, 1.0, 4.0)
-    print(f"random gemma3 as GGUF (pattern 3, local base 2e4, linear x4): max relative logit error {err:.2e}")
+    assert cfg.layer_windows == (8,) * 5 + (None,) and cfg.layer_rope_theta == (2e4,) * 5 + (1e6,)
+    assert cfg.layer_rope_linear == (1.0,) * 5 + (4.0,)
+    print(f"random gemma3 as GGUF (local base 2e4, linear x4): max relative logit error {err:.2e}")
 
 
 # --- GGUF metadata -> config ----------------------------------------------------------------------
