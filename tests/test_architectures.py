@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from rjax.loaders.gguf import ModelFileError, config_from_metadata, load_gguf
+from rjax.loaders.hf_config import config_from_hf
 from rjax.loaders.safetensors import load_hf_dir
 from tests.compare import check_against_oracle
 from tests.oracle.client import oracle_logits, oracle_random_model, oracle_random_qwen2, oracle_to_gguf, oracle_tokenize
@@ -237,3 +238,49 @@ def test_gguf_gemma3_per_layer_sliding_window_flags():
     assert cfg.layer_windows == (512, 512, None) * 4
     with pytest.raises(ModelFileError, match="sliding_window_pattern has 3 entries for 12 layers"):
         config_from_metadata(_gemma3_meta(**{"gemma3.attention.sliding_window_pattern": flags[:3]}), "x.gguf")
+
+
+@pytest.mark.parametrize("arch, drop, extra, message", [
+    ("qwen3", "qwen3.attention.head_count", {}, r"missing metadata key 'qwen3\.attention\.head_count'"),
+    ("phi3", "phi3.embedding_length", {}, r"missing metadata key 'phi3\.embedding_length'"),
+    ("llama", None, {"llama.expert_count": 8},
+     r"llama\.expert_count = 8: mixture-of-experts layers are not supported"),
+    ("qwen3moe", None, {}, r"unsupported architecture 'qwen3moe' \(general\.architecture\); supported: llama, qwen2, "
+                           r"qwen3, phi3, gemma3"),
+])
+def test_gguf_bad_or_unsupported_architecture_fields_are_named(arch, drop, extra, message):
+    meta = {f"{arch}.{k}": v for k, v in {
+        "block_count": 2, "embedding_length": 64, "feed_forward_length": 128, "attention.head_count": 4,
+        "attention.head_count_kv": 2, "context_length": 256, "attention.layer_norm_rms_epsilon": 1e-6}.items()}
+    meta = {"general.architecture": arch, **meta, **extra}
+    meta.pop(drop, None)
+    with pytest.raises(ModelFileError, match=message):
+        config_from_metadata(meta, "x.gguf")
+
+
+def _hf(model_type, **changes):
+    hf = dict(model_type=model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, vocab_size=300, max_position_embeddings=256)
+    hf.update(changes)
+    return {k: v for k, v in hf.items() if v is not ...}
+
+
+@pytest.mark.parametrize("model_type, changes, message", [
+    ("qwen3", dict(num_attention_heads=...), r"missing config key 'num_attention_heads'"),
+    ("qwen3", dict(attention_bias=True), r"attention_bias .* is not supported for model_type 'qwen3'"),
+    ("phi3", dict(num_local_experts=16), r"num_local_experts = 16: mixture-of-experts layers are not supported"),
+    ("phi3", dict(rope_scaling={"type": "su", "short_factor": [1.0] * 3, "long_factor": [1.0] * 8}),
+     r"longrope rope scaling needs 'short_factor': 8 positive numbers \(head_dim 16 / 2\), got \[1\.0, 1\.0, 1\.0\]"),
+    ("phi3", dict(partial_rotary_factor=0.75), r"partial_rotary_factor 0\.75 is not supported"),
+])
+def test_hf_bad_fields_of_qwen3_and_phi3_are_named(model_type, changes, message):
+    with pytest.raises(ModelFileError, match=message):
+        config_from_hf(model_type, _hf(model_type, **changes), "x/config.json")
+
+
+def test_hf_phi3_longrope_with_equal_factors_keeps_the_whole_context():
+    factors = [1.0 + i / 8 for i in range(8)]
+    cfg = config_from_hf("phi3", _hf("phi3", max_position_embeddings=4096, original_max_position_embeddings=1024,
+                                      rope_scaling={"type": "su", "short_factor": factors, "long_factor": factors}))
+    assert cfg.context_length == 4096 and cfg.rope_freq_factors == tuple(factors)
+    assert cfg.attn_scale == pytest.approx((1 + math.log(4) / math.log(1024)) / 4)

@@ -40,6 +40,8 @@ _DEFAULTS = {
                         sliding_window=4096),
 }
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# How configs count experts (Mixtral, Qwen-MoE, DeepSeek): a dense model_type that sets one is not dense
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 def read_hf_config(path: str | os.PathLike) -> tuple[str, dict]:
@@ -186,6 +188,10 @@ def config_from_hf(model_type: str, hf: dict, where: str | os.PathLike = CONFIG_
             keys.fail(f"{key} = {hf[key]!r} is not supported (only null)")
     if hf.get("use_bidirectional_attention"):
         keys.fail("use_bidirectional_attention is not supported")
+    for key in _EXPERT_KEYS:
+        if hf.get(key):
+            keys.fail(f"{key} = {hf[key]!r:.80}: mixture-of-experts layers are not supported for "
+                      f"model_type {model_type!r}")
     if hf.get("mlp_bias"):
         keys.fail("mlp_bias is not supported")
     if model_type != "qwen2" and hf.get("attention_bias"):
