@@ -86,6 +86,8 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
     Shape("llama-1b", "llama", 16, 2048, 8192, 32, 8, 128256, 131072, 500000.0, 1e-5),
     Shape("llama-8b", "llama", 32, 4096, 14336, 32, 8, 128256, 131072, 500000.0, 1e-5, tied_embeddings=False),
     Shape("qwen2.5-1.5b", "qwen2", 28, 1536, 8960, 12, 2, 151936, 32768, 1000000.0, 1e-6),
+    Shape("qwen3-8b", "qwen3", 36, 4096, 12288, 32, 8, 151936, 40960, 1000000.0, 1e-6, head_dim=128,
+          tied_embeddings=False),
     Shape("gemma3-1b", "gemma3", 26, 1152, 6912, 4, 1, 262144, 32768, 1000000.0, 1e-6, head_dim=256,
           sliding_window=512),
 )}
@@ -170,7 +172,7 @@ def tensor_specs(shape: Shape, mix: QuantMix, n_layers: int | None = None,
         if shape.arch == "qwen2":
             specs += [vec(b + "attn_q.bias", q_out, BIAS), vec(b + "attn_k.bias", kv_out, BIAS),
                       vec(b + "attn_v.bias", kv_out, BIAS)]
-        if shape.arch == "gemma3":
+        if shape.arch in ("gemma3", "qwen3"):
             specs += [vec(b + "attn_q_norm.weight", hd), vec(b + "attn_k_norm.weight", hd)]
         specs.append(mat(b + "attn_output.weight", d, q_out))
         if shape.arch == "gemma3":

@@ -198,6 +198,12 @@ def test_runs_through_rjax_finite_and_deterministic(smollm2_q4_1):
     np.testing.assert_array_equal(a, b)
 
 
+def test_qwen3_8b_has_its_parameter_count():
+    specs = tensor_specs(SHAPES["qwen3-8b"], MIXES["q4_k"])
+    assert sum(math.prod(s.shape) for s in specs) == 8_190_735_360  # Qwen3-8B's safetensors hold as many
+    assert {s.name for s in specs} >= {"blk.35.attn_q_norm.weight", "blk.35.attn_k_norm.weight", "output.weight"}
+
+
 @pytest.mark.parametrize("shape,mix", [("qwen2.5-1.5b", "q4_k"), ("gemma3-1b", "q4_k")])
 def test_other_architectures_run(tmp_path, shape, mix):
     """qwen2 (q/k/v biases) and gemma3 (q/k norms, post-norms, 256-wide heads, windows): prefill."""
