@@ -57,6 +57,13 @@ class ModelConfig:
     embed_scale: float = 1.0
     tie_embeddings: bool = True
     attn_scale: float = 0.0  # 0 -> 1/sqrt(head_dim)
+    # Mixture of experts (Mixtral, Qwen3-MoE): every layer's MLP is n_experts MLPs of expert_d_ff,
+    # of which a router picks n_experts_used per token (softmax over all, top k, and with
+    # expert_norm the k weights renormalized to sum to 1). 0 experts: a dense MLP of d_ff.
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_d_ff: int = 0
+    expert_norm: bool = True
 
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHITECTURES:
@@ -75,6 +82,11 @@ class ModelConfig:
         if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
             raise ValueError(f"rope_freq_factors has {len(self.rope_freq_factors)} entries; "
                              f"head_dim {self.head_dim} needs {self.head_dim // 2}")
+        if self.n_experts and not (1 <= self.n_experts_used <= self.n_experts and self.expert_d_ff >= 1):
+            raise ValueError(f"{self.n_experts} experts need 1 to {self.n_experts} used per token (got "
+                             f"{self.n_experts_used}) and an expert feed-forward size (got {self.expert_d_ff})")
+        if not self.n_experts and self.n_experts_used:
+            raise ValueError(f"{self.n_experts_used} experts used per token, but the model has no experts")
         if not self.attn_scale:
             object.__setattr__(self, "attn_scale", 1.0 / math.sqrt(self.head_dim))
 

@@ -11,7 +11,7 @@ Every layer is the same math:
     q, k, v = h @ [wq; wk; wv].T (+ bias); q, k = norm(q), norm(k) (Gemma); q, k = rope(q), rope(k)
     x = x + post_norm(attention(q, k, v, cache) @ wo.T)           (post_norm: Gemma only)
     h = norm(x)
-    x = x + post_norm((act(h @ w_gate.T) * (h @ w_up.T)) @ w_down.T)
+    x = x + post_norm((act(h @ w_gate.T) * (h @ w_up.T)) @ w_down.T)   (or a mixture of such MLPs)
 
 The residual stream x stays float32; the blocks compute in `dtype` (bfloat16 on a GPU). Which
 kernels run these ops, and which ops one kernel does together, is the plan's business
@@ -54,6 +54,12 @@ class LayerParams:
     k_norm: jax.Array | None = None
     post_attn_norm: jax.Array | None = None
     post_ffn_norm: jax.Array | None = None
+    # Mixture of experts, in place of w_gate, w_up, w_down: the router (n_experts, d_model) and
+    # the experts' weights stacked (n_experts, out, in).
+    router: jax.Array | None = None
+    w_gate_exps: jax.Array | None = None
+    w_up_exps: jax.Array | None = None
+    w_down_exps: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -98,6 +104,10 @@ def _layer(cfg: ModelConfig, plan: Plan, lp: LayerPlan, i: int, p: LayerParams, 
                                 n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, eps=cfg.rms_eps,
                                 pairing=cfg.rope_pairing, scale=cfg.attn_scale, window=cfg.layer_windows[i])
     s = ops.add_norm(plan, lp.ffn_norm, s, attn, p.wo, p.post_attn_norm, p.ffn_norm, cfg.rms_eps)
+    if cfg.n_experts:
+        out = ops.experts(s.h, p.router, p.w_gate_exps, p.w_up_exps, p.w_down_exps, k=cfg.n_experts_used,
+                          normalize=cfg.expert_norm, act=cfg.activation)
+        return ops.add_norm_sum(plan, s, out, next_norm, cfg.rms_eps), cache
     gate_up, s = ops.project(plan, s, [p.w_gate_up] if p.w_gate_up is not None else [p.w_gate, p.w_up])
     gated = ops.glu(plan, lp.glu, gate_up, cfg.activation)
     s = ops.add_norm(plan, lp.out_norm, s, gated, p.w_down, p.post_ffn_norm, next_norm, cfg.rms_eps)

@@ -107,6 +107,31 @@ def add_norm(plan: Plan, how: str, s: Stream, a, w: Weight, post_norm, norm_w: j
     return Stream(x, h, s.counts)
 
 
+def add_norm_sum(plan: Plan, s: Stream, out: jax.Array, norm_w: jax.Array, eps: float) -> Stream:
+    """x + out for a block output `out` computed whole (a mixture of experts), and that sum
+    RMS-normed by norm_w for the next products."""
+    x, h = add_rms_norm(s.x, out.astype(jnp.float32)[None], norm_w, eps, plan.dtype, implementation=_impl(plan))
+    return Stream(x, h, s.counts)
+
+
+def experts(h, router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *, k: int,
+            normalize: bool, act: str) -> jax.Array:
+    """A mixture of E gated MLPs on the normed rows h (..., d): the router's softmax over the
+    experts, its top k (renormalized to sum to 1 with `normalize`), and the sum of those experts'
+    act(h @ gate.T) * (h @ up.T) @ down.T weighted by them. The reference form: every expert runs
+    on every row and the unchosen ones are weighted 0. w_gate, w_up: (E, F, d); w_down: (E, d, F)."""
+    h = _plain(h)
+    probs = jax.nn.softmax(jnp.einsum("...d,ed->...e", h.astype(jnp.float32), router.astype(jnp.float32)), axis=-1)
+    top, index = jax.lax.top_k(probs, k)
+    if normalize:
+        top = top / top.sum(axis=-1, keepdims=True)
+    weights = jnp.einsum("...k,...ke->...e", top, jax.nn.one_hot(index, router.shape[0], dtype=top.dtype))
+    gate = jnp.einsum("...d,efd->...ef", h, w_gate.astype(h.dtype), preferred_element_type=jnp.float32)
+    up = jnp.einsum("...d,efd->...ef", h, w_up.astype(h.dtype), preferred_element_type=jnp.float32)
+    mid = (activation(act, gate) * up * weights[..., None]).astype(h.dtype)
+    return jnp.einsum("...ef,edf->...d", mid, w_down.astype(h.dtype), preferred_element_type=jnp.float32)
+
+
 def activation(name: str, x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=True) if name == "gelu_tanh" else jax.nn.silu(x)
 
@@ -149,4 +174,5 @@ def attention(plan: Plan, lp: LayerPlan, layer: int, qkv, bias, q_norm, k_norm, 
     return out.reshape(B, T, -1), cache
 
 
-__all__ = ["Stream", "matmul", "take_rows", "norm", "project", "add_norm", "activation", "glu", "attention"]
+__all__ = ["Stream", "matmul", "take_rows", "norm", "project", "add_norm", "add_norm_sum", "experts", "activation", "glu",
+           "attention"]

@@ -151,6 +151,12 @@ def plan_for(cfg: ModelConfig, params, batch: int, tokens: int, dtype, *, paged:
             attention = "rope_append"
         attn_out_int8 = (attention == "rope_attention" and tuning.quantized_attention_out and cfg.head_dim % 32 == 0
                          and qm.runs_int8_gemv(p.wo, rows, dtype, **kw))
+        if p.router is not None:  # a mixture of experts: its products run in XLA on plain normed rows
+            plans.append(LayerPlan(
+                qkv=_kernels(_qkv_weights(p), rows, dtype, kw), attention=attention, attn_out_int8=attn_out_int8,
+                o=qm.kernel_for(p.wo, rows, dtype, **kw), ffn_norm="norm", gate_up="experts", glu="xla",
+                down="experts", out_norm="norm"))
+            continue
         ffn_in = _ffn_weights(p)
         ffn_norm = _norm_into(p.wo, p.post_attn_norm, ffn_in, rows, dtype, kw)
         if p.w_gate_up is None:

@@ -133,6 +133,27 @@ def test_phi3_longrope_sliding_window_matches_transformers(source):
     print(f"random phi3 from {source}, longrope, window 16: max relative logit error {err:.2e}")
 
 
+@pytest.mark.oracle
+@SOURCES
+def test_qwen3_moe_matches_transformers(source):
+    # 4 experts of 32, 2 per token, renormalized: every token's choice and weights matter
+    directory = oracle_random_model("qwen3_moe", seed=23, tie_word_embeddings=False, num_experts=4,
+                                    num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    cfg, err = _check(directory, source, [7, 19, 40])
+    assert (cfg.arch, cfg.n_experts, cfg.n_experts_used, cfg.expert_d_ff, cfg.expert_norm) == ("qwen3", 4, 2, 32, True)
+    print(f"random qwen3_moe from {source}: max relative logit error {err:.2e}")
+
+
+@pytest.mark.oracle
+@SOURCES
+def test_mixtral_matches_transformers(source):
+    directory = oracle_random_model("mixtral", seed=29, tie_word_embeddings=False, num_local_experts=4,
+                                    num_experts_per_tok=2)
+    cfg, err = _check(directory, source, [7, 19, 40])
+    assert (cfg.arch, cfg.n_experts, cfg.n_experts_used, cfg.expert_d_ff) == ("llama", 4, 2, 128)
+    print(f"random mixtral from {source}: max relative logit error {err:.2e}")
+
+
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 

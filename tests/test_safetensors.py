@@ -305,7 +305,7 @@ def test_ckpt_copy_loads(ckpt):
     (dict(num_hidden_layers="two"), r"config key 'num_hidden_layers' = 'two' is not an integer"),
     (dict(num_attention_heads=0), r"config key 'num_attention_heads' = 0 is not an integer >= 1"),
     (dict(rms_norm_eps=-1), r"config key 'rms_norm_eps' = -1 is not a positive number"),
-    (dict(model_type="gpt2"), r"unsupported model_type 'gpt2'; supported: llama, mistral, qwen2, qwen3, phi3, gemma3_text, gemma3"),
+    (dict(model_type="gpt2"), r"unsupported model_type 'gpt2'; supported: llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, phi3, gemma3_text, gemma3"),
     (dict(model_type=...), r"unsupported model_type None"),
     (dict(final_logit_softcapping=30.0), r"final_logit_softcapping = 30.0 is not supported"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
@@ -316,7 +316,7 @@ def test_ckpt_copy_loads(ckpt):
     (dict(partial_rotary_factor=0.5), r"partial_rotary_factor 0.5 is not supported"),
     (dict(hidden_act="relu"), r"hidden_act 'relu' is not supported"),
     (dict(num_experts=8), r"num_experts = 8: mixture-of-experts layers are not supported for model_type 'qwen2'"),
-    (dict(model_type="qwen3_moe"), r"unsupported model_type 'qwen3_moe'"),
+    (dict(model_type="deepseek_v3"), r"unsupported model_type 'deepseek_v3'"),
     (dict(num_key_value_heads=3), r"num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
     (dict(intermediate_size=96), r"tensor 'model\.layers\.\d\.mlp\.(down|gate|up)_proj\.weight' has shape \[.*\], "
                                  r"but config\.json implies \[.*96.*\]"),

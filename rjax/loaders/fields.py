@@ -25,6 +25,8 @@ def expected_shape(cfg, field: str) -> tuple[int, ...]:
         "wq": (q, d), "wk": (kv, d), "wv": (kv, d), "wo": (d, q), "bq": (q,), "bk": (kv,), "bv": (kv,),
         "w_gate": (cfg.d_ff, d), "w_up": (cfg.d_ff, d), "w_down": (d, cfg.d_ff),
         "wqkv": (q + 2 * kv, d), "w_gate_up": (2 * cfg.d_ff, d),
+        "router": (cfg.n_experts, d), "w_gate_exps": (cfg.n_experts, cfg.expert_d_ff, d),
+        "w_up_exps": (cfg.n_experts, cfg.expert_d_ff, d), "w_down_exps": (cfg.n_experts, d, cfg.expert_d_ff),
     }[field]
 
 
@@ -34,7 +36,9 @@ FUSED_FIELDS = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 
 def required_layer_fields(cfg: ModelConfig) -> list[str]:
     """The `LayerParams` fields every layer of `cfg` must load, in the order missing ones are named."""
-    if cfg.arch == "phi3":
+    if cfg.n_experts:
+        required = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "router", "w_gate_exps", "w_up_exps", "w_down_exps"]
+    elif cfg.arch == "phi3":
         required = ["attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down"]
     else:
         required = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down"]
@@ -59,6 +63,6 @@ def missing_layer_fields(cfg: ModelConfig, have) -> list[str]:
 
 def assemble_params(cfg: ModelConfig, top: dict, layers: list[dict]) -> Params:
     """Loaded fields (top-level ones, and one dict per layer) -> Params; a tied head is the embedding."""
-    unfused = dict.fromkeys(p for parts in FUSED_FIELDS.values() for p in parts)  # None where stacked
+    unfused = dict.fromkeys([p for parts in FUSED_FIELDS.values() for p in parts] + ["w_down"])  # None where absent
     return Params(embed=top["embed"], layers=tuple(LayerParams(**{**unfused, **l}) for l in layers),
                   final_norm=top["final_norm"], lm_head=None if cfg.tie_embeddings else top["lm_head"])

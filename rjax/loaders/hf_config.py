@@ -16,9 +16,12 @@ from rjax.loaders.errors import MAX_CONTEXT, MAX_DIM, MAX_LAYERS, MAX_VOCAB, Mod
 
 CONFIG_FILE = "config.json"
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "gemma3")
-_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-         "gemma3_text": "gemma3"}
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma3_text",
+                         "gemma3")
+_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+         "qwen3_moe": "qwen3", "phi3": "phi3", "gemma3_text": "gemma3"}
+# Mixture-of-experts model types -> the key that counts their experts by default
+_EXPERT_COUNT = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts"}
 
 # transformers' defaults for the keys a config.json may leave out, per model_type
 _DEFAULTS = {
@@ -32,6 +35,13 @@ _DEFAULTS = {
     "qwen3": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, rope_theta=10000.0,
                   tie_word_embeddings=False, hidden_act="silu", sliding_window=4096,
                   use_sliding_window=False, max_window_layers=28),
+    "mixtral": dict(rms_norm_eps=1e-5, max_position_embeddings=131072, rope_theta=1e6,
+                    tie_word_embeddings=False, hidden_act="silu", sliding_window=None, num_local_experts=8,
+                    num_experts_per_tok=2),
+    "qwen3_moe": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, rope_theta=10000.0,
+                      tie_word_embeddings=False, hidden_act="silu", sliding_window=4096,
+                      use_sliding_window=False, max_window_layers=28, num_experts=128, num_experts_per_tok=8,
+                      moe_intermediate_size=768, norm_topk_prob=False, decoder_sparse_step=1),
     "phi3": dict(rms_norm_eps=1e-5, max_position_embeddings=4096, rope_theta=10000.0,
                  tie_word_embeddings=False, hidden_act="silu", original_max_position_embeddings=4096),
     "gemma3_text": dict(rms_norm_eps=1e-6, max_position_embeddings=131072, rope_theta=1_000_000.0,
@@ -189,7 +199,7 @@ def config_from_hf(model_type: str, hf: dict, where: str | os.PathLike = CONFIG_
     if hf.get("use_bidirectional_attention"):
         keys.fail("use_bidirectional_attention is not supported")
     for key in _EXPERT_KEYS:
-        if hf.get(key):
+        if hf.get(key) and model_type not in _EXPERT_COUNT:
             keys.fail(f"{key} = {hf[key]!r:.80}: mixture-of-experts layers are not supported for "
                       f"model_type {model_type!r}")
     if hf.get("mlp_bias"):
@@ -257,9 +267,11 @@ def _arch_config(keys: _Keys, model_type: str, hf: dict, common: dict, n_layers:
             k: v for k, v in rp.items() if k not in ("rope_type", "type")}
         common["context_length"] = extra.pop("context_length")
     theta, scaling, linear = _rope(keys, rp, keys.float("rope_theta"), context, ("default", "linear", "llama3"))
-    if model_type in ("mistral", "phi3"):  # one window for every layer, when the config sets one
+    if model_type in _EXPERT_COUNT:
+        extra |= _experts(keys, model_type, n_layers)
+    if model_type in ("mistral", "mixtral", "phi3"):  # one window for every layer, when the config sets one
         windows = (keys.window(),) * n_layers if "sliding_window" in hf or model_type == "mistral" else ()
-    elif model_type in ("qwen2", "qwen3"):  # windows only with use_sliding_window, on layers >= max_window_layers
+    elif model_type in ("qwen2", "qwen3", "qwen3_moe"):  # windows only with use_sliding_window, on layers >= max_window_layers
         window = keys.window() if keys.get("use_sliding_window") else None
         first = keys.int("max_window_layers", minimum=0, maximum=MAX_LAYERS)
         types = _layer_types(keys, n_layers, ["sliding_attention" if window is not None and i >= first
@@ -268,7 +280,25 @@ def _arch_config(keys: _Keys, model_type: str, hf: dict, common: dict, n_layers:
     else:  # llama has no sliding window
         windows = ()
     return ModelConfig(**common, rope_theta=theta, rope_scaling=scaling, layer_rope_linear=(linear,) * n_layers,
-                       qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3", layer_windows=windows, **extra)
+                       qkv_bias=model_type == "qwen2", qk_norm=model_type in ("qwen3", "qwen3_moe"), layer_windows=windows, **extra)
+
+
+def _experts(keys: _Keys, model_type: str, n_layers: int) -> dict:
+    """A mixture-of-experts config's expert fields -> ModelConfig fields; every layer must be one."""
+    # transformers 5 saves either type's count as num_local_experts; Qwen's own configs say num_experts
+    count_key = next((k for k in ("num_local_experts", "num_experts") if keys.hf.get(k) is not None),
+                     _EXPERT_COUNT[model_type])
+    n = keys.int(count_key, maximum=4096)
+    used = keys.int("num_experts_per_tok", maximum=4096)
+    if used > n:
+        keys.fail(f"num_experts_per_tok = {used} is more than {count_key} = {n}")
+    if model_type == "mixtral":  # Mixtral's experts are MLPs of intermediate_size; its top k always sum to 1
+        return dict(n_experts=n, n_experts_used=used, expert_d_ff=keys.int("intermediate_size"), expert_norm=True)
+    if keys.hf.get("mlp_only_layers") or keys.int("decoder_sparse_step") != 1:
+        keys.fail(f"mlp_only_layers = {keys.hf.get('mlp_only_layers')!r:.80} / decoder_sparse_step = "
+                  f"{keys.get('decoder_sparse_step')!r}: dense layers among the expert layers are not supported")
+    return dict(n_experts=n, n_experts_used=used, expert_d_ff=keys.int("moe_intermediate_size"),
+                expert_norm=keys.bool("norm_topk_prob"))
 
 
 def _longrope(keys: _Keys, rp: dict, head_dim: int, context: int) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import ml_dtypes  # noqa: F401 - registers numpy's "bfloat16" dtype, which safe_open needs for BF16
@@ -38,6 +39,12 @@ _LAYER_LLAMA = {**_LAYER_COMMON, "post_attention_layernorm.weight": "ffn_norm"}
 _LAYER_GEMMA = {**_LAYER_COMMON, "post_attention_layernorm.weight": "post_attn_norm",
                 "pre_feedforward_layernorm.weight": "ffn_norm",
                 "post_feedforward_layernorm.weight": "post_ffn_norm"}
+# Mixture-of-experts layers (Qwen3-MoE's `mlp.`, Mixtral's `block_sparse_moe.`): the router, and each
+# expert's MLP, stacked at load into one (n_experts, out, in) field per product.
+_ROUTER = {"mlp.gate.weight": "router", "block_sparse_moe.gate.weight": "router"}
+_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+_EXPERT_FIELDS = {"gate_proj": "w_gate_exps", "w1": "w_gate_exps", "up_proj": "w_up_exps", "w3": "w_up_exps",
+                  "down_proj": "w_down_exps", "w2": "w_down_exps"}
 _TOP = {"embed_tokens.weight": "embed", "norm.weight": "final_norm", "lm_head.weight": "lm_head"}
 # Where the text model's tensors live: plain causal LMs, and Gemma 3's multimodal checkpoints as
 # transformers >= 4.52 saves them and as they were published before.
@@ -123,6 +130,11 @@ def tensor_plan(cfg: ModelConfig, model_type: str, tensors: dict, where: Path
         parts = local.split(".", 2)
         if parts[0] == "layers" and len(parts) == 3 and parts[1].isdigit():
             i, field = int(parts[1]), layer_map.get(parts[2])
+            if cfg.n_experts and field is None:
+                field = _ROUTER.get(parts[2])
+                expert = _EXPERT.fullmatch(parts[2])
+                if expert and int(expert[1]) < cfg.n_experts:
+                    field = f"{_EXPERT_FIELDS[expert[2]]}.{int(expert[1])}"
             if field is None or i >= cfg.n_layers:
                 unknown.append(name)
                 continue
@@ -140,8 +152,11 @@ def tensor_plan(cfg: ModelConfig, model_type: str, tensors: dict, where: Path
     have = set(plan.values())
     inverse = {f: n for n, f in layer_map.items()}
     prefix = _prefix_of(tensors)
+    inverse |= {"router": "mlp.gate.weight", **{f: f"mlp.experts.N.{n}.weight" for n, f in _EXPERT_FIELDS.items()}}
     missing = [f"{prefix}layers.{i}.{inverse[f]}" for i in range(cfg.n_layers)
-               for f in missing_layer_fields(cfg, {f for j, f in have if j == i})]
+               for f in missing_layer_fields(cfg, {f.split(".")[0] for j, f in have if j == i})]
+    missing += [f"{prefix}layers.{i}: expert {e}'s {f}" for i in range(cfg.n_layers) for f in set(_EXPERT_FIELDS.values())
+                for e in range(cfg.n_experts) if (i, f"{f}.0") in have and (i, f"{f}.{e}") not in have]
     missing = [f"{prefix}embed_tokens.weight"] * ((None, "embed") not in have) + missing
     missing += [f"{prefix}norm.weight"] * ((None, "final_norm") not in have)
     untied_head_missing = not cfg.tie_embeddings and (None, "lm_head") not in have
@@ -150,7 +165,7 @@ def tensor_plan(cfg: ModelConfig, model_type: str, tensors: dict, where: Path
         raise ModelFileError(f"{where}: missing tensors: {listing(missing, 6)}")
     for name, (_, field) in plan.items():
         file, dtype, shape = tensors[name]
-        want = expected_shape(cfg, field)
+        want = expected_shape(cfg, field.split(".")[0])[1:] if "." in field else expected_shape(cfg, field)
         if shape != want:
             raise ModelFileError(f"{file}: tensor {name!r} has shape {list(shape)}, but config.json implies "
                                  f"{list(want)} (hidden_size {cfg.d_model}, heads {cfg.n_heads}/{cfg.n_kv_heads} "

@@ -157,12 +157,22 @@ def load_hf_dir(path: str | os.PathLike, *, progress: bool = True, quantize: str
             if f != file or name not in plan:
                 continue
             layer, field = plan[name]
-            convert = functools.partial(_convert, field=field, gemma=gemma, qtype=qtype, name=name)
+            # the router and the experts stay in their file dtype: the mixture runs as plain XLA products
+            dense = field == "router" or "." in field
+            convert = functools.partial(_convert, field=field, gemma=gemma, qtype=None if dense else qtype, name=name)
             w = _load_tensor(reader, name, shape, _ITEMSIZE[dtype], convert)
-            (top if layer is None else layers[layer])[field] = w
+            if "." in field:  # one expert's weight: stacked below
+                base, expert = field.split(".")
+                layers[layer].setdefault(base, {})[int(expert)] = w
+            else:
+                (top if layer is None else layers[layer])[field] = w
             bar.update()
         reader.close()
     bar.close()
+    for layer in layers:
+        for field, experts in layer.items():
+            if isinstance(experts, dict):
+                layer[field] = jnp.stack([experts[e] for e in range(len(experts))])
     return cfg, assemble_params(cfg, top, layers)
 
 

@@ -9,7 +9,7 @@ writes. Every subcommand writes one output file or directory (`--out`):
   save-pretrained  a GGUF's weights, tokenizer and generation config as a plain safetensors checkpoint -> dir
   save-tokenizer   only the tokenizer transformers builds from a model, as a Hugging Face directory -> dir
   random-qwen2     a small random-weight Qwen2 checkpoint with its own tiny byte-level tokenizer -> dir
-  random-model     a small random-weight llama / mistral / qwen2 / qwen3 / phi3 / gemma3_text checkpoint -> dir
+  random-model     a small random-weight checkpoint of a dense or mixture-of-experts architecture -> dir
   to-gguf          a checkpoint directory converted by llama.cpp's own convert_hf_to_gguf.py (float32) -> .gguf
 
 `serve` runs those subcommands one after another, read as JSON argument lists from stdin, each
@@ -323,6 +323,8 @@ _RANDOM_MODEL_CLASSES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 
