@@ -111,7 +111,8 @@ def workspace_bytes(cfg: ModelConfig, *, n_slots: int, max_len: int, prefill_tok
 
         backend = jax.default_backend()
     item = _float_item(dtype)
-    per_token = 4 * (4 * cfg.d_model + 3 * cfg.d_ff + 2 * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim)
+    ffn = max(cfg.d_ff, cfg.n_experts * cfg.expert_d_ff)  # the reference mixture runs every expert on every token
+    per_token = 4 * (4 * cfg.d_model + 3 * ffn + 2 * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim)
     logits = 6 * 4 * cfg.vocab_size
     decode = n_slots * (per_token + logits)
     prefill = prefill_tokens * per_token + prefill_prompts * logits

@@ -101,6 +101,8 @@ def head_layout(n_heads: int, n_kv_heads: int, n: int) -> HeadLayout:
 
 def split_config(cfg: ModelConfig, n: int) -> ModelConfig:
     """The model as the n devices hold it together: its heads padded as `head_layout` says."""
+    if cfg.n_experts:
+        raise ValueError(f"tp={n}: a mixture of experts ({cfg.n_experts} experts) is not split over devices yet")
     lay = head_layout(cfg.n_heads, cfg.n_kv_heads, n)
     if cfg.d_ff % n:
         raise ValueError(f"tp={n}: the feed-forward size {cfg.d_ff} does not split into {n} equal parts")

@@ -264,10 +264,11 @@ def test_gguf_gemma3_per_layer_sliding_window_flags():
 @pytest.mark.parametrize("arch, drop, extra, message", [
     ("qwen3", "qwen3.attention.head_count", {}, r"missing metadata key 'qwen3\.attention\.head_count'"),
     ("phi3", "phi3.embedding_length", {}, r"missing metadata key 'phi3\.embedding_length'"),
-    ("llama", None, {"llama.expert_count": 8},
-     r"llama\.expert_count = 8: mixture-of-experts layers are not supported"),
-    ("qwen3moe", None, {}, r"unsupported architecture 'qwen3moe' \(general\.architecture\); supported: llama, qwen2, "
-                           r"qwen3, phi3, gemma3"),
+    ("llama", None, {"llama.expert_count": 4, "llama.expert_used_count": 5},
+     r"metadata key 'llama\.expert_used_count' = 5 is not an integer in \[1, 4\]"),
+    ("qwen3moe", None, {}, r"missing metadata key 'qwen3moe\.expert_count' \(a qwen3moe model has experts\)"),
+    ("deepseek2", None, {}, r"unsupported architecture 'deepseek2' \(general\.architecture\); supported: llama, "
+                            r"qwen2, qwen3, phi3, gemma3, qwen3moe"),
 ])
 def test_gguf_bad_or_unsupported_architecture_fields_are_named(arch, drop, extra, message):
     meta = {f"{arch}.{k}": v for k, v in {
@@ -293,8 +294,15 @@ def _hf(model_type, **changes):
     ("phi3", dict(rope_scaling={"type": "su", "short_factor": [1.0] * 3, "long_factor": [1.0] * 8}),
      r"longrope rope scaling needs 'short_factor': 8 positive numbers \(head_dim 16 / 2\), got \[1\.0, 1\.0, 1\.0\]"),
     ("phi3", dict(partial_rotary_factor=0.75), r"partial_rotary_factor 0\.75 is not supported"),
+    ("mixtral", dict(num_local_experts=4, num_experts_per_tok=5),
+     r"num_experts_per_tok = 5 is more than num_local_experts = 4"),
+    ("mixtral", dict(num_local_experts=0), r"config key 'num_local_experts' = 0 is not an integer >= 1"),
+    ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=0),
+     r"config key 'moe_intermediate_size' = 0 is not an integer >= 1"),
+    ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0]),
+     r"mlp_only_layers = \[0\] .*: dense layers among the expert layers are not supported"),
 ])
-def test_hf_bad_fields_of_qwen3_and_phi3_are_named(model_type, changes, message):
+def test_hf_bad_fields_of_new_architectures_are_named(model_type, changes, message):
     with pytest.raises(ModelFileError, match=message):
         config_from_hf(model_type, _hf(model_type, **changes), "x/config.json")
 
@@ -305,3 +313,22 @@ def test_hf_phi3_longrope_with_equal_factors_keeps_the_whole_context():
                                       rope_scaling={"type": "su", "short_factor": factors, "long_factor": factors}))
     assert cfg.context_length == 4096 and cfg.rope_freq_factors == tuple(factors)
     assert cfg.attn_scale == pytest.approx((1 + math.log(4) / math.log(1024)) / 4)
+
+
+def test_gguf_router_without_experts_is_named(tmp_path):
+    import gguf
+
+    path = tmp_path / "router.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    for method, value in [("add_block_count", 1), ("add_embedding_length", 32), ("add_feed_forward_length", 64),
+                          ("add_head_count", 2), ("add_context_length", 64), ("add_layer_norm_rms_eps", 1e-6)]:
+        getattr(w, method)(value)
+    w.add_tensor("token_embd.weight", np.ones((16, 32), np.float32))
+    w.add_tensor("blk.0.ffn_gate_inp.weight", np.ones((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelFileError, match=r"tensor 'blk\.0\.ffn_gate_inp\.weight' belongs to a mixture of "
+                                             r"experts, but the file has no llama\.expert_count"):
+        load_gguf(path, progress=False)

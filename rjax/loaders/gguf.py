@@ -25,7 +25,7 @@ from rjax.loaders.fields import BIAS_FIELDS, NORM_FIELDS, assemble_params, expec
 from rjax.loaders.gguf_header import (GGUF_MAGIC, config_from_metadata, config_from_reader,  # noqa: F401
                                       metadata, open_gguf)
 from rjax.model import Params
-from gguf_blocks import formats
+from gguf_blocks import formats, reference
 from gguf_blocks.qtensor import QTensor
 
 
@@ -47,7 +47,10 @@ LAYER_TENSORS = {
     "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv",
     "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
     "post_attention_norm": "post_attn_norm", "post_ffw_norm": "post_ffn_norm",
+    "ffn_gate_inp": "router", "ffn_gate_exps": "w_gate_exps", "ffn_up_exps": "w_up_exps",
+    "ffn_down_exps": "w_down_exps",
 }
+EXPERT_FIELDS = frozenset({"router", "w_gate_exps", "w_up_exps", "w_down_exps"})
 # the full name after `blk.N.`: "attn_q.weight", "attn_q.bias", ...
 _LAYER_NAMES = {(k if k.endswith(".bias") else k + ".weight"): f for k, f in LAYER_TENSORS.items()}
 TOP_TENSORS = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
@@ -67,6 +70,9 @@ def _place(name: str, cfg: ModelConfig, path) -> tuple[int | None, str] | None:
                              f"{cfg.n_layers} blocks ({cfg.arch}.block_count)")
     if cfg.arch == "phi3" and field == "w_up":  # Phi-3's ffn_up holds gate and up stacked
         field = "w_gate_up"
+    if field in EXPERT_FIELDS and not cfg.n_experts:
+        raise ModelFileError(f"{path}: tensor {name!r} belongs to a mixture of experts, but the file has no "
+                             f"{cfg.arch}.expert_count")
     return int(parts[1]), field
 
 
@@ -101,6 +107,8 @@ def load_params(reader: GGUFReader, cfg: ModelConfig, progress: bool = True, on_
             raise ModelFileError(f"{path}: tensor {t.name!r} is {host.qtype.name}; norms and biases must be "
                                  "F32, F16 or BF16")
         check_finite(path, t.name, host)
+        if field in EXPERT_FIELDS:  # the reference mixture multiplies dense experts: dequantized once here
+            host = reference.dequantize(host).astype(jnp.bfloat16) if isinstance(host, QTensor) else host
         (top if layer is None else layers[layer])[field] = _to_device(host) if on_device else host
     missing = [n for n, f in TOP_TENSORS.items() if f not in top and (f != "lm_head" or not cfg.tie_embeddings)]
     inverse = {v: k for k, v in LAYER_TENSORS.items()} | {"w_gate_up": "ffn_up"}
