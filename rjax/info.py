@@ -116,6 +116,12 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:,.1f} MB" if n < 1e9 else f"{n / 1e9:,.2f} GB"
 
 
+def active_parameters(config: dict, parameters: int) -> int:
+    """The parameters one token's forward pass reads: all of them less its unchosen experts'."""
+    per_expert = 3 * config["d_model"] * config["expert_d_ff"]
+    return parameters - config["n_layers"] * (config["n_experts"] - config["n_experts_used"]) * per_expert
+
+
 def format_info(info: dict, *, tensors: bool = False) -> str:
     c = info["config"]
     lines = [
@@ -130,6 +136,8 @@ def format_info(info: dict, *, tensors: bool = False) -> str:
         f"  chat template  {'yes' if info.get('chat_template') else 'no (a base model: use --raw)'}",
         f"  layers         {c['n_layers']}   hidden {c['d_model']}   ffn {c['d_ff']}   vocab {c['vocab_size']:,}",
         f"  heads          {c['n_heads']} query / {c['n_kv_heads']} kv, head dim {c['head_dim']}",
+        *([f"  experts        {c['n_experts']}, {c['n_experts_used']} per token, ffn {c['expert_d_ff']}; "
+           f"active parameters {active_parameters(c, info['parameters']):,}"] if c.get("n_experts") else []),
         f"  rope           base {c['rope_theta']:g}, {c['rope_pairing']}"
         + (f", sliding window {c['layer_windows']}" if c.get("layer_windows") else ""),
     ]

@@ -31,7 +31,7 @@ def _stack_rows(ws: list[Weight]) -> Weight | None:
 def _fuse_layer(p):
     if p.wqkv is None and (qkv := _stack_rows([p.wq, p.wk, p.wv])) is not None:
         p = dataclasses.replace(p, wqkv=qkv, wq=None, wk=None, wv=None)
-    if p.w_gate_up is None and (gu := _stack_rows([p.w_gate, p.w_up])) is not None:
+    if p.w_gate is not None and p.w_gate_up is None and (gu := _stack_rows([p.w_gate, p.w_up])) is not None:
         p = dataclasses.replace(p, w_gate_up=gu, w_gate=None, w_up=None)
     return p
 

@@ -75,6 +75,9 @@ class Shape:
     head_dim: int = 0            # 0: d_model // n_heads
     tied_embeddings: bool = True
     sliding_window: int = 0      # gemma3: window of its local layers
+    n_experts: int = 0           # a mixture of experts in place of the MLP: how many, how many a token
+    n_experts_used: int = 0      # uses, and each expert's feed-forward size
+    expert_d_ff: int = 0
 
     @property
     def head_size(self) -> int:
@@ -88,6 +91,10 @@ SHAPES: dict[str, Shape] = {s.name: s for s in (
     Shape("qwen2.5-1.5b", "qwen2", 28, 1536, 8960, 12, 2, 151936, 32768, 1000000.0, 1e-6),
     Shape("qwen3-8b", "qwen3", 36, 4096, 12288, 32, 8, 151936, 40960, 1000000.0, 1e-6, head_dim=128,
           tied_embeddings=False),
+    Shape("qwen3-30b-a3b", "qwen3moe", 48, 2048, 6144, 32, 4, 151936, 40960, 1000000.0, 1e-6, head_dim=128,
+          tied_embeddings=False, n_experts=128, n_experts_used=8, expert_d_ff=768),
+    Shape("mixtral-8x7b", "llama", 32, 4096, 14336, 32, 8, 32000, 32768, 1000000.0, 1e-5, tied_embeddings=False,
+          n_experts=8, n_experts_used=2, expert_d_ff=14336),
     Shape("gemma3-1b", "gemma3", 26, 1152, 6912, 4, 1, 262144, 32768, 1000000.0, 1e-6, head_dim=256,
           sliding_window=512),
 )}
@@ -172,13 +179,20 @@ def tensor_specs(shape: Shape, mix: QuantMix, n_layers: int | None = None,
         if shape.arch == "qwen2":
             specs += [vec(b + "attn_q.bias", q_out, BIAS), vec(b + "attn_k.bias", kv_out, BIAS),
                       vec(b + "attn_v.bias", kv_out, BIAS)]
-        if shape.arch in ("gemma3", "qwen3"):
+        if shape.arch in ("gemma3", "qwen3", "qwen3moe"):
             specs += [vec(b + "attn_q_norm.weight", hd), vec(b + "attn_k_norm.weight", hd)]
         specs.append(mat(b + "attn_output.weight", d, q_out))
         if shape.arch == "gemma3":
             specs.append(vec(b + "post_attention_norm.weight", d))
-        specs += [vec(b + "ffn_norm.weight", d), mat(b + "ffn_gate.weight", shape.d_ff, d),
-                  mat(b + "ffn_up.weight", shape.d_ff, d), mat(b + "ffn_down.weight", d, shape.d_ff, more)]
+        if shape.n_experts:  # llama.cpp keeps the router in F32 and stacks the experts' weights
+            E, F = shape.n_experts, shape.expert_d_ff
+            specs += [vec(b + "ffn_norm.weight", d), mat(b + "ffn_gate_inp.weight", E, d, QType.F32),
+                      TensorSpec(b + "ffn_gate_exps.weight", (E, F, d), _matrix_type(mix.matmul, d), MATRIX),
+                      TensorSpec(b + "ffn_up_exps.weight", (E, F, d), _matrix_type(mix.matmul, d), MATRIX),
+                      TensorSpec(b + "ffn_down_exps.weight", (E, d, F), _matrix_type(more, F), MATRIX)]
+        else:
+            specs += [vec(b + "ffn_norm.weight", d), mat(b + "ffn_gate.weight", shape.d_ff, d),
+                      mat(b + "ffn_up.weight", shape.d_ff, d), mat(b + "ffn_down.weight", d, shape.d_ff, more)]
         if shape.arch == "gemma3":
             specs.append(vec(b + "post_ffw_norm.weight", d))
     specs.append(vec("output_norm.weight", d))
@@ -384,6 +398,10 @@ def _add_architecture(w: GGUFWriter, shape: Shape, n_layers: int, vocab_size: in
     w.add_layer_norm_rms_eps(shape.rms_eps)
     if shape.sliding_window:
         w.add_sliding_window(shape.sliding_window)
+    if shape.n_experts:
+        w.add_expert_count(shape.n_experts)
+        w.add_expert_used_count(shape.n_experts_used)
+        w.add_expert_feed_forward_length(shape.expert_d_ff)
     w.add_vocab_size(vocab_size)
     w.add_file_type(int(mix.file_type))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)

@@ -204,6 +204,21 @@ def test_qwen3_8b_has_its_parameter_count():
     assert {s.name for s in specs} >= {"blk.35.attn_q_norm.weight", "blk.35.attn_k_norm.weight", "output.weight"}
 
 
+@pytest.mark.parametrize("shape, total, active", [("qwen3-30b-a3b", 30_532_122_624, 3_353_032_704),
+                                                   ("mixtral-8x7b", 46_702_792_704, 12_879_925_248)])
+def test_mixture_of_experts_shapes_have_their_parameter_counts(shape, total, active):
+    from rjax.info import active_parameters
+
+    s = SHAPES[shape]
+    specs = tensor_specs(s, MIXES["q4_k"])
+    assert sum(math.prod(t.shape) for t in specs) == total  # as the models' safetensors hold
+    config = dict(d_model=s.d_model, expert_d_ff=s.expert_d_ff, n_layers=s.n_layers, n_experts=s.n_experts,
+                  n_experts_used=s.n_experts_used)
+    assert active_parameters(config, total) == active  # published: 3.3B and 12.9B active
+    assert next(t for t in specs if t.name == "blk.0.ffn_down_exps.weight").shape == (s.n_experts, s.d_model,
+                                                                                     s.expert_d_ff)
+
+
 @pytest.mark.parametrize("shape,mix", [("qwen2.5-1.5b", "q4_k"), ("gemma3-1b", "q4_k")])
 def test_other_architectures_run(tmp_path, shape, mix):
     """qwen2 (q/k/v biases) and gemma3 (q/k norms, post-norms, 256-wide heads, windows): prefill."""
