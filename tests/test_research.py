@@ -48,8 +48,9 @@ def test_forward_equals_the_engines_prefill(tiny, by_tokens):
 
 def test_vmap_over_prompts_equals_the_batch(tiny, by_tokens):
     cfg, params = tiny
-    one = jax.jit(jax.vmap(lambda t, n: rjax.forward(cfg, params, t[None], lengths=n[None]).logits[0]))
-    got = np.asarray(one(jnp.asarray(TOKENS), jnp.asarray(LENGTHS)))
+    one = jax.jit(jax.vmap(lambda params, t, n: rjax.forward(cfg, params, t[None], lengths=n[None]).logits[0],
+                           in_axes=(None, 0, 0)))
+    got = np.asarray(one(params, jnp.asarray(TOKENS), jnp.asarray(LENGTHS)))
     for b, n in enumerate(LENGTHS):
         np.testing.assert_allclose(got[b, :n], np.asarray(by_tokens.logits[b, :n]), rtol=0, atol=1e-5)
 
@@ -72,14 +73,14 @@ def test_gradients_wrt_embeddings_and_float_params_match_finite_differences(tiny
     e = rjax.embed(cfg, params, jnp.asarray(TOKENS[:1]))
 
     @jax.jit
-    def loss(e, trainable):
+    def loss(e, trainable, frozen):
         logits = rjax.forward(cfg, rjax.merge_params(trainable, frozen), embeddings=e).logits
         return jax.nn.log_softmax(logits[0, -1])[42] + jax.nn.log_softmax(logits[0, 2])[7]
 
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(e, trainable)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(e, trainable, frozen)
     assert grads[0].shape == e.shape
     assert jax.tree.structure(grads[1]) == jax.tree.structure(trainable)
-    _directional_check(loss, (e, trainable), grads)
+    _directional_check(lambda e, trainable: loss(e, trainable, frozen), (e, trainable), grads)
 
 
 def test_split_params_keeps_quantized_weights_frozen(tiny, tmp_path):
