@@ -80,9 +80,6 @@ def test_notebook_runs(name, kernel_env, monkeypatch):
     # plt.show() a no-op and leave nothing to check).
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
-    # The kernel compiles into memory only, as the test processes do (rjax.load would otherwise
-    # keep its programs in the user's $RJAX_HOME/xla-cache).
-    monkeypatch.setenv("JAX_ENABLE_COMPILATION_CACHE", "false")
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=TIMEOUT_S, kernel_name=KERNEL,
                                      resources={"metadata": {"path": str(NOTEBOOKS)}})

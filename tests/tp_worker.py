@@ -28,8 +28,6 @@ from rjax import engine, tensor_parallel  # noqa: E402
 from rjax.cache import init_cache  # noqa: E402
 from rjax.generation import stream_ids  # noqa: E402
 
-rjax.compile_cache(None)  # a test process compiles into memory only, as conftest.py sets for the others
-
 PROMPTS = [[1, 5, 9, 14, 3, 27, 8], [11, 4, 30], [2, 40, 7, 7, 19, 33, 12, 6, 21, 9, 17]]
 
 
