@@ -4,9 +4,12 @@ High level:  model = rjax.load("smollm2-135m-instruct"); rjax.generate(model, "H
 Functional:  rjax.init_cache, rjax.prefill, rjax.decode_step, rjax.decode_loop, rjax.greedy_decode_loop, rjax.sample
              are pure jitted functions of (static config, params pytree, cache pytree, inputs).
 Scoring:     rjax.score, rjax.perplexity; rjax.token_logprobs is the jitted core.
+Research:    rjax.forward (tokens or input embeddings -> logits, hidden states), differentiable;
+             rjax.split_params / rjax.merge_params keep quantized weights out of jax.grad.
 Serving:     rjax.ServingEngine (continuous batching over slots of a paged KV cache).
 Errors:      rjax.ModelFileError (a damaged or unsupported model file), rjax.ContextLengthError
-             (prompt plus new tokens beyond the context), rjax.InvalidTextError.
+             (prompt plus new tokens beyond the context), rjax.InvalidTextError, rjax.NotDifferentiableError.
+Compiled programs are kept in $RJAX_HOME/xla-cache from rjax.load on; rjax.compile_cache(path or None) to change.
 """
 import importlib
 import importlib.util
@@ -22,12 +25,14 @@ _EXPORTS = {
     "rjax.generation": ("GenerationResult", "InvalidTextError", "generate", "stream"),
     "rjax.loaders": ("Model", "load"),
     "rjax.loaders.errors": ("ModelFileError",),
-    "rjax.model": ("Params", "forward"),
+    "rjax.model": ("Params", "embed"),
     "rjax.plan": ("Plan", "plan_for"),
+    "rjax.research": ("ForwardResult", "NotDifferentiableError", "forward", "merge_params", "split_params"),
     "rjax.paged_cache": ("PagedKVCache", "init_paged_cache"),
     "rjax.sampling": ("SamplingParams", "sample"),
     "rjax.scoring": ("perplexity", "score", "token_logprobs"),
     "rjax.serving": ("ServingConfig", "ServingEngine"),
+    "rjax.xla_cache": ("compile_cache",),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -48,10 +53,10 @@ def __dir__():
 
 
 __all__ = [
-    "ContextLengthError", "DEFAULT_MODEL", "GenerationResult", "InvalidTextError", "KVCache", "Model", "ModelConfig",
-    "ModelFileError", "PagedKVCache", "Params", "Plan",
+    "ContextLengthError", "DEFAULT_MODEL", "ForwardResult", "GenerationResult", "InvalidTextError", "KVCache", "Model", "ModelConfig",
+    "ModelFileError", "NotDifferentiableError", "PagedKVCache", "Params", "Plan",
     "SamplingParams", "ServingConfig", "ServingEngine",
-    "decode_loop", "decode_step", "forward", "generate", "greedy_decode_loop", "init_cache", "init_paged_cache", "load", "pad_prompts", "plan_for",
-    "prefill",
-    "perplexity", "prefill_and_sample", "prompt_bucket", "pull", "sample", "score", "stream", "token_logprobs",
+    "compile_cache", "decode_loop", "decode_step", "embed", "forward", "generate", "greedy_decode_loop", "init_cache",
+    "init_paged_cache", "load", "merge_params", "pad_prompts", "plan_for", "prefill",
+    "perplexity", "prefill_and_sample", "prompt_bucket", "pull", "sample", "score", "split_params", "stream", "token_logprobs",
 ]

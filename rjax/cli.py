@@ -236,16 +236,6 @@ def _extensions():
     return (bench.register_cli, synth.register_cli, scoring.register_cli, server_cli.register_cli)
 
 
-def enable_compilation_cache() -> None:
-    """Keep compiled XLA programs across runs of the command, beside the model cache."""
-    import jax
-
-    from rjax.catalog import rjax_home
-
-    jax.config.update("jax_compilation_cache_dir", str(rjax_home() / "xla-cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
 def main(argv=None) -> int:
     from rjax.catalog import CatalogError
 
@@ -254,7 +244,9 @@ def main(argv=None) -> int:
     header_only = bool(argv) and argv[0] in ("pull", "list", "info") and "--plan" not in argv
     args = build_parser(extensions=not header_only).parse_args(argv)
     if not header_only:
-        enable_compilation_cache()
+        from rjax.xla_cache import use_default_compile_cache
+
+        use_default_compile_cache()  # programs kept across runs, beside the models
     try:
         return args.func(args) or 0
     except KeyboardInterrupt:

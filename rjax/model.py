@@ -146,13 +146,25 @@ def hidden_states(cfg: ModelConfig, params: Params, cache, tokens: jax.Array, po
         return tensor_parallel.hidden_states(hidden_states, cfg, params, cache, tokens, pos, slots, dtype,
                                              plan.tuning if plan is not None else tuning)
     plan = plan or plan_of(cfg, params, cache, tokens, slots, dtype, tuning, tp_axis)
-    x = embed(cfg, params, jnp.where(pos >= 0, tokens, 0))
+    h, cache, _ = layers_forward(cfg, params, plan, cache, embed(cfg, params, jnp.where(pos >= 0, tokens, 0)), pos,
+                                 slots)
+    return h, cache
+
+
+def layers_forward(cfg: ModelConfig, params: Params, plan: Plan, cache, x: jax.Array, pos: jax.Array,
+                   slots: jax.Array | None):
+    """The layers over the float32 residual stream x [B, T, d_model] (`embed`'s output, or any
+    input embeddings) -> (final-normed hidden states, the cache, the residual stream after each
+    layer: a tuple with None where the plan leaves a layer's add and norm to the next product's
+    kernel). pos, slots: as `hidden_states`."""
     layers = params.layers
     s = ops.norm(plan, x, layers[0].attn_norm, cfg.rms_eps)
+    after = []
     for i, (p, lp) in enumerate(zip(layers, plan.layers)):
         next_norm = params.final_norm if i + 1 == len(layers) else layers[i + 1].attn_norm
         s, cache = _layer(cfg, plan, lp, i, p, s, cache, pos, slots, next_norm)
-    return s.h, cache
+        after.append(s.x)
+    return s.h, cache, tuple(after)
 
 
 def logits_from_hidden(params: Params, h: jax.Array) -> jax.Array:

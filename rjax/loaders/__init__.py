@@ -44,9 +44,15 @@ def load(model: str | os.PathLike, *, progress: bool = True, home: str | os.Path
     `mesh`: a one-axis `jax.sharding.Mesh` (or `rjax.tensor_parallel.TensorParallel`) to split
     the model over (tensor parallel: see rjax.tensor_parallel); a GGUF file's weights go from
     the mapped file straight into their shards. The returned config is the split model's (its
-    heads padded where they do not divide the devices)."""
+    heads padded where they do not divide the devices).
+
+    Compiled programs are kept in `$RJAX_HOME/xla-cache` (under `home` if given) unless the
+    process chose otherwise: see `rjax.compile_cache`."""
     from rjax.catalog import CatalogError, resolve_model
     from rjax.tokenizer import Tokenizer
+    from rjax.xla_cache import use_default_compile_cache
+
+    use_default_compile_cache(home)
 
     try:
         path = Path(resolve_model(model, home=home))
