@@ -298,3 +298,11 @@ def adjust_logits(logits, adj: LogitAdjust, history, temperature):
     floor = jnp.where((adj.min_p > 0) & (temperature > 0), temperature * jnp.log(adj.min_p), -jnp.inf)
     low = x - jnp.max(x, axis=-1, keepdims=True) < floor[:, None]
     return jnp.where(low, -jnp.inf, x)
+
+
+def mask_logits(logits, mask):
+    """logits [B, V] with -inf where the token bitmask mask [B, ceil(V / 32)] int32 has a 0 bit
+    (bit i % 32 of word i // 32 is token i; all ones: every token allowed)."""
+    idx = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    bits = (mask[:, idx // 32] >> (idx % 32)[None]) & 1
+    return jnp.where(bits != 0, logits, -jnp.inf)

@@ -56,7 +56,8 @@ from rjax.sampling import MAX_LOGIT_BIAS, LogitAdjust, SamplingParams, adjusts, 
 from rjax.serving_events import Completion, StreamEvent, TokenLogprob, token_logprob
 from rjax.serving_limits import ServingConfig, check_request, check_stop_ids
 from rjax.tensor_parallel import place_cache
-from rjax.slots import decode_dispatch, free_slots, init_slots, prefill_into_slots, start_history, stop_slots
+from rjax.slots import (decode_dispatch, free_slots, init_slots, prefill_into_slots, set_masks, start_history,
+                        stop_slots)
 from rjax.speculative import ModelDrafter, NgramDrafter, check_draft_model, draft_prefill, speculative_dispatch
 
 
@@ -82,6 +83,8 @@ class _Request:
     logprobs: bool = False
     # Logit adjustments (`rjax.sampling.LogitAdjust.host` keys); empty: none.
     adjust: dict = dataclasses.field(default_factory=dict)
+    # The automaton of a constrained request (`rjax.grammar.Constraint`: mask(), advance(token)).
+    constraint: object = None
     slot: int = -1
     length: int = 0           # positions the request holds in its slot
     # Positions it may write at most: the prompt and every generated token but the last.
@@ -232,15 +235,18 @@ class ServingEngine:
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         u32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.uint32)  # noqa: E731
         f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-        # Sampling (with and without top-k / top-p filters) and greedy variants, and both with
-        # logit adjustments; see _sampling.
-        variants = ((False, True, False, ""), (False, False, False, " unfiltered"), (True, True, False, " greedy"),
-                    (False, True, True, " adjusted"), (True, True, True, " greedy adjusted"))
-        programs = [Program(f"decode B={b} N={c.steps_per_dispatch}{' logprobs' if lp else ''}{name}",
-                            decode_dispatch, (self.cfg, self.params, self.cache, self.slots, c.steps_per_dispatch, lp,
-                                              i32(b) if c.paged else None, g, f, a))
-                    for b in c.decode_buckets for lp in ((False, True) if logprobs else (False,))
-                    for g, f, a, name in variants]
+        # Sampling (with and without top-k / top-p filters) and greedy variants, and the one with
+        # logit adjustments and masks (see _sampling), also of one step, which constrained
+        # requests decode by (the host computes each next mask). Adjusted with log-probabilities,
+        # a rarer mix, compiles on first use.
+        N = c.steps_per_dispatch
+        plain = ((False, True, ""), (False, False, " unfiltered"), (True, True, " greedy"))
+        variants = [(N, lp, g, f, False, name) for lp in ((False, True) if logprobs else (False,))
+                    for g, f, name in plain]
+        variants += [(n, False, False, True, True, " adjusted") for n in sorted({N, 1})]
+        programs = [Program(f"decode B={b} N={n}{' logprobs' if lp else ''}{name}", decode_dispatch,
+                            (self.cfg, self.params, self.cache, self.slots, n, lp, i32(b) if c.paged else None, g, f, a))
+                    for b in c.decode_buckets for n, lp, g, f, a, name in variants]
         model = isinstance(self.drafter, ModelDrafter)
         if c.speculative:
             programs += [Program(f"speculative B={b} K={c.draft_tokens} N={c.steps_per_dispatch}"
@@ -261,7 +267,8 @@ class ServingEngine:
                 self.cfg, self.params, self.cache, self.slots, i32(p, t), i32(p), i32(p),
                 jax.ShapeDtypeStruct((p,), jnp.bool_), u32(p, 2), u32(p),
                 SamplingParams(f32(p), i32(p), f32(p)), i32(p), i32(p, c.max_stop_ids),
-                LogitAdjust(f32(p), f32(p), f32(p), f32(p), i32(p, MAX_LOGIT_BIAS), f32(p, MAX_LOGIT_BIAS)))))
+                LogitAdjust(f32(p), f32(p), f32(p), f32(p), i32(p, MAX_LOGIT_BIAS), f32(p, MAX_LOGIT_BIAS)),
+                i32(p, self.slots.mask.shape[1]))))
             if model:
                 programs.append(Program(f"draft prefill P={p} T={t}", draft_prefill, (
                     self.drafter.cfg, self.draft_params, self.draft_cache, self.pending, i32(p, t), i32(p), i32(p))))
@@ -282,7 +289,8 @@ class ServingEngine:
 
     def submit(self, prompt: Sequence[int], *, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, stop_ids: Sequence[int] | None = None, request_id: Hashable = None,
-               seed: int | None = None, sample_index: int = 0, logprobs: bool = False, **adjust) -> Hashable:
+               seed: int | None = None, sample_index: int = 0, logprobs: bool = False, constraint=None,
+               **adjust) -> Hashable:
         """Queue a tokenized prompt. -> its request id (`request_id`, or a new integer).
         Raises ValueError (or TypeError) for a request that could never run (`check_request`)
         or whose id is already queued or running, and then changes nothing.
@@ -291,7 +299,11 @@ class ServingEngine:
         the engine's seed); sample_index: folded into that stream, so several samples of one
         seed differ. logprobs: its events carry TokenLogprob entries, one per token.
         adjust: presence_penalty, frequency_penalty, repetition_penalty, min_p, logit_bias
-        ({token id: bias}), as the OpenAI API and vLLM define them (`rjax.sampling.adjust_logits`)."""
+        ({token id: bias}), as the OpenAI API and vLLM define them (`rjax.sampling.adjust_logits`).
+        constraint: a fresh `rjax.grammar.Constraint` (or anything with its mask() and
+        advance(token)): every token the request generates is one its mask allows. While a
+        constrained request runs, a decode dispatch is one step, for the host to compute the
+        next mask."""
         prompt, stops = self.check_request(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                                            top_k=top_k, top_p=top_p, stop_ids=stop_ids, seed=seed,
                                            sample_index=sample_index, logprobs=logprobs, **adjust)
@@ -308,7 +320,7 @@ class ServingEngine:
         limit = len(prompt) + max_new_tokens - 1
         self._queue.append(_Request(request_id, prompt, int(max_new_tokens), float(temperature), int(top_k),
                                     float(top_p), stops, time.perf_counter(), seed, int(sample_index), bool(logprobs),
-                                    adjust if adjusts(**adjust) else {}, length_limit=limit))
+                                    adjust if adjusts(**adjust) else {}, constraint, length_limit=limit))
         return request_id
 
     def cancel(self, request_id: Hashable) -> None:
@@ -491,10 +503,14 @@ class ServingEngine:
         seeds = np.asarray([[r.seed & 0xFFFFFFFF, r.seed >> 32] for r in reqs + pad], np.uint32)
         index = np.asarray([r.sample_index for r in reqs + pad], np.uint32)
         adjust = LogitAdjust(*_put(*LogitAdjust.host([r.adjust for r in reqs + pad])))
+        masks = np.full((P, self.slots.mask.shape[1]), -1, np.int32)
+        for i, (r, done_) in enumerate(zip(reqs, last)):
+            if done_ and r.constraint is not None:
+                masks[i] = r.constraint.mask()
         tokens, lengths, rows = _put(tokens, lengths, rows)
         first, lp, self.slots, self.cache = prefill_into_slots(
             self.cfg, self.params, self.cache, self.slots, tokens, lengths, rows, *_put(valid, seeds, index), sp,
-            *_put(budget, stops), adjust)
+            *_put(budget, stops), adjust, _put(masks))
         if self.draft_cache is not None:  # the draft model writes every position the target writes
             self.draft_cache, self.pending = draft_prefill(self.drafter.cfg, self.draft_params, self.draft_cache,
                                                            self.pending, tokens, lengths, rows)
@@ -517,6 +533,8 @@ class ServingEngine:
             r.length = len(r.prompt)
             self._running[r.slot] = r
             entries = [token_logprob(lp, i, None, int(first[i]))] if r.logprobs else None
+            if r.constraint is not None:
+                r.constraint.advance(int(first[i]))
             events.append(self._add_tokens(r, [int(first[i])], entries, bool(done[r.slot]), now))
         self._release([r for _, r in started if done[r.slot]])
         return events
@@ -540,7 +558,7 @@ class ServingEngine:
 
     def _decode(self) -> list[StreamEvent]:
         c = self.config
-        if c.speculative and not any(r.logprobs or r.adjust for r in self._running.values()):
+        if c.speculative and not any(r.logprobs or r.adjust or r.constraint for r in self._running.values()):
             return self._decode_speculative()
         if self.pages is not None:
             grown = [s for s, r in self._running.items()
@@ -552,8 +570,12 @@ class ServingEngine:
             running = sorted(self._running)
             pad = [c.n_slots] * (c.decode_bucket(len(running)) - len(running))
             rows = _put(np.array(running + pad, np.int32))
+        constrained = {s: r for s, r in self._running.items() if r.constraint is not None}
+        if constrained:
+            self._set_masks(constrained)
         out, lp, self.slots, self.cache = decode_dispatch(self.cfg, self.params, self.cache, self.slots,
-                                                          c.steps_per_dispatch, want_lp, rows, *self._sampling())
+                                                          1 if constrained else c.steps_per_dispatch, want_lp, rows,
+                                                          *self._sampling())
         out = np.asarray(out)
         done = np.asarray(self.slots.state.done)
         lp = jax.tree.map(np.asarray, lp) if want_lp else None
@@ -563,6 +585,9 @@ class ServingEngine:
             steps = [i for i, t in enumerate(out[s]) if t >= 0]
             new = [int(out[s, i]) for i in steps]
             r.length += len(new)
+            if r.constraint is not None:
+                for t in new:
+                    r.constraint.advance(t)
             entries = [token_logprob(lp, s, i, int(out[s, i])) for i in steps] if r.logprobs else None
             events.append(self._add_tokens(r, new, entries, bool(done[s]), now))
             if done[s]:
@@ -579,13 +604,22 @@ class ServingEngine:
     def _sampling(self) -> tuple[bool, bool, bool]:
         """decode_dispatch's (greedy, filters, adjust) for the running requests: greedy alone, or
         sampling with the search that top-k / top-p need only where a sampled request uses them;
-        logit adjustments only where a request has them (then with the filters, so that two
-        programs cover it)."""
-        adjust = any(r.adjust for r in self._running.values())
+        logit adjustments only where a request has them (then in the one general program,
+        whose greedy rows take the argmax: one more program to compile, not four)."""
+        if any(r.adjust or r.constraint is not None for r in self._running.values()):
+            return False, True, True
         if self._all_greedy():
-            return True, True, adjust
-        return False, adjust or any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1)
-                                    for r in self._running.values()), adjust
+            return True, True, False
+        return False, any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1) for r in self._running.values()), False
+
+    def _set_masks(self, constrained: dict) -> None:
+        """Each constrained slot's mask of its next token, onto the device."""
+        c = self.config
+        rows = self._slot_rows(list(constrained))
+        masks = np.full((c.n_slots, self.slots.mask.shape[1]), -1, np.int32)
+        for i, r in enumerate(constrained.values()):
+            masks[i] = r.constraint.mask()
+        self.slots = set_masks(self.slots, *_put(rows, masks))
 
     def _decode_speculative(self) -> list[StreamEvent]:
         """`_decode` by speculative rounds: every running slot drafts from its own tokens (held

@@ -25,7 +25,7 @@ from rjax.config import ModelConfig
 from rjax.engine import DecodeState
 from rjax.model import Params
 from rjax.paged_cache import NO_PAGE, PagedKVCache
-from rjax.sampling import PROMPT_BIT, LogitAdjust, SamplingParams, adjust_logits, sample
+from rjax.sampling import PROMPT_BIT, LogitAdjust, SamplingParams, adjust_logits, mask_logits, sample
 
 # Top log-probabilities a request may ask for per token (OpenAI's top_logprobs limit).
 MAX_TOP_LOGPROBS = 20
@@ -45,6 +45,9 @@ class SlotBatch:
     # for slots whose request penalizes (`start_history` at admission; `decode_dispatch` with
     # adjust=True keeps it); read only through their penalties, so stale rows change nothing.
     history: jax.Array
+    # [n_slots, ceil(vocab / 32)] int32: the tokens each slot may sample next, a bitmask (all
+    # ones: any), set by the host between steps for a constrained request (`set_masks`).
+    mask: jax.Array
 
 
 def init_slots(n_slots: int, max_stop_ids: int, vocab_size: int) -> SlotBatch:
@@ -52,7 +55,14 @@ def init_slots(n_slots: int, max_stop_ids: int, vocab_size: int) -> SlotBatch:
     state = DecodeState(jnp.zeros((n_slots,), jnp.int32), jnp.ones((n_slots,), bool),
                         jnp.zeros((n_slots,), jnp.int32), jax.random.split(jax.random.key(0), n_slots))
     return SlotBatch(state, SamplingParams.make(n_slots), jnp.full((n_slots, max_stop_ids), -1, jnp.int32),
-                     LogitAdjust.make(n_slots), jnp.zeros((n_slots, vocab_size), jnp.int32))
+                     LogitAdjust.make(n_slots), jnp.zeros((n_slots, vocab_size), jnp.int32),
+                     jnp.full((n_slots, (vocab_size + 31) // 32), -1, jnp.int32))
+
+
+@functools.partial(jax.jit, donate_argnames=("slots",))
+def set_masks(slots: SlotBatch, rows, masks) -> SlotBatch:
+    """The token bitmasks of slots `rows` [R] (padding: n_slots, dropped) -> masks [R, words]."""
+    return dataclasses.replace(slots, mask=slots.mask.at[rows].set(masks, mode="drop"))
 
 
 @functools.partial(jax.jit, donate_argnames=("slots",))
@@ -114,7 +124,7 @@ def _is_stop(tokens, stop_ids):
 
 
 def admit(slots: SlotBatch, cache, rows, valid, first_tokens, max_new_tokens, sampling: SamplingParams,
-          stop_ids, keys, adjust: LogitAdjust) -> SlotBatch:
+          stop_ids, keys, adjust: LogitAdjust, mask) -> SlotBatch:
     """Start the sequences just prefilled into cache rows `rows` [P], whose first tokens are
     `first_tokens` [P] and random streams `keys` [P]; rows with valid False are padding and
     change nothing."""
@@ -129,24 +139,25 @@ def admit(slots: SlotBatch, cache, rows, valid, first_tokens, max_new_tokens, sa
                         put(s.remaining, new.remaining), put(s.key, keys))
     history = slots.history.at[idx, first_tokens].add(1, mode="drop")
     return SlotBatch(state, jax.tree.map(put, slots.sampling, sampling), put(slots.stop_ids, stop_ids),
-                     jax.tree.map(put, slots.adjust, adjust), history)
+                     jax.tree.map(put, slots.adjust, adjust), history, put(slots.mask, mask))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache", "slots"))
 def prefill_into_slots(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, tokens, lengths, rows, valid, seeds,
-                       sample_index, sampling: SamplingParams, max_new_tokens, stop_ids, adjust: LogitAdjust):
+                       sample_index, sampling: SamplingParams, max_new_tokens, stop_ids, adjust: LogitAdjust,
+                       mask):
     """Prefill P prompts (tokens [P, T], lengths [P]; padding prompts have length 0 and valid
     False) into cache rows `rows` [P], sample each first token from its request's key
     (`request_keys(seeds, sample_index)`) and its logits adjusted (`adjust` [P], with the
-    slots' histories), and start the sequences with their per-prompt sampling parameters,
+    slots' histories) and masked (token bitmasks mask [P, words]), and start the sequences with their per-prompt sampling parameters,
     adjustments, token budgets [P] and stop ids [P, K]. (Once per prompt, the adjustment costs
     little beside the prefill, so no variant leaves it out.)
     -> (first tokens [P], their TopLogprobs of the raw logits, slots, cache)."""
     logits, cache = engine.prefill(cfg, params, cache, tokens, lengths, rows)
     history = slots.history[jnp.minimum(rows, slots.history.shape[0] - 1)]
-    z = adjust_logits(logits, adjust, history, sampling.temperature)
+    z = mask_logits(adjust_logits(logits, adjust, history, sampling.temperature), mask)
     first, keys = sample_rows(z, request_keys(seeds, sample_index), sampling)
-    slots = admit(slots, cache, rows, valid, first, max_new_tokens, sampling, stop_ids, keys, adjust)
+    slots = admit(slots, cache, rows, valid, first, max_new_tokens, sampling, stop_ids, keys, adjust, mask)
     return first, top_logprobs(logits, first), slots, cache
 
 
@@ -168,7 +179,9 @@ def _decode_steps(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, n_s
         i, out, lp, state, cache, history = carry
         active = ~state.done & (cache.lengths < cache.max_len)
         logits, cache = engine.decode_step(cfg, params, cache, state.last_token, active)
-        z = adjust_logits(logits, slots.adjust, history, slots.sampling.temperature) if adjust else logits
+        z = logits
+        if adjust:
+            z = mask_logits(adjust_logits(logits, slots.adjust, history, slots.sampling.temperature), slots.mask)
         tok, keys = sample_rows(z, state.key, slots.sampling, greedy, filters)
         if adjust:
             history = history.at[jnp.arange(B), tok].add(active.astype(jnp.int32))
@@ -187,16 +200,17 @@ def _decode_steps(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, n_s
     return out, lp, dataclasses.replace(slots, state=state, history=history if adjust else slots.history), cache
 
 
-def _take_rows(slots: SlotBatch, cache: PagedKVCache, rows, history: bool = False):
+def _take_rows(slots: SlotBatch, cache: PagedKVCache, rows, adjust: bool = False):
     """The slots `rows` [R] (padding: n_slots) as a batch of R: their decode state, and a view of
     the paged cache with their block tables and lengths over the same page pool (no K/V copy).
-    A padding row is done, owns no page and holds nothing. The histories ([R, vocab]) are
-    taken only with `history`; else the batch holds the whole array, unread."""
+    A padding row is done, owns no page and holds nothing. The histories ([R, vocab]) and masks
+    are taken only with `adjust`; else the batch holds the whole arrays, unread."""
     n = slots.state.last_token.shape[0]
     pad = rows >= n
     idx = jnp.minimum(rows, n - 1)
-    sub = jax.tree.map(lambda a: a[idx], dataclasses.replace(slots, history=None))
-    sub = dataclasses.replace(sub, history=slots.history[idx] if history else slots.history)
+    sub = jax.tree.map(lambda a: a[idx], dataclasses.replace(slots, history=None, mask=None))
+    sub = dataclasses.replace(sub, history=slots.history[idx] if adjust else slots.history,
+                              mask=slots.mask[idx] if adjust else slots.mask)
     sub = dataclasses.replace(sub, state=dataclasses.replace(sub.state, done=sub.state.done | pad))
     return sub, _cache_rows(cache, rows)
 
@@ -240,6 +254,10 @@ def decode_dispatch(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, n
     host, once a step). The tokens and the state are those of the general program.
     filters (static): False where no slot that runs uses top-k or top-p, so that sampling leaves
     out their search over the vocabulary (`rjax.sample`); the same tokens.
+    adjust (static): some slot that runs uses penalties, logit_bias, min-p or a token mask: each
+    step adjusts the logits (`rjax.sampling.adjust_logits`), masks them (`slots.mask`) and
+    counts the sampled tokens into the slots' histories. Without it the program holds none of
+    this, and a slot's adjustments and mask are ignored.
     -> (tokens [n_slots, n_steps] int32, -1 where nothing was generated; TopLogprobs or None;
     slots; cache)."""
     if rows is None:

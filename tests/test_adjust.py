@@ -126,9 +126,9 @@ def test_only_the_adjusted_dispatch_adjusts_and_counts(tiny):
     assert eng._sampling() == (True, True, False)
     eng.submit([1, 2, 3], max_new_tokens=40, stop_ids=(), frequency_penalty=0.5)
     eng.step()
-    assert eng._sampling() == (True, True, True)
+    assert eng._sampling() == (False, True, True)
     rows = jnp.asarray([0, 1], jnp.int32)
-    text = {a: slots.decode_dispatch.trace(cfg, params, eng.cache, eng.slots, 4, False, rows, True, True, a)
+    text = {a: slots.decode_dispatch.trace(cfg, params, eng.cache, eng.slots, 4, False, rows, not a, True, a)
             .lower().as_text() for a in (False, True)}
     assert "@adjust_logits" in text[True] and "@adjust_logits" not in text[False]
     assert text[False].count("tensor<4x512xi32>") < text[True].count("tensor<4x512xi32>")

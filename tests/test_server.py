@@ -24,6 +24,7 @@ import pytest
 import uvicorn
 
 import rjax
+from rjax.cache import init_cache
 from rjax.server.app import ServerSettings, create_app
 from rjax.server.loop import EngineLoop, Setup
 from rjax.server.metrics import Metrics
@@ -435,7 +436,11 @@ def test_bad_requests_get_400_with_the_openai_error_body(srv):
     _error(httpx.post(url, json=dict(good, stop=["a", "b", "c", "d", "e"])), 400, param="stop")
     _error(httpx.post(url, json=dict(good, stop="")), 400, param="stop")
     _error(httpx.post(url, json=dict(good, logprobs=21)), 400, param="logprobs")
-    _error(httpx.post(url, json=dict(good, presence_penalty=0.5)), 400, param="presence_penalty")
+    _error(httpx.post(url, json=dict(good, presence_penalty=2.5)), 400, param="presence_penalty")
+    _error(httpx.post(url, json=dict(good, repetition_penalty=0)), 400, param="repetition_penalty")
+    _error(httpx.post(url, json=dict(good, min_p=1.5)), 400, param="min_p")
+    _error(httpx.post(url, json=dict(good, logit_bias={"x": 1})), 400, param="logit_bias")
+    _error(httpx.post(url, json=dict(good, logit_bias={"100000": 1})), 400, param="logit_bias")
     _error(httpx.post(url, json=dict(good, top_k=2 ** 40)), 400, param="top_k")
     _error(httpx.post(url, json=dict(good, prompt=["a", "b"], n=9)), 400, param="n")  # 18 sequences > --max-queued 16
     _error(httpx.post(url, json=dict(good, echo=True, logprobs=2)), 400, param="echo")
@@ -626,3 +631,91 @@ def test_default_model_16_concurrent_streams_and_logprobs(smollm2):
     ids = rjax.generate(smollm2, prompt, raw=True, max_new_tokens=8).tokens
     [want] = score_ids(smollm2.config, smollm2.params, [tok.encode(prompt)], [ids])
     np.testing.assert_allclose(lp, want, atol=1e-4)
+
+
+# --- the common surface: embeddings, tokenize, logit adjustments --------------------------------
+
+def test_embeddings_are_mean_pooled_normalized_hidden_states(srv, model):
+    """/v1/embeddings through the openai client (which asks for base64 and decodes it) and as
+    floats: each input's final-normed hidden states (a fresh forward pass of it alone) averaged
+    over its tokens and L2-normalized; strings and token arrays alike; dimensions refused."""
+    from rjax.model import hidden_states
+
+    cfg, params, tok = model.config, model.params, srv.tok
+    texts = ["hello there", "a much longer input, of several more tokens than the first one"]
+
+    def want(ids):
+        T = len(ids)
+        h, _ = hidden_states(cfg, params, init_cache(cfg, 1, T), jnp.asarray([ids], jnp.int32),
+                             jnp.arange(T, dtype=jnp.int32)[None], None)
+        v = np.asarray(h[0], np.float64).mean(axis=0)
+        return v / np.linalg.norm(v)
+
+    r = _client(srv).embeddings.create(model=MODEL, input=texts)
+    assert [d.index for d in r.data] == [0, 1] and r.usage.prompt_tokens == sum(len(tok.encode(t)) for t in texts)
+    for d, t in zip(r.data, texts):
+        np.testing.assert_allclose(d.embedding, want(tok.encode(t)), atol=2e-5)
+    ids = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    raw = httpx.post(f"{srv.url}/v1/embeddings", json=dict(model=MODEL, input=ids, encoding_format="float"),
+                     timeout=120).json()
+    for d, i in zip(raw["data"], ids):
+        assert len(d["embedding"]) == cfg.d_model
+        np.testing.assert_allclose(d["embedding"], want(i), atol=2e-5)
+    _error(httpx.post(f"{srv.url}/v1/embeddings", json=dict(model=MODEL, input="hi", dimensions=8)), 400,
+           param="dimensions", code="unsupported_parameter")
+    _error(httpx.post(f"{srv.url}/v1/embeddings", json=dict(model=MODEL, input=[[1, 100000]]), timeout=120), 400,
+           param="input")
+
+
+def test_tokenize_and_detokenize(srv):
+    tok = srv.tok
+    r = httpx.post(f"{srv.url}/tokenize", json=dict(model=MODEL, prompt="Hello, world")).json()
+    assert r["tokens"] == tok.encode("Hello, world") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == CONFIG.max_len
+    assert httpx.post(f"{srv.url}/tokenize", json=dict(content="Hello", add_special_tokens=False)).json()[
+        "tokens"] == tok.encode("Hello", add_bos=False)
+    messages = [{"role": "user", "content": "hi"}]
+    r = httpx.post(f"{srv.url}/tokenize", json=dict(messages=messages)).json()
+    assert r["tokens"] == tok.encode_chat(messages)
+    r = httpx.post(f"{srv.url}/detokenize", json=dict(tokens=tok.encode("Hello, world", add_bos=False))).json()
+    assert r["prompt"] == "Hello, world"
+    _error(httpx.post(f"{srv.url}/detokenize", json=dict(tokens=[10 ** 6])), 400, param="tokens")
+    _error(httpx.post(f"{srv.url}/tokenize", json=dict(prompt="a", content="b")), 400)
+
+
+def test_penalties_bias_and_min_p_through_the_client(srv, model):
+    """A greedy completion with all three penalties and a logit_bias equals the host reference
+    of their definitions (tests/test_adjust.py); a sampled one at min_p 1 equals greedy; a chat
+    stream with include_usage ends with the usage chunk."""
+    from test_adjust import reference
+
+    from rjax.model import forward
+
+    cfg, params, tok = model.config, model.params, srv.tok
+    prompt = [3, 17, 17, 40, 41, 17, 99]
+    adjust = dict(presence_penalty=0.7, frequency_penalty=0.9, repetition_penalty=1.5, logit_bias={"65": 6.0})
+    seq, T = list(prompt), CONFIG.max_len
+    for _ in range(12):
+        tokens = np.zeros((1, T), np.int32)
+        tokens[0, : len(seq)] = seq
+        pos = np.where(np.arange(T) < len(seq), np.arange(T), -1)[None].astype(np.int32)
+        logits, _ = forward(cfg, params, init_cache(cfg, 1, T), jnp.asarray(tokens), jnp.asarray(pos))
+        x = reference(np.asarray(logits[0, len(seq) - 1]), prompt, seq[len(prompt):], 0.0, presence=0.7,
+                      frequency=0.9, repetition=1.5, logit_bias={65: 6.0})
+        seq.append(int(np.argmax(x)))
+    client = _client(srv)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=0,
+                                  presence_penalty=0.7, frequency_penalty=0.9, logit_bias={"65": 6.0},
+                                  extra_body={"repetition_penalty": 1.5, "ignore_eos": True})
+    assert r.choices[0].logprobs.tokens == [tok.decode([t], skip_special=False) for t in seq[len(prompt):]]
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+    assert r.choices[0].text != greedy, "the adjustments changed nothing: a weak test"
+    sampled = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=1.0, seed=3,
+                                        extra_body={"min_p": 1.0, "ignore_eos": True}).choices[0].text
+    assert sampled == greedy
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=5, stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}, **{"presence_penalty": 1.0}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    _idle(srv)
