@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 # What a request may constrain by: a JSON schema (dict, or True for any JSON object), a regular
-# expression (Rust regex syntax), or a grammar (Lark, or llama.cpp's GBNF).
-KINDS = ("json_schema", "regex", "grammar")
+# expression (Rust regex syntax), a grammar (Lark, or llama.cpp's GBNF), or llguidance's Lark.
+KINDS = ("json_schema", "regex", "grammar", "lark")
 
 
 class GrammarError(ValueError):
@@ -122,6 +122,8 @@ def grammar_text(kind: str, spec) -> str:
             raise GrammarError(f"json_schema: {e}") from None
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec)
+    if kind == "lark":
+        return llguidance.LLMatcher.grammar_from_lark(spec)
     if kind == "grammar":
         try:
             return llguidance.grammar_from("grammar", spec)

@@ -34,6 +34,7 @@ from rjax.server.metrics import Metrics
 from rjax.server.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                                  SamplingRequest, TokenizeRequest)
 from rjax.server.text import ChoiceText, Piece
+from rjax.server.tools import ToolStream, call_grammar, parse_tool_calls, render_messages, tool_format
 from rjax.serving import TokenLogprob
 
 
@@ -266,7 +267,11 @@ def create_app(loop: EngineLoop, metrics: Metrics | None = None,
         n_top = (body.top_logprobs or 0) if body.logprobs else None
         if body.max_completion_tokens is not None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
-        constraint = await constraint_of(body, setup)
+        mode, fmt = body.tool_mode, tool_format(tok.chat_template)
+        forced = None
+        if mode is not None and mode[2]:   # a call is required: the grammar writes one
+            forced = ("tool_choice", "lark", call_grammar(mode[0], mode[1], fmt))
+        constraint = await constraint_of(body, setup, forced)
         gen = _start(loop, tok, body, [prompt], default_max=lambda p, max_len: max_len - len(p),
                      logprobs=n_top is not None, prompt_param="messages", constraint=constraint)
         rid, model_id = f"chatcmpl-{uuid.uuid4().hex}", setup.model_id
@@ -285,13 +290,23 @@ def create_app(loop: EngineLoop, metrics: Metrics | None = None,
                             "model": model_id, "system_fingerprint": None,
                             "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
 
+                streams = [ToolStream(fmt) if mode is not None else None for _ in range(gen.n)]
                 for i in range(gen.n):
                     yield chunk(i, {"role": "assistant", "content": ""})
                 async for i, piece, finish in gen.events():
-                    if piece.text or piece.logprobs:
-                        yield chunk(i, {"content": piece.text}, choice_logprobs(piece.logprobs))
+                    text = piece.text if streams[i] is None else streams[i].add(piece.text)
+                    if text or piece.logprobs:
+                        yield chunk(i, {"content": text}, choice_logprobs(piece.logprobs))
                     if finish is not None:
-                        yield chunk(i, {}, None, finish)
+                        content, calls = streams[i].finish() if streams[i] is not None else (None, [])
+                        if content:
+                            yield chunk(i, {"content": content})
+                        for k, call in enumerate(calls):   # as OpenAI streams them: the name, then arguments
+                            head = dict(call, function={"name": call["function"]["name"], "arguments": ""})
+                            yield chunk(i, {"tool_calls": [dict(head, index=k)]})
+                            yield chunk(i, {"tool_calls": [{"index": k, "function": {
+                                "arguments": call["function"]["arguments"]}}]})
+                        yield chunk(i, {}, None, "tool_calls" if calls else finish)
                 if body.stream_options and body.stream_options.include_usage:
                     yield {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
                            "model": model_id, "choices": [], "usage": gen.usage()}
@@ -299,8 +314,14 @@ def create_app(loop: EngineLoop, metrics: Metrics | None = None,
             return _sse(request, gen, chunks())
 
         texts, entries, finishes = await gen.collect(request)
-        choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
-                    "logprobs": choice_logprobs(entries[i]), "finish_reason": finishes[i]} for i in range(gen.n)]
+        choices = []
+        for i in range(gen.n):
+            content, calls = parse_tool_calls(texts[i], fmt) if mode is not None else (texts[i], [])
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            choices.append({"index": i, "message": message, "logprobs": choice_logprobs(entries[i]),
+                            "finish_reason": "tool_calls" if calls else finishes[i]})
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_id,
                 "choices": choices, "usage": gen.usage(), "system_fingerprint": None}
 
@@ -531,9 +552,15 @@ def _chat_prompt(tok, body: ChatCompletionRequest, model_id: str, add_generation
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
         messages.append(msg)
+    mode = body.tool_mode
+    messages, extra = render_messages(messages, mode[0] if mode else None, tok.chat_template)
     try:
-        return tok.encode_chat(messages, add_generation_prompt)
+        return tok.encode_chat(messages, add_generation_prompt, **extra)
     except jinja2.TemplateError as e:  # the template refused the conversation (raise_exception)
         raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
 

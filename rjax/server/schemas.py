@@ -129,10 +129,23 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None   # an assistant's earlier calls
+    tool_call_id: str | None = None            # the call a tool message answers
 
     @property
     def text(self) -> str:
@@ -146,6 +159,27 @@ class JsonSchemaFormat(_Body):
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
+
+
+class FunctionDef(_Body):
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ResponseFormat(_Body):
@@ -172,16 +206,31 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none"] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v):
-        if v:
-            raise ValueError("tools (function calling) are not supported")
-        return v
+    @model_validator(mode="after")
+    def _choice_names_a_tool(self):
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or []]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is "
+                                 f"not among the tools ({', '.join(names) or 'none given'})")
+        elif self.tool_choice == "required" and not self.tools:
+            raise ValueError("tool_choice 'required' needs tools")
+        return self
+
+    @property
+    def tool_mode(self) -> tuple[list[dict], str | None, bool] | None:
+        """(the tools as dicts, the function a call must name or None, whether a call is forced),
+        or None when no tool may be called."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        tools = [t.model_dump(exclude_none=True) for t in self.tools]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return tools, self.tool_choice.function.name, True
+        return tools, None, self.tool_choice == "required"
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
