@@ -719,3 +719,136 @@ def test_penalties_bias_and_min_p_through_the_client(srv, model):
                                                  extra_body={"ignore_eos": True}, **{"presence_penalty": 1.0}))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
     _idle(srv)
+
+
+# --- structured output and tool calls -----------------------------------------------------------
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                    "unit": {"type": "string", "enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+def test_json_schema_and_regex_through_the_client(srv):
+    """On the tiny model (random weights: only the constraint makes the output well-formed): a
+    strict json_schema reply validates, a guided_regex reply matches; a bad schema is a 400."""
+    import jsonschema
+
+    client = _client(srv)
+    messages = [{"role": "user", "content": "hi"}]
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0,
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "thing", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=20, temperature=0.8, seed=1,
+                                  extra_body={"guided_regex": "[a-z]{2}-[0-9]{3}"})
+    assert re.fullmatch("[a-z]{2}-[0-9]{3}", r.choices[0].text)
+    _error(httpx.post(f"{srv.url}/v1/chat/completions", json=dict(model=MODEL, messages=messages, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}), timeout=60), 400,
+           param="response_format")
+    _idle(srv)
+
+
+# A template that takes tools (so the tiny byte-level model's prompt stays short), and tools
+# whose calls fit its 1 token a byte.
+TOOLS_TEMPLATE = TEMPLATE + "{% if tools %}{% for t in tools %}[{{ t['function']['name'] }}]{% endfor %}{% endif %}"
+SHORT_TOOLS = [{"type": "function", "function": {"name": "t", "parameters": {
+    "type": "object", "properties": {"z": {"type": "string", "enum": ["a", "b"]}}, "required": ["z"],
+    "additionalProperties": False}}}, {"type": "function", "function": {"name": "u", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+        "additionalProperties": False}}}]
+
+
+def test_forced_tool_calls_through_the_client(model):
+    """tool_choice required and a named function give tool_calls whose arguments validate (the
+    tiny model's random weights: only the grammar makes them calls), streamed as deltas that
+    add up to the same; a tool result goes back as a role tool message; a tool_choice naming
+    no tool is a 400."""
+    import jsonschema
+
+    tok = dataclasses.replace(model.tokenizer, chat_template=TOOLS_TEMPLATE)
+    config = ServingConfig(n_slots=2, max_len=128, page_size=8, steps_per_dispatch=4, prefill_buckets=(2,))
+    with _server(model, tokenizer=tok, config=config, precompile=False) as s:
+        _wait(lambda: httpx.get(f"{s.url}/health").status_code == 200, "the server", timeout=300)
+        # Its programs compile on first use (no precompile): a long first answer.
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=900)
+        messages = [{"role": "user", "content": "hi"}]
+
+        def check(calls, name=None):
+            assert len(calls) == 1 and (name is None or calls[0].function.name == name)
+            tool = {t["function"]["name"]: t for t in SHORT_TOOLS}[calls[0].function.name]
+            jsonschema.validate(json.loads(calls[0].function.arguments), tool["function"]["parameters"])
+
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=90, temperature=0,
+                                           tools=SHORT_TOOLS, tool_choice="required")
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+        check(r.choices[0].message.tool_calls)
+        named = {"type": "function", "function": {"name": "u"}}
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=90, temperature=0,
+                                           tools=SHORT_TOOLS, tool_choice=named)
+        check(r.choices[0].message.tool_calls, "u")
+        stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=90, temperature=0,
+                                                tools=SHORT_TOOLS, tool_choice=named, stream=True)
+        name, args, finish = "", "", None
+        for c in stream:
+            for d in c.choices[0].delta.tool_calls or []:
+                name += d.function.name or ""
+                args += d.function.arguments or ""
+            finish = c.choices[0].finish_reason or finish
+        assert (name, json.loads(args), finish) == ("u", json.loads(
+            r.choices[0].message.tool_calls[0].function.arguments), "tool_calls")
+        call = r.choices[0].message.tool_calls[0]
+        history = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                              {"role": "tool", "tool_call_id": call.id, "content": "7"}]
+        r = client.chat.completions.create(model=MODEL, messages=history, max_tokens=3, temperature=0,
+                                           tools=SHORT_TOOLS, tool_choice="none")
+        assert r.choices[0].message.tool_calls is None and r.usage.completion_tokens <= 3
+        _error(httpx.post(f"{s.url}/v1/chat/completions", json=dict(model=MODEL, messages=messages, tools=SHORT_TOOLS,
+                                                                    tool_choice={"type": "function",
+                                                                                 "function": {"name": "nope"}})), 400)
+
+
+@pytest.mark.slow
+def test_default_model_52_json_schemas_and_a_tool_call(smollm2):
+    """The real default model, through the openai client: one request per schema of
+    tests/data/json_schemas.json (52 real-world-style schemas), all at once, greedy; every reply
+    is complete JSON that validates against its schema (format checks included). Then a
+    forced tool call in the model's ChatML template."""
+    import asyncio
+    import pathlib
+
+    import jsonschema
+
+    schemas = json.loads((pathlib.Path(__file__).parent / "data" / "json_schemas.json").read_text())
+    config = ServingConfig(n_slots=32, max_len=256, page_size=16, steps_per_dispatch=8, prefill_buckets=(1, 8, 32),
+                           max_prefill_tokens=2048)
+    with _server(smollm2, tokenizer=smollm2.tokenizer, config=config, max_queued=64, precompile=False) as s:
+        _wait(lambda: httpx.get(f"{s.url}/health").status_code == 200, "the model to load", timeout=900)
+        client = openai.AsyncOpenAI(base_url=f"{s.url}/v1", api_key="none", timeout=900)
+
+        async def one(name, schema):
+            r = await client.chat.completions.create(
+                model=MODEL, max_tokens=160, temperature=0,
+                messages=[{"role": "user", "content": f"Give an example {name.replace('_', ' ')} as JSON."}],
+                response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema,
+                                                                        "strict": True}})
+            return r.choices[0]
+
+        async def every():
+            return await asyncio.gather(*(one(n, sc) for n, sc in schemas.items()))
+
+        replies = asyncio.run(every())
+        r = _client(s).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], max_tokens=60,
+            temperature=0, tools=[WEATHER_TOOL], tool_choice="required")
+    for (name, schema), choice in zip(schemas.items(), replies):
+        assert choice.finish_reason == "stop", (name, choice.message.content)
+        jsonschema.validate(json.loads(choice.message.content), schema,
+                            format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    [call] = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
