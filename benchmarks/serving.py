@@ -81,7 +81,7 @@ def decode_inputs(cfg, B: int, context: int, max_len: int, page_size: int, dtype
         kv = arr(pool, dtype)
         cache = PagedKVCache(kv, kv, arr((B, max_pages), jnp.int32), arr((B,), jnp.int32),
                              arrivals=arr((B, cfg.n_kv_heads), jnp.int32))
-        return cache, jax.eval_shape(lambda: init_slots(B, MAX_STOP_IDS))
+        return cache, jax.eval_shape(lambda: init_slots(B, MAX_STOP_IDS, cfg.vocab_size))
     # As init_paged_cache makes it: the fused decode kernel's split counts kept zero in the cache.
     cache = PagedKVCache(jnp.zeros(pool, dtype), jnp.zeros(pool, dtype),
                          jnp.arange(B * max_pages, dtype=jnp.int32).reshape(B, max_pages),
@@ -89,7 +89,7 @@ def decode_inputs(cfg, B: int, context: int, max_len: int, page_size: int, dtype
     rng = np.random.default_rng(B)
     state = DecodeState(jnp.asarray(rng.integers(0, cfg.vocab_size, B), jnp.int32), jnp.zeros((B,), bool),
                         jnp.full((B,), max_len, jnp.int32), jax.random.split(jax.random.key(B), B))
-    return cache, dataclasses.replace(init_slots(B, MAX_STOP_IDS), state=state,
+    return cache, dataclasses.replace(init_slots(B, MAX_STOP_IDS, cfg.vocab_size), state=state,
                                       sampling=SamplingParams.make(B, temperature, top_p=top_p))
 
 

@@ -193,3 +193,116 @@ def sample(logits: jax.Array, key: jax.Array, sp: SamplingParams, filters: bool 
     z = filtered_logits(logits, sp) if filters else logits / jnp.maximum(sp.temperature, 1e-6)[:, None]
     drawn = jax.random.categorical(key, z, axis=-1)
     return jnp.where(sp.temperature > 0, drawn, greedy).astype(jnp.int32)
+
+
+# Logit adjustments: OpenAI's presence and frequency penalties and logit_bias, vLLM's (and
+# llama.cpp's) repetition penalty and min-p. Per-sequence arrays like SamplingParams, kept apart
+# from them so that programs which never adjust (rjax.generate, greedy serving) carry none.
+
+MAX_LOGIT_BIAS = 300   # entries of one logit_bias (OpenAI's limit)
+# A sequence's token history as one int32 per vocabulary entry: the count of times it was
+# generated in the low bits, and PROMPT_BIT where it occurs in the prompt (the repetition
+# penalty counts the prompt, the presence and frequency penalties only generated tokens).
+PROMPT_BIT = 1 << 30
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LogitAdjust:
+    presence: jax.Array     # [B] float32: subtracted once from every generated token's logit (0: off)
+    frequency: jax.Array    # [B] float32: subtracted per time a token was generated (0: off)
+    repetition: jax.Array   # [B] float32: a seen token's logit divided by it if > 0, else times it (1: off)
+    min_p: jax.Array        # [B] float32: drop tokens below min_p x the most likely's probability (0: off)
+    bias_ids: jax.Array     # [B, MAX_LOGIT_BIAS] int32, -1 padded
+    bias: jax.Array         # [B, MAX_LOGIT_BIAS] float32, added to those tokens' logits
+
+    @staticmethod
+    def host(rows: list[dict]) -> tuple[np.ndarray, ...]:
+        """NumPy arrays of a LogitAdjust from one dict per row (keys presence, frequency, repetition,
+        min_p, logit_bias: {token id: bias}; missing: off), for the caller to put on the device."""
+        B = len(rows)
+        ids = np.full((B, MAX_LOGIT_BIAS), -1, np.int32)
+        bias = np.zeros((B, MAX_LOGIT_BIAS), np.float32)
+        for i, r in enumerate(rows):
+            items = sorted((r.get("logit_bias") or {}).items())
+            ids[i, : len(items)] = [t for t, _ in items]
+            bias[i, : len(items)] = [b for _, b in items]
+        return (np.asarray([r.get("presence", 0.0) for r in rows], np.float32),
+                np.asarray([r.get("frequency", 0.0) for r in rows], np.float32),
+                np.asarray([r.get("repetition", 1.0) for r in rows], np.float32),
+                np.asarray([r.get("min_p", 0.0) for r in rows], np.float32), ids, bias)
+
+    @staticmethod
+    def make(batch: int, **row) -> "LogitAdjust":
+        """One setting for all `batch` rows (keys as `host`)."""
+        return LogitAdjust(*map(jnp.asarray, LogitAdjust.host([row] * batch)))
+
+
+def check_adjust(vocab_size: int, presence=0.0, frequency=0.0, repetition=1.0, min_p=0.0, logit_bias=None) -> None:
+    """Refuse logit adjustments out of range: penalties in [-2, 2] (OpenAI's), repetition finite
+    and > 0, min_p in [0, 1], logit_bias at most MAX_LOGIT_BIAS token ids of the vocabulary with
+    biases in [-100, 100]."""
+    for name, v in (("presence_penalty", presence), ("frequency_penalty", frequency),
+                    ("repetition_penalty", repetition), ("min_p", min_p)):
+        _number(name, v, numbers.Real)
+        if not np.isfinite(v):
+            raise ValueError(f"{name} must be finite, got {v!r}")
+    for name, v in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+        if not -2 <= v <= 2:
+            raise ValueError(f"{name} must be in [-2, 2] (0: off), got {v!r}")
+    if repetition <= 0:
+        raise ValueError(f"repetition_penalty must be > 0 (1: off), got {repetition!r}")
+    if not 0 <= min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1] (0: off), got {min_p!r}")
+    if logit_bias is None:
+        return
+    if not isinstance(logit_bias, dict):
+        raise ValueError(f"logit_bias must map token ids to biases, got {type(logit_bias).__name__}")
+    if len(logit_bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+    for t, b in logit_bias.items():
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size:
+            raise ValueError(f"logit_bias: token id {t!r} is not in the vocabulary [0, {vocab_size})")
+        _number(f"logit_bias[{t}]", b, numbers.Real)
+        if not -100 <= b <= 100:
+            raise ValueError(f"logit_bias[{t}] must be in [-100, 100], got {b!r}")
+
+
+def adjusts(presence=0.0, frequency=0.0, repetition=1.0, min_p=0.0, logit_bias=None) -> bool:
+    """Whether these settings change any logit (all at their neutral values: no)."""
+    return bool(presence or frequency or repetition != 1.0 or min_p or logit_bias)
+
+
+def penalizes(presence=0.0, frequency=0.0, repetition=1.0, **_) -> bool:
+    """Whether these settings read the token history."""
+    return bool(presence or frequency or repetition != 1.0)
+
+
+@jax.jit  # its own function in a program's text, where tests look for it
+def adjust_logits(logits, adj: LogitAdjust, history, temperature):
+    """logits [B, V] -> float32 logits with each row's bias, penalties and min-p applied, in
+    vLLM's order: logit_bias; the repetition penalty (over prompt and generated tokens), then
+    frequency and presence (generated tokens: history [B, V], see PROMPT_BIT); min-p on the
+    distribution at `temperature` [B] (none at 0, where the argmax is kept anyway). A row at
+    neutral settings keeps its logits exactly."""
+    B, V = logits.shape
+    x = logits.astype(jnp.float32)
+    ids = jnp.where(adj.bias_ids < 0, V, adj.bias_ids)    # padding scatters out of range: dropped
+    x = x.at[jnp.arange(B)[:, None], ids].add(adj.bias, mode="drop")
+    count = (history & (PROMPT_BIT - 1)).astype(jnp.float32)
+    seen = (history != 0)
+    r = adj.repetition[:, None]
+    x = jnp.where(seen, jnp.where(x > 0, x / r, x * r), x)
+    x = x - adj.frequency[:, None] * count - adj.presence[:, None] * (count > 0)
+    # min-p: p_i < min_p * p_max  <=>  (x_i - x_max) / T < log(min_p)
+    floor = jnp.where((adj.min_p > 0) & (temperature > 0), temperature * jnp.log(adj.min_p), -jnp.inf)
+    low = x - jnp.max(x, axis=-1, keepdims=True) < floor[:, None]
+    return jnp.where(low, -jnp.inf, x)
+
+
+def mask_logits(logits, mask):
+    """logits [B, V] with -inf where the token bitmask mask [B, ceil(V / 32)] int32 has a 0 bit
+    (bit i % 32 of word i // 32 is token i; all ones: every token allowed)."""
+    idx = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    bits = (mask[:, idx // 32] >> (idx % 32)[None]) & 1
+    return jnp.where(bits != 0, logits, -jnp.inf)

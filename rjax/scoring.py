@@ -1,4 +1,4 @@
-"""Scoring text under the model: log-probabilities of given tokens, and perplexity.
+"""Scoring text under the model: log-probabilities of given tokens, perplexity, and embeddings.
 
 The core is one pure function, `token_logprobs(cfg, params, tokens, lengths)`: the log-probability
 of every next token of a right-padded batch, computed in one forward pass over a fresh KV cache
@@ -95,6 +95,51 @@ def continuation_logprob(cfg: ModelConfig, params: Params, tokens: jax.Array, le
     lp = token_logprobs(cfg, params, tokens, lengths, dtype)
     target = jnp.arange(1, tokens.shape[1], dtype=jnp.int32)[None, :]
     return jnp.sum(jnp.where(target >= jnp.asarray(starts)[:, None], lp, 0.0), axis=-1)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def pooled_embeddings(cfg: ModelConfig, params: Params, tokens: jax.Array, lengths: jax.Array, dtype=jnp.float32):
+    """Embeddings of a right-padded batch (tokens [B, T], lengths [B] >= 1) -> [B, d_model]
+    float32: the final-normed hidden states averaged over each sequence's tokens (mean pooling,
+    as sentence-transformers pools; a causal model's last token alone sees the whole text too,
+    but the mean is steadier for a model not trained to embed), L2-normalized. A fresh cache of
+    T positions is made inside, as for `token_logprobs`."""
+    B, T = tokens.shape
+    t = jnp.arange(T, dtype=jnp.int32)[None, :]
+    pos = jnp.where(t < lengths[:, None], t, -1)
+    cache = place_cache(init_cache(cfg, B, T, dtype), params.tp)
+    h, _ = hidden_states(cfg, params, cache, tokens, pos, None, dtype)
+    valid = (pos >= 0)[..., None]
+    mean = jnp.sum(jnp.where(valid, h.astype(jnp.float32), 0.0), axis=1) / jnp.maximum(lengths, 1)[:, None]
+    return mean / jnp.maximum(jnp.linalg.norm(mean, axis=-1, keepdims=True), 1e-12)
+
+
+def embed_ids(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], *, max_tokens: int | None = None,
+              batch: int = 8, dtype=None) -> np.ndarray:
+    """`pooled_embeddings` of token-id sequences -> [N, d_model] float32, `batch` at a time
+    (padded to power-of-two counts and prompt length buckets, so few programs compile).
+    ValueError for an empty sequence, an id outside the vocabulary, or more than `max_tokens`
+    (default: the context length) tokens, naming the input."""
+    limit = cfg.context_length if max_tokens is None else min(max_tokens, cfg.context_length)
+    seqs = []
+    for i, p in enumerate(prompts):
+        ids = check_token_ids(p, cfg.vocab_size, f"input[{i}]")
+        if not ids:
+            raise ValueError(f"input[{i}] is empty: an embedding needs at least one token")
+        if len(ids) > limit:
+            raise ValueError(f"input[{i}] has {len(ids)} tokens; at most {limit} can be embedded")
+        seqs.append(ids)
+    out = []
+    for at in range(0, len(seqs), batch):
+        part = seqs[at: at + batch]
+        B, T = 1 << (len(part) - 1).bit_length(), min(prompt_bucket(max(map(len, part))), limit)
+        tokens = np.zeros((B, T), np.int32)
+        lengths = np.ones(B, np.int32)   # padding rows: one token, dropped
+        for i, s in enumerate(part):
+            tokens[i, : len(s)], lengths[i] = s, len(s)
+        e = pooled_embeddings(cfg, params, jnp.asarray(tokens), jnp.asarray(lengths), dtype or activation_dtype())
+        out.append(np.asarray(e)[: len(part)])
+    return np.concatenate(out) if out else np.zeros((0, cfg.d_model), np.float32)
 
 
 def _check_fits(cfg: ModelConfig, n: int, what: str) -> None:

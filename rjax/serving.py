@@ -52,11 +52,12 @@ from rjax.model import Params
 from rjax.paged_cache import init_paged_cache, set_block_tables, set_lengths
 from rjax.pages import PageAllocator, PrefixCacheStats, page_hashes
 from rjax.precompile import Program, compile_programs
-from rjax.sampling import SamplingParams
+from rjax.sampling import MAX_LOGIT_BIAS, LogitAdjust, SamplingParams, adjusts, penalizes
 from rjax.serving_events import Completion, StreamEvent, TokenLogprob, token_logprob
 from rjax.serving_limits import ServingConfig, check_request, check_stop_ids
 from rjax.tensor_parallel import place_cache
-from rjax.slots import decode_dispatch, free_slots, init_slots, prefill_into_slots, stop_slots
+from rjax.slots import (decode_dispatch, free_slots, init_slots, prefill_into_slots, set_masks, start_history,
+                        stop_slots)
 from rjax.speculative import ModelDrafter, NgramDrafter, check_draft_model, draft_prefill, speculative_dispatch
 
 
@@ -80,6 +81,10 @@ class _Request:
     seed: int = 0             # 64 bits: the request's random stream
     sample_index: int = 0
     logprobs: bool = False
+    # Logit adjustments (`rjax.sampling.LogitAdjust.host` keys); empty: none.
+    adjust: dict = dataclasses.field(default_factory=dict)
+    # The automaton of a constrained request (`rjax.grammar.Constraint`: mask(), advance(token)).
+    constraint: object = None
     slot: int = -1
     length: int = 0           # positions the request holds in its slot
     # Positions it may write at most: the prompt and every generated token but the last.
@@ -149,7 +154,7 @@ class ServingEngine:
             self.draft_cache = self._new_cache(dcfg, draft[1])
             self.pending = jnp.full((config.n_slots,), -1, jnp.int32)
         self._seeds = np.random.default_rng(seed)  # seeds of the requests that bring none
-        self.slots = init_slots(config.n_slots, config.max_stop_ids)
+        self.slots = init_slots(config.n_slots, config.max_stop_ids, cfg.vocab_size)
         self._queue: collections.deque[_Request] = collections.deque()
         self._cancels: collections.deque = collections.deque()  # request ids; deque appends are thread-safe
         self._free = list(range(config.n_slots))  # a heap: the lowest free slot is taken first
@@ -230,13 +235,18 @@ class ServingEngine:
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         u32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.uint32)  # noqa: E731
         f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-        # Sampling (with and without top-k / top-p filters) and greedy variants; see _decode.
-        variants = ((False, True, ""), (False, False, " unfiltered"), (True, True, " greedy"))
-        programs = [Program(f"decode B={b} N={c.steps_per_dispatch}{' logprobs' if lp else ''}{name}",
-                            decode_dispatch, (self.cfg, self.params, self.cache, self.slots, c.steps_per_dispatch, lp,
-                                              i32(b) if c.paged else None, g, f))
-                    for b in c.decode_buckets for lp in ((False, True) if logprobs else (False,))
-                    for g, f, name in variants]
+        # Sampling (with and without top-k / top-p filters) and greedy variants, and the one with
+        # logit adjustments and masks (see _sampling), also of one step, which constrained
+        # requests decode by (the host computes each next mask). Adjusted with log-probabilities,
+        # a rarer mix, compiles on first use.
+        N = c.steps_per_dispatch
+        plain = ((False, True, ""), (False, False, " unfiltered"), (True, True, " greedy"))
+        variants = [(N, lp, g, f, False, name) for lp in ((False, True) if logprobs else (False,))
+                    for g, f, name in plain]
+        variants += [(n, False, False, True, True, " adjusted") for n in sorted({N, 1})]
+        programs = [Program(f"decode B={b} N={n}{' logprobs' if lp else ''}{name}", decode_dispatch,
+                            (self.cfg, self.params, self.cache, self.slots, n, lp, i32(b) if c.paged else None, g, f, a))
+                    for b in c.decode_buckets for n, lp, g, f, a, name in variants]
         model = isinstance(self.drafter, ModelDrafter)
         if c.speculative:
             programs += [Program(f"speculative B={b} K={c.draft_tokens} N={c.steps_per_dispatch}"
@@ -256,7 +266,9 @@ class ServingEngine:
             programs.append(Program(f"prefill P={p} T={t}", prefill_into_slots, (
                 self.cfg, self.params, self.cache, self.slots, i32(p, t), i32(p), i32(p),
                 jax.ShapeDtypeStruct((p,), jnp.bool_), u32(p, 2), u32(p),
-                SamplingParams(f32(p), i32(p), f32(p)), i32(p), i32(p, c.max_stop_ids))))
+                SamplingParams(f32(p), i32(p), f32(p)), i32(p), i32(p, c.max_stop_ids),
+                LogitAdjust(f32(p), f32(p), f32(p), f32(p), i32(p, MAX_LOGIT_BIAS), f32(p, MAX_LOGIT_BIAS)),
+                i32(p, self.slots.mask.shape[1]))))
             if model:
                 programs.append(Program(f"draft prefill P={p} T={t}", draft_prefill, (
                     self.drafter.cfg, self.draft_params, self.draft_cache, self.pending, i32(p, t), i32(p), i32(p))))
@@ -266,28 +278,36 @@ class ServingEngine:
 
     def check_request(self, prompt: Sequence[int], *, max_new_tokens: int = 256, temperature: float = 0.0,
                       top_k: int = 0, top_p: float = 1.0, stop_ids: Sequence[int] | None = None,
-                      seed: int | None = None, sample_index: int = 0,
-                      logprobs: bool = False) -> tuple[list[int], tuple[int, ...]]:
+                      seed: int | None = None, sample_index: int = 0, logprobs: bool = False,
+                      **adjust) -> tuple[list[int], tuple[int, ...]]:
         """Raise ValueError (or TypeError) for a request `submit` would refuse (see
         `rjax.serving_limits`); reads only the engine's fixed settings, so any thread may call
         it. -> (the prompt, the request's stop ids), as ints."""
         return check_request(self.cfg, self.config, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                              top_k=top_k, top_p=top_p, stop_ids=self.default_stop_ids if stop_ids is None else stop_ids,
-                             seed=seed, sample_index=sample_index, logprobs=logprobs)
+                             seed=seed, sample_index=sample_index, logprobs=logprobs, adjust=_adjust_keys(adjust))
 
     def submit(self, prompt: Sequence[int], *, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, stop_ids: Sequence[int] | None = None, request_id: Hashable = None,
-               seed: int | None = None, sample_index: int = 0, logprobs: bool = False) -> Hashable:
+               seed: int | None = None, sample_index: int = 0, logprobs: bool = False, constraint=None,
+               **adjust) -> Hashable:
         """Queue a tokenized prompt. -> its request id (`request_id`, or a new integer).
         Raises ValueError (or TypeError) for a request that could never run (`check_request`)
         or whose id is already queued or running, and then changes nothing.
 
         seed: the request's random stream (any integer, taken modulo 2**64; None: one drawn from
         the engine's seed); sample_index: folded into that stream, so several samples of one
-        seed differ. logprobs: its events carry TokenLogprob entries, one per token."""
+        seed differ. logprobs: its events carry TokenLogprob entries, one per token.
+        adjust: presence_penalty, frequency_penalty, repetition_penalty, min_p, logit_bias
+        ({token id: bias}), as the OpenAI API and vLLM define them (`rjax.sampling.adjust_logits`).
+        constraint: a fresh `rjax.grammar.Constraint` (or anything with its mask() and
+        advance(token)): every token the request generates is one its mask allows. While a
+        constrained request runs, a decode dispatch is one step, for the host to compute the
+        next mask."""
         prompt, stops = self.check_request(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                                            top_k=top_k, top_p=top_p, stop_ids=stop_ids, seed=seed,
-                                           sample_index=sample_index, logprobs=logprobs)
+                                           sample_index=sample_index, logprobs=logprobs, **adjust)
+        adjust = _adjust_keys(adjust)
         if request_id is None:
             request_id = next(self._ids)
             while request_id in self._live_ids:
@@ -300,7 +320,7 @@ class ServingEngine:
         limit = len(prompt) + max_new_tokens - 1
         self._queue.append(_Request(request_id, prompt, int(max_new_tokens), float(temperature), int(top_k),
                                     float(top_p), stops, time.perf_counter(), seed, int(sample_index), bool(logprobs),
-                                    length_limit=limit))
+                                    adjust if adjusts(**adjust) else {}, constraint, length_limit=limit))
         return request_id
 
     def cancel(self, request_id: Hashable) -> None:
@@ -402,6 +422,10 @@ class ServingEngine:
                 if shared:
                     shared_rows.append(req)
             self._prefilling.append(req)
+            if penalizes(**req.adjust):  # before any prefill: its first token is penalized too
+                prompt = np.full(c.max_len, -1, np.int32)
+                prompt[: len(req.prompt)] = req.prompt
+                self.slots = start_history(self.slots, np.int32(req.slot), _put(prompt))
         if shared_rows:
             self._sync_block_tables([r.slot for r in shared_rows])
             rows, lengths = _put(self._slot_rows([r.slot for r in shared_rows]),
@@ -478,10 +502,15 @@ class ServingEngine:
         budget = np.asarray([r.max_new_tokens for r in reqs + pad], np.int32)
         seeds = np.asarray([[r.seed & 0xFFFFFFFF, r.seed >> 32] for r in reqs + pad], np.uint32)
         index = np.asarray([r.sample_index for r in reqs + pad], np.uint32)
+        adjust = LogitAdjust(*_put(*LogitAdjust.host([r.adjust for r in reqs + pad])))
+        masks = np.full((P, self.slots.mask.shape[1]), -1, np.int32)
+        for i, (r, done_) in enumerate(zip(reqs, last)):
+            if done_ and r.constraint is not None:
+                masks[i] = r.constraint.mask()
         tokens, lengths, rows = _put(tokens, lengths, rows)
         first, lp, self.slots, self.cache = prefill_into_slots(
             self.cfg, self.params, self.cache, self.slots, tokens, lengths, rows, *_put(valid, seeds, index), sp,
-            *_put(budget, stops))
+            *_put(budget, stops), adjust, _put(masks))
         if self.draft_cache is not None:  # the draft model writes every position the target writes
             self.draft_cache, self.pending = draft_prefill(self.drafter.cfg, self.draft_params, self.draft_cache,
                                                            self.pending, tokens, lengths, rows)
@@ -504,6 +533,8 @@ class ServingEngine:
             r.length = len(r.prompt)
             self._running[r.slot] = r
             entries = [token_logprob(lp, i, None, int(first[i]))] if r.logprobs else None
+            if r.constraint is not None:
+                r.constraint.advance(int(first[i]))
             events.append(self._add_tokens(r, [int(first[i])], entries, bool(done[r.slot]), now))
         self._release([r for _, r in started if done[r.slot]])
         return events
@@ -527,7 +558,7 @@ class ServingEngine:
 
     def _decode(self) -> list[StreamEvent]:
         c = self.config
-        if c.speculative and not any(r.logprobs for r in self._running.values()):
+        if c.speculative and not any(r.logprobs or r.adjust or r.constraint for r in self._running.values()):
             return self._decode_speculative()
         if self.pages is not None:
             grown = [s for s, r in self._running.items()
@@ -539,8 +570,12 @@ class ServingEngine:
             running = sorted(self._running)
             pad = [c.n_slots] * (c.decode_bucket(len(running)) - len(running))
             rows = _put(np.array(running + pad, np.int32))
+        constrained = {s: r for s, r in self._running.items() if r.constraint is not None}
+        if constrained:
+            self._set_masks(constrained)
         out, lp, self.slots, self.cache = decode_dispatch(self.cfg, self.params, self.cache, self.slots,
-                                                          c.steps_per_dispatch, want_lp, rows, *self._sampling())
+                                                          1 if constrained else c.steps_per_dispatch, want_lp, rows,
+                                                          *self._sampling())
         out = np.asarray(out)
         done = np.asarray(self.slots.state.done)
         lp = jax.tree.map(np.asarray, lp) if want_lp else None
@@ -550,6 +585,9 @@ class ServingEngine:
             steps = [i for i, t in enumerate(out[s]) if t >= 0]
             new = [int(out[s, i]) for i in steps]
             r.length += len(new)
+            if r.constraint is not None:
+                for t in new:
+                    r.constraint.advance(t)
             entries = [token_logprob(lp, s, i, int(out[s, i])) for i in steps] if r.logprobs else None
             events.append(self._add_tokens(r, new, entries, bool(done[s]), now))
             if done[s]:
@@ -563,12 +601,25 @@ class ServingEngine:
         they would sample is dropped."""
         return all(r.temperature == 0 for r in self._running.values())
 
-    def _sampling(self) -> tuple[bool, bool]:
-        """decode_dispatch's (greedy, filters) for the running requests: greedy alone, or sampling
-        with the search that top-k / top-p need only where a sampled request uses them."""
+    def _sampling(self) -> tuple[bool, bool, bool]:
+        """decode_dispatch's (greedy, filters, adjust) for the running requests: greedy alone, or
+        sampling with the search that top-k / top-p need only where a sampled request uses them;
+        logit adjustments only where a request has them (then in the one general program,
+        whose greedy rows take the argmax: one more program to compile, not four)."""
+        if any(r.adjust or r.constraint is not None for r in self._running.values()):
+            return False, True, True
         if self._all_greedy():
-            return True, True
-        return False, any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1) for r in self._running.values())
+            return True, True, False
+        return False, any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1) for r in self._running.values()), False
+
+    def _set_masks(self, constrained: dict) -> None:
+        """Each constrained slot's mask of its next token, onto the device."""
+        c = self.config
+        rows = self._slot_rows(list(constrained))
+        masks = np.full((c.n_slots, self.slots.mask.shape[1]), -1, np.int32)
+        for i, r in enumerate(constrained.values()):
+            masks[i] = r.constraint.mask()
+        self.slots = set_masks(self.slots, *_put(rows, masks))
 
     def _decode_speculative(self) -> list[StreamEvent]:
         """`_decode` by speculative rounds: every running slot drafts from its own tokens (held
@@ -707,6 +758,16 @@ class ServingEngine:
             self.draft_cache = free_slots(self.draft_cache, rows)
         for s in slots:
             heapq.heappush(self._free, s)
+
+
+def _adjust_keys(adjust: dict) -> dict:
+    """submit's adjustment arguments -> `LogitAdjust.host` keys (a misspelt one is a TypeError)."""
+    names = {"presence_penalty": "presence", "frequency_penalty": "frequency", "repetition_penalty": "repetition",
+             "min_p": "min_p", "logit_bias": "logit_bias"}
+    unknown = sorted(set(adjust) - set(names))
+    if unknown:
+        raise TypeError(f"unexpected request argument(s): {', '.join(unknown)}")
+    return {names[k]: v for k, v in adjust.items() if v is not None}
 
 
 def serve(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], config: ServingConfig = ServingConfig(),

@@ -7,7 +7,8 @@ empty, not a sequence of integer token ids inside the vocabulary, or that leaves
 in `max_len` (PromptTooLongError); a `max_new_tokens` that is not an integer >= 1, or that with
 the prompt needs more than `max_len` positions (ContextLengthError, as the OpenAI API refuses
 such a request); more than `max_stop_ids` stop ids, or ids outside the vocabulary; sampling
-settings out of range (`rjax.sampling.check_sampling`: NaN and infinities included); a seed or
+settings or logit adjustments out of range (`rjax.sampling.check_sampling`, `check_adjust`: NaN
+and infinities included; logit_bias ids outside the vocabulary); a seed or
 sample index that is not an integer. Refusals are ValueError (or a subclass), TypeError for a
 prompt or stop set that is not a sequence at all.
 """
@@ -24,7 +25,7 @@ from rjax.checks import check_token_ids, is_int
 from rjax.config import ModelConfig
 from rjax.engine import PROMPT_BUCKETS, ContextLengthError, PromptTooLongError
 from rjax.memory import QUANTIZED_KV, plan_memory
-from rjax.sampling import check_sampling
+from rjax.sampling import check_adjust, check_sampling
 
 
 # What the serving engine can draft with: prompt lookup, or a draft model (given to the
@@ -182,7 +183,7 @@ def check_stop_ids(cfg: ModelConfig, config: ServingConfig, stop_ids: Sequence[i
 
 def check_request(cfg: ModelConfig, config: ServingConfig, prompt: Sequence[int], *, max_new_tokens, temperature,
                   top_k, top_p, stop_ids: Sequence[int], seed=None, sample_index=0,
-                  logprobs=False) -> tuple[list[int], tuple[int, ...]]:
+                  logprobs=False, adjust: dict | None = None) -> tuple[list[int], tuple[int, ...]]:
     """Refuse a request the engine could never run as asked (see the module docstring); reads
     nothing but its arguments. -> (the prompt, the stop ids), as ints."""
     prompt = check_token_ids(prompt, cfg.vocab_size, "prompt")
@@ -194,6 +195,7 @@ def check_request(cfg: ModelConfig, config: ServingConfig, prompt: Sequence[int]
     if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     check_sampling(temperature, top_k, top_p)
+    check_adjust(cfg.vocab_size, **(adjust or {}))
     stops = check_stop_ids(cfg, config, stop_ids)
     if seed is not None and not is_int(seed):
         raise ValueError(f"seed must be an integer or None, got {seed!r}")

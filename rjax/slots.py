@@ -25,7 +25,7 @@ from rjax.config import ModelConfig
 from rjax.engine import DecodeState
 from rjax.model import Params
 from rjax.paged_cache import NO_PAGE, PagedKVCache
-from rjax.sampling import SamplingParams, sample
+from rjax.sampling import PROMPT_BIT, LogitAdjust, SamplingParams, adjust_logits, mask_logits, sample
 
 # Top log-probabilities a request may ask for per token (OpenAI's top_logprobs limit).
 MAX_TOP_LOGPROBS = 20
@@ -40,13 +40,38 @@ class SlotBatch:
     #                            key [n_slots]: one random stream per slot
     sampling: SamplingParams   # [n_slots]
     stop_ids: jax.Array        # [n_slots, max_stop_ids] int32, -1 padded
+    adjust: LogitAdjust        # [n_slots]: penalties, logit_bias, min-p (neutral: no change)
+    # [n_slots, vocab] int32: each slot's token history (`rjax.sampling.PROMPT_BIT`), exact only
+    # for slots whose request penalizes (`start_history` at admission; `decode_dispatch` with
+    # adjust=True keeps it); read only through their penalties, so stale rows change nothing.
+    history: jax.Array
+    # [n_slots, ceil(vocab / 32)] int32: the tokens each slot may sample next, a bitmask (all
+    # ones: any), set by the host between steps for a constrained request (`set_masks`).
+    mask: jax.Array
 
 
-def init_slots(n_slots: int, max_stop_ids: int) -> SlotBatch:
+def init_slots(n_slots: int, max_stop_ids: int, vocab_size: int) -> SlotBatch:
     # The keys are placeholders: admission gives each slot its request's key.
     state = DecodeState(jnp.zeros((n_slots,), jnp.int32), jnp.ones((n_slots,), bool),
                         jnp.zeros((n_slots,), jnp.int32), jax.random.split(jax.random.key(0), n_slots))
-    return SlotBatch(state, SamplingParams.make(n_slots), jnp.full((n_slots, max_stop_ids), -1, jnp.int32))
+    return SlotBatch(state, SamplingParams.make(n_slots), jnp.full((n_slots, max_stop_ids), -1, jnp.int32),
+                     LogitAdjust.make(n_slots), jnp.zeros((n_slots, vocab_size), jnp.int32),
+                     jnp.full((n_slots, (vocab_size + 31) // 32), -1, jnp.int32))
+
+
+@functools.partial(jax.jit, donate_argnames=("slots",))
+def set_masks(slots: SlotBatch, rows, masks) -> SlotBatch:
+    """The token bitmasks of slots `rows` [R] (padding: n_slots, dropped) -> masks [R, words]."""
+    return dataclasses.replace(slots, mask=slots.mask.at[rows].set(masks, mode="drop"))
+
+
+@functools.partial(jax.jit, donate_argnames=("slots",))
+def start_history(slots: SlotBatch, row, prompt) -> SlotBatch:
+    """Slot `row`'s history from its prompt (prompt [max_len] int32, -1 padded): nothing
+    generated, PROMPT_BIT at each prompt token."""
+    V = slots.history.shape[1]
+    fresh = jnp.zeros((V,), jnp.int32).at[jnp.where(prompt < 0, V, prompt)].set(PROMPT_BIT, mode="drop")
+    return dataclasses.replace(slots, history=slots.history.at[row].set(fresh))
 
 
 def request_keys(seeds, sample_index):
@@ -99,7 +124,7 @@ def _is_stop(tokens, stop_ids):
 
 
 def admit(slots: SlotBatch, cache, rows, valid, first_tokens, max_new_tokens, sampling: SamplingParams,
-          stop_ids, keys) -> SlotBatch:
+          stop_ids, keys, adjust: LogitAdjust, mask) -> SlotBatch:
     """Start the sequences just prefilled into cache rows `rows` [P], whose first tokens are
     `first_tokens` [P] and random streams `keys` [P]; rows with valid False are padding and
     change nothing."""
@@ -112,26 +137,34 @@ def admit(slots: SlotBatch, cache, rows, valid, first_tokens, max_new_tokens, sa
     s = slots.state
     state = DecodeState(put(s.last_token, new.last_token), put(s.done, new.done),
                         put(s.remaining, new.remaining), put(s.key, keys))
-    return SlotBatch(state, jax.tree.map(put, slots.sampling, sampling), put(slots.stop_ids, stop_ids))
+    history = slots.history.at[idx, first_tokens].add(1, mode="drop")
+    return SlotBatch(state, jax.tree.map(put, slots.sampling, sampling), put(slots.stop_ids, stop_ids),
+                     jax.tree.map(put, slots.adjust, adjust), history, put(slots.mask, mask))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache", "slots"))
 def prefill_into_slots(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, tokens, lengths, rows, valid, seeds,
-                       sample_index, sampling: SamplingParams, max_new_tokens, stop_ids):
+                       sample_index, sampling: SamplingParams, max_new_tokens, stop_ids, adjust: LogitAdjust,
+                       mask):
     """Prefill P prompts (tokens [P, T], lengths [P]; padding prompts have length 0 and valid
     False) into cache rows `rows` [P], sample each first token from its request's key
-    (`request_keys(seeds, sample_index)`) and start the sequences with their per-prompt sampling
-    parameters, token budgets [P] and stop ids [P, K].
-    -> (first tokens [P], their TopLogprobs, slots, cache)."""
+    (`request_keys(seeds, sample_index)`) and its logits adjusted (`adjust` [P], with the
+    slots' histories) and masked (token bitmasks mask [P, words]), and start the sequences with their per-prompt sampling parameters,
+    adjustments, token budgets [P] and stop ids [P, K]. (Once per prompt, the adjustment costs
+    little beside the prefill, so no variant leaves it out.)
+    -> (first tokens [P], their TopLogprobs of the raw logits, slots, cache)."""
     logits, cache = engine.prefill(cfg, params, cache, tokens, lengths, rows)
-    first, keys = sample_rows(logits, request_keys(seeds, sample_index), sampling)
-    slots = admit(slots, cache, rows, valid, first, max_new_tokens, sampling, stop_ids, keys)
+    history = slots.history[jnp.minimum(rows, slots.history.shape[0] - 1)]
+    z = mask_logits(adjust_logits(logits, adjust, history, sampling.temperature), mask)
+    first, keys = sample_rows(z, request_keys(seeds, sample_index), sampling)
+    slots = admit(slots, cache, rows, valid, first, max_new_tokens, sampling, stop_ids, keys, adjust, mask)
     return first, top_logprobs(logits, first), slots, cache
 
 
 def _decode_steps(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, n_steps: int, logprobs: bool,
-                  greedy: bool, filters: bool):
-    """The decode loop over every row of `cache` and `slots` (see `decode_dispatch`)."""
+                  greedy: bool, filters: bool, adjust: bool):
+    """The decode loop over every row of `cache` and `slots` (see `decode_dispatch`); with
+    `adjust`, `slots.history` holds these rows' histories, carried through the loop."""
     B = slots.state.last_token.shape[0]
     out0 = jnp.full((B, n_steps), -1, jnp.int32)
     k = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
@@ -139,14 +172,19 @@ def _decode_steps(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, n_s
                       jnp.zeros((B, n_steps, k))) if logprobs else None
 
     def cond(carry):
-        i, _, _, state, _ = carry
+        i, _, _, state, _, _ = carry
         return (i < n_steps) & ~jnp.all(state.done)
 
     def body(carry):
-        i, out, lp, state, cache = carry
+        i, out, lp, state, cache, history = carry
         active = ~state.done & (cache.lengths < cache.max_len)
         logits, cache = engine.decode_step(cfg, params, cache, state.last_token, active)
-        tok, keys = sample_rows(logits, state.key, slots.sampling, greedy, filters)
+        z = logits
+        if adjust:
+            z = mask_logits(adjust_logits(logits, slots.adjust, history, slots.sampling.temperature), slots.mask)
+        tok, keys = sample_rows(z, state.key, slots.sampling, greedy, filters)
+        if adjust:
+            history = history.at[jnp.arange(B), tok].add(active.astype(jnp.int32))
         out = out.at[:, i].set(jnp.where(active, tok, -1))
         if logprobs:
             lp = jax.tree.map(lambda full, step: full.at[:, i].set(step), lp, top_logprobs(logits, tok))
@@ -154,20 +192,25 @@ def _decode_steps(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, n_s
         done = state.done | (active & (_is_stop(tok, slots.stop_ids) | (remaining <= 0)
                                        | (cache.lengths >= cache.max_len)))
         state = DecodeState(jnp.where(active, tok, state.last_token), done, remaining, keys)
-        return i + 1, out, lp, state, cache
+        return i + 1, out, lp, state, cache, history
 
-    _, out, lp, state, cache = jax.lax.while_loop(cond, body, (jnp.int32(0), out0, lp0, slots.state, cache))
-    return out, lp, dataclasses.replace(slots, state=state), cache
+    history0 = slots.history if adjust else None
+    _, out, lp, state, cache, history = jax.lax.while_loop(
+        cond, body, (jnp.int32(0), out0, lp0, slots.state, cache, history0))
+    return out, lp, dataclasses.replace(slots, state=state, history=history if adjust else slots.history), cache
 
 
-def _take_rows(slots: SlotBatch, cache: PagedKVCache, rows):
+def _take_rows(slots: SlotBatch, cache: PagedKVCache, rows, adjust: bool = False):
     """The slots `rows` [R] (padding: n_slots) as a batch of R: their decode state, and a view of
     the paged cache with their block tables and lengths over the same page pool (no K/V copy).
-    A padding row is done, owns no page and holds nothing."""
+    A padding row is done, owns no page and holds nothing. The histories ([R, vocab]) and masks
+    are taken only with `adjust`; else the batch holds the whole arrays, unread."""
     n = slots.state.last_token.shape[0]
     pad = rows >= n
     idx = jnp.minimum(rows, n - 1)
-    sub = jax.tree.map(lambda a: a[idx], slots)
+    sub = jax.tree.map(lambda a: a[idx], dataclasses.replace(slots, history=None, mask=None))
+    sub = dataclasses.replace(sub, history=slots.history[idx] if adjust else slots.history,
+                              mask=slots.mask[idx] if adjust else slots.mask)
     sub = dataclasses.replace(sub, state=dataclasses.replace(sub.state, done=sub.state.done | pad))
     return sub, _cache_rows(cache, rows)
 
@@ -194,10 +237,10 @@ def _put_rows(full, rows, part):
     return jax.tree.map(lambda f, p: f.at[rows].set(p, mode="drop"), full, part)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "n_steps", "logprobs", "greedy", "filters"),
+@functools.partial(jax.jit, static_argnames=("cfg", "n_steps", "logprobs", "greedy", "filters", "adjust"),
                    donate_argnames=("cache", "slots"), compiler_options=engine.DECODE_LOOP_COMPILER_OPTIONS)
 def decode_dispatch(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, n_steps: int, logprobs: bool = False,
-                    rows=None, greedy: bool = False, filters: bool = True):
+                    rows=None, greedy: bool = False, filters: bool = True, adjust: bool = False):
     """Up to n_steps decode steps in one XLA program (`engine.decode_loop` with a random stream
     per slot), stopping early when every slot is done. With `logprobs` (static: a second
     program) also each step's TopLogprobs [n_slots, n_steps, ...].
@@ -211,20 +254,25 @@ def decode_dispatch(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, n
     host, once a step). The tokens and the state are those of the general program.
     filters (static): False where no slot that runs uses top-k or top-p, so that sampling leaves
     out their search over the vocabulary (`rjax.sample`); the same tokens.
+    adjust (static): some slot that runs uses penalties, logit_bias, min-p or a token mask: each
+    step adjusts the logits (`rjax.sampling.adjust_logits`), masks them (`slots.mask`) and
+    counts the sampled tokens into the slots' histories. Without it the program holds none of
+    this, and a slot's adjustments and mask are ignored.
     -> (tokens [n_slots, n_steps] int32, -1 where nothing was generated; TopLogprobs or None;
     slots; cache)."""
     if rows is None:
-        return _decode_steps(cfg, params, cache, slots, n_steps, logprobs, greedy, filters)
+        return _decode_steps(cfg, params, cache, slots, n_steps, logprobs, greedy, filters, adjust)
     if not isinstance(cache, PagedKVCache):
         raise ValueError("decode_dispatch runs a subset of rows only over a paged cache")
-    sub, view = _take_rows(slots, cache, rows)
-    out, lp, sub, view = _decode_steps(cfg, params, view, sub, n_steps, logprobs, greedy, filters)
+    sub, view = _take_rows(slots, cache, rows, adjust)
+    out, lp, sub, view = _decode_steps(cfg, params, view, sub, n_steps, logprobs, greedy, filters, adjust)
     B = slots.state.last_token.shape[0]
     out = jnp.full((B, n_steps), -1, jnp.int32).at[rows].set(out, mode="drop")
     if logprobs:
         lp = _put_rows(jax.tree.map(lambda a: jnp.zeros((B,) + a.shape[1:], a.dtype), lp), rows, lp)
     cache = _put_cache_rows(cache, rows, view)
-    slots = dataclasses.replace(slots, state=_put_rows(slots.state, rows, sub.state))
+    history = slots.history.at[rows].set(sub.history, mode="drop") if adjust else slots.history
+    slots = dataclasses.replace(slots, state=_put_rows(slots.state, rows, sub.state), history=history)
     return out, lp, slots, cache
 
 

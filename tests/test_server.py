@@ -24,6 +24,7 @@ import pytest
 import uvicorn
 
 import rjax
+from rjax.cache import init_cache
 from rjax.server.app import ServerSettings, create_app
 from rjax.server.loop import EngineLoop, Setup
 from rjax.server.metrics import Metrics
@@ -435,7 +436,11 @@ def test_bad_requests_get_400_with_the_openai_error_body(srv):
     _error(httpx.post(url, json=dict(good, stop=["a", "b", "c", "d", "e"])), 400, param="stop")
     _error(httpx.post(url, json=dict(good, stop="")), 400, param="stop")
     _error(httpx.post(url, json=dict(good, logprobs=21)), 400, param="logprobs")
-    _error(httpx.post(url, json=dict(good, presence_penalty=0.5)), 400, param="presence_penalty")
+    _error(httpx.post(url, json=dict(good, presence_penalty=2.5)), 400, param="presence_penalty")
+    _error(httpx.post(url, json=dict(good, repetition_penalty=0)), 400, param="repetition_penalty")
+    _error(httpx.post(url, json=dict(good, min_p=1.5)), 400, param="min_p")
+    _error(httpx.post(url, json=dict(good, logit_bias={"x": 1})), 400, param="logit_bias")
+    _error(httpx.post(url, json=dict(good, logit_bias={"100000": 1})), 400, param="logit_bias")
     _error(httpx.post(url, json=dict(good, top_k=2 ** 40)), 400, param="top_k")
     _error(httpx.post(url, json=dict(good, prompt=["a", "b"], n=9)), 400, param="n")  # 18 sequences > --max-queued 16
     _error(httpx.post(url, json=dict(good, echo=True, logprobs=2)), 400, param="echo")
@@ -626,3 +631,224 @@ def test_default_model_16_concurrent_streams_and_logprobs(smollm2):
     ids = rjax.generate(smollm2, prompt, raw=True, max_new_tokens=8).tokens
     [want] = score_ids(smollm2.config, smollm2.params, [tok.encode(prompt)], [ids])
     np.testing.assert_allclose(lp, want, atol=1e-4)
+
+
+# --- the common surface: embeddings, tokenize, logit adjustments --------------------------------
+
+def test_embeddings_are_mean_pooled_normalized_hidden_states(srv, model):
+    """/v1/embeddings through the openai client (which asks for base64 and decodes it) and as
+    floats: each input's final-normed hidden states (a fresh forward pass of it alone) averaged
+    over its tokens and L2-normalized; strings and token arrays alike; dimensions refused."""
+    from rjax.model import hidden_states
+
+    cfg, params, tok = model.config, model.params, srv.tok
+    texts = ["hello there", "a much longer input, of several more tokens than the first one"]
+
+    def want(ids):
+        T = len(ids)
+        h, _ = hidden_states(cfg, params, init_cache(cfg, 1, T), jnp.asarray([ids], jnp.int32),
+                             jnp.arange(T, dtype=jnp.int32)[None], None)
+        v = np.asarray(h[0], np.float64).mean(axis=0)
+        return v / np.linalg.norm(v)
+
+    r = _client(srv).embeddings.create(model=MODEL, input=texts)
+    assert [d.index for d in r.data] == [0, 1] and r.usage.prompt_tokens == sum(len(tok.encode(t)) for t in texts)
+    for d, t in zip(r.data, texts):
+        np.testing.assert_allclose(d.embedding, want(tok.encode(t)), atol=2e-5)
+    ids = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    raw = httpx.post(f"{srv.url}/v1/embeddings", json=dict(model=MODEL, input=ids, encoding_format="float"),
+                     timeout=120).json()
+    for d, i in zip(raw["data"], ids):
+        assert len(d["embedding"]) == cfg.d_model
+        np.testing.assert_allclose(d["embedding"], want(i), atol=2e-5)
+    _error(httpx.post(f"{srv.url}/v1/embeddings", json=dict(model=MODEL, input="hi", dimensions=8)), 400,
+           param="dimensions", code="unsupported_parameter")
+    _error(httpx.post(f"{srv.url}/v1/embeddings", json=dict(model=MODEL, input=[[1, 100000]]), timeout=120), 400,
+           param="input")
+
+
+def test_tokenize_and_detokenize(srv):
+    tok = srv.tok
+    r = httpx.post(f"{srv.url}/tokenize", json=dict(model=MODEL, prompt="Hello, world")).json()
+    assert r["tokens"] == tok.encode("Hello, world") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == CONFIG.max_len
+    assert httpx.post(f"{srv.url}/tokenize", json=dict(content="Hello", add_special_tokens=False)).json()[
+        "tokens"] == tok.encode("Hello", add_bos=False)
+    messages = [{"role": "user", "content": "hi"}]
+    r = httpx.post(f"{srv.url}/tokenize", json=dict(messages=messages)).json()
+    assert r["tokens"] == tok.encode_chat(messages)
+    r = httpx.post(f"{srv.url}/detokenize", json=dict(tokens=tok.encode("Hello, world", add_bos=False))).json()
+    assert r["prompt"] == "Hello, world"
+    _error(httpx.post(f"{srv.url}/detokenize", json=dict(tokens=[10 ** 6])), 400, param="tokens")
+    _error(httpx.post(f"{srv.url}/tokenize", json=dict(prompt="a", content="b")), 400)
+
+
+def test_penalties_bias_and_min_p_through_the_client(srv, model):
+    """A greedy completion with all three penalties and a logit_bias equals the host reference
+    of their definitions (tests/test_adjust.py); a sampled one at min_p 1 equals greedy; a chat
+    stream with include_usage ends with the usage chunk."""
+    from test_adjust import reference
+
+    from rjax.model import forward
+
+    cfg, params, tok = model.config, model.params, srv.tok
+    prompt = [3, 17, 17, 40, 41, 17, 99]
+    adjust = dict(presence_penalty=0.7, frequency_penalty=0.9, repetition_penalty=1.5, logit_bias={"65": 6.0})
+    seq, T = list(prompt), CONFIG.max_len
+    for _ in range(12):
+        tokens = np.zeros((1, T), np.int32)
+        tokens[0, : len(seq)] = seq
+        pos = np.where(np.arange(T) < len(seq), np.arange(T), -1)[None].astype(np.int32)
+        logits, _ = forward(cfg, params, init_cache(cfg, 1, T), jnp.asarray(tokens), jnp.asarray(pos))
+        x = reference(np.asarray(logits[0, len(seq) - 1]), prompt, seq[len(prompt):], 0.0, presence=0.7,
+                      frequency=0.9, repetition=1.5, logit_bias={65: 6.0})
+        seq.append(int(np.argmax(x)))
+    client = _client(srv)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=0,
+                                  presence_penalty=0.7, frequency_penalty=0.9, logit_bias={"65": 6.0},
+                                  extra_body={"repetition_penalty": 1.5, "ignore_eos": True})
+    assert r.choices[0].logprobs.tokens == [tok.decode([t], skip_special=False) for t in seq[len(prompt):]]
+    greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+    assert r.choices[0].text != greedy, "the adjustments changed nothing: a weak test"
+    sampled = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=1.0, seed=3,
+                                        extra_body={"min_p": 1.0, "ignore_eos": True}).choices[0].text
+    assert sampled == greedy
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=5, stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}, **{"presence_penalty": 1.0}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    _idle(srv)
+
+
+# --- structured output and tool calls -----------------------------------------------------------
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                    "unit": {"type": "string", "enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+def test_json_schema_and_regex_through_the_client(srv):
+    """On the tiny model (random weights: only the constraint makes the output well-formed): a
+    strict json_schema reply validates, a guided_regex reply matches; a bad schema is a 400."""
+    import jsonschema
+
+    client = _client(srv)
+    messages = [{"role": "user", "content": "hi"}]
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0,
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "thing", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=20, temperature=0.8, seed=1,
+                                  extra_body={"guided_regex": "[a-z]{2}-[0-9]{3}"})
+    assert re.fullmatch("[a-z]{2}-[0-9]{3}", r.choices[0].text)
+    _error(httpx.post(f"{srv.url}/v1/chat/completions", json=dict(model=MODEL, messages=messages, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}), timeout=60), 400,
+           param="response_format")
+    _idle(srv)
+
+
+# A template that takes tools (so the tiny byte-level model's prompt stays short), and tools
+# whose calls fit its 1 token a byte.
+TOOLS_TEMPLATE = TEMPLATE + "{% if tools %}{% for t in tools %}[{{ t['function']['name'] }}]{% endfor %}{% endif %}"
+SHORT_TOOLS = [{"type": "function", "function": {"name": "t", "parameters": {
+    "type": "object", "properties": {"z": {"type": "string", "enum": ["a", "b"]}}, "required": ["z"],
+    "additionalProperties": False}}}, {"type": "function", "function": {"name": "u", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+        "additionalProperties": False}}}]
+
+
+def test_forced_tool_calls_through_the_client(model):
+    """tool_choice required and a named function give tool_calls whose arguments validate (the
+    tiny model's random weights: only the grammar makes them calls), streamed as deltas that
+    add up to the same; a tool result goes back as a role tool message; a tool_choice naming
+    no tool is a 400."""
+    import jsonschema
+
+    tok = dataclasses.replace(model.tokenizer, chat_template=TOOLS_TEMPLATE)
+    config = ServingConfig(n_slots=2, max_len=128, page_size=8, steps_per_dispatch=4, prefill_buckets=(2,))
+    with _server(model, tokenizer=tok, config=config, precompile=False) as s:
+        _wait(lambda: httpx.get(f"{s.url}/health").status_code == 200, "the server", timeout=300)
+        # Its programs compile on first use (no precompile): a long first answer.
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0, timeout=900)
+        messages = [{"role": "user", "content": "hi"}]
+
+        def check(calls, name=None):
+            assert len(calls) == 1 and (name is None or calls[0].function.name == name)
+            tool = {t["function"]["name"]: t for t in SHORT_TOOLS}[calls[0].function.name]
+            jsonschema.validate(json.loads(calls[0].function.arguments), tool["function"]["parameters"])
+
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=90, temperature=0,
+                                           tools=SHORT_TOOLS, tool_choice="required")
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+        check(r.choices[0].message.tool_calls)
+        named = {"type": "function", "function": {"name": "u"}}
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=90, temperature=0,
+                                           tools=SHORT_TOOLS, tool_choice=named)
+        check(r.choices[0].message.tool_calls, "u")
+        stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=90, temperature=0,
+                                                tools=SHORT_TOOLS, tool_choice=named, stream=True)
+        name, args, finish = "", "", None
+        for c in stream:
+            for d in c.choices[0].delta.tool_calls or []:
+                name += d.function.name or ""
+                args += d.function.arguments or ""
+            finish = c.choices[0].finish_reason or finish
+        assert (name, json.loads(args), finish) == ("u", json.loads(
+            r.choices[0].message.tool_calls[0].function.arguments), "tool_calls")
+        call = r.choices[0].message.tool_calls[0]
+        history = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                              {"role": "tool", "tool_call_id": call.id, "content": "7"}]
+        r = client.chat.completions.create(model=MODEL, messages=history, max_tokens=3, temperature=0,
+                                           tools=SHORT_TOOLS, tool_choice="none")
+        assert r.choices[0].message.tool_calls is None and r.usage.completion_tokens <= 3
+        _error(httpx.post(f"{s.url}/v1/chat/completions", json=dict(model=MODEL, messages=messages, tools=SHORT_TOOLS,
+                                                                    tool_choice={"type": "function",
+                                                                                 "function": {"name": "nope"}})), 400)
+
+
+@pytest.mark.slow
+def test_default_model_52_json_schemas_and_a_tool_call(smollm2):
+    """The real default model, through the openai client: one request per schema of
+    tests/data/json_schemas.json (52 real-world-style schemas), all at once, greedy; every reply
+    is complete JSON that validates against its schema (format checks included). Then a
+    forced tool call in the model's ChatML template."""
+    import asyncio
+    import pathlib
+
+    import jsonschema
+
+    schemas = json.loads((pathlib.Path(__file__).parent / "data" / "json_schemas.json").read_text())
+    config = ServingConfig(n_slots=32, max_len=256, page_size=16, steps_per_dispatch=8, prefill_buckets=(1, 8, 32),
+                           max_prefill_tokens=2048)
+    with _server(smollm2, tokenizer=smollm2.tokenizer, config=config, max_queued=64, precompile=False) as s:
+        _wait(lambda: httpx.get(f"{s.url}/health").status_code == 200, "the model to load", timeout=900)
+        client = openai.AsyncOpenAI(base_url=f"{s.url}/v1", api_key="none", timeout=900)
+
+        async def one(name, schema):
+            r = await client.chat.completions.create(
+                model=MODEL, max_tokens=160, temperature=0,
+                messages=[{"role": "user", "content": f"Give an example {name.replace('_', ' ')} as JSON."}],
+                response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema,
+                                                                        "strict": True}})
+            return r.choices[0]
+
+        async def every():
+            return await asyncio.gather(*(one(n, sc) for n, sc in schemas.items()))
+
+        replies = asyncio.run(every())
+        r = _client(s).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], max_tokens=60,
+            temperature=0, tools=[WEATHER_TOOL], tool_choice="required")
+    for (name, schema), choice in zip(schemas.items(), replies):
+        assert choice.finish_reason == "stop", (name, choice.message.content)
+        jsonschema.validate(json.loads(choice.message.content), schema,
+                            format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    [call] = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])

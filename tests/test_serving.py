@@ -468,7 +468,7 @@ def test_unfiltered_dispatch_samples_the_same_tokens_without_the_filters(tiny):
     outs = []
     for settings, filters in ((plain, False), (plain, True), (plain + [(0.9, 5, 0.8)], True)):
         eng = started(settings)
-        assert eng._sampling() == (False, len(settings) > len(plain))  # what the engine would run
+        assert eng._sampling() == (False, len(settings) > len(plain), False)  # what the engine would run
         rows = jnp.asarray(sorted(eng._running) + [CONFIG.n_slots] * (4 - len(eng._running)), jnp.int32)
         out, _, _, _ = slots.decode_dispatch(cfg, params, eng.cache, eng.slots, 4, False, rows, False, filters)
         outs.append(np.asarray(out)[:3])

@@ -177,7 +177,7 @@ def test_sampled_slots_are_distributed_as_plain_sampling():
     from rjax.engine import DecodeState
     from rjax.model import forward
     from rjax.sampling import SamplingParams, sample
-    from rjax.slots import SlotBatch
+    from rjax.slots import init_slots
     from rjax.speculative import ModelDrafter, speculative_dispatch
 
     cfg, params = _small_model(0)
@@ -193,8 +193,8 @@ def test_sampled_slots_are_distributed_as_plain_sampling():
     first = jax.vmap(lambda lg, key: sample(lg[None], key, SamplingParams.make(1, 0.8, 3, 0.9))[0])(
         logits[:, -1], pair[:, 0])
     first_host = np.asarray(first)   # the slots are donated to the dispatch
-    slots = SlotBatch(DecodeState(first, jnp.zeros(N, bool), jnp.full((N,), n - 1, jnp.int32), pair[:, 1]), sp,
-                      jnp.full((N, 1), -1, jnp.int32))
+    slots = dataclasses.replace(init_slots(N, 1, cfg.vocab_size), sampling=sp, state=DecodeState(
+        first, jnp.zeros(N, bool), jnp.full((N,), n - 1, jnp.int32), pair[:, 1]))
     out, drafted, accepted, _, _, _ = speculative_dispatch(cfg, params, cache, slots, ModelDrafter(dcfg), dparams,
                                                            (dcache, jnp.full((N,), -1, jnp.int32)), k, n)
     out = np.asarray(out)

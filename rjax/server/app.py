@@ -1,5 +1,6 @@
-"""The OpenAI-compatible HTTP app: /v1/models, /v1/completions, /v1/chat/completions, /health
-and /metrics over an EngineLoop.
+"""The OpenAI-compatible HTTP app: /v1/models, /v1/completions, /v1/chat/completions,
+/v1/embeddings, /tokenize and /detokenize (as vLLM's and llama-server's), /health and /metrics
+over an EngineLoop.
 
 A request's choices go to the engine loop as separate sequences; their events come back into
 the request's own asyncio queue, where the handler detokenizes them, cuts them at stop strings
@@ -10,6 +11,7 @@ OpenAI body {"error": {"message", "type", "param", "code"}}.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import hmac
@@ -25,10 +27,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rjax.grammar import GrammarError, Grammars
+from rjax.scoring import embed_ids
 from rjax.server.loop import EngineFailure, EngineLoop, QueueFullError
 from rjax.server.metrics import Metrics
-from rjax.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from rjax.server.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+                                 SamplingRequest, TokenizeRequest)
 from rjax.server.text import ChoiceText, Piece
+from rjax.server.tools import ToolStream, call_grammar, parse_tool_calls, render_messages, tool_format
 from rjax.serving import TokenLogprob
 
 
@@ -54,7 +60,8 @@ class APIError(Exception):
 
 # Engine finish reasons as the API names them: running out of context is a length limit too.
 _FINISH = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
-_ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+_ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize",
+           "/health", "/metrics")
 
 
 class _CountRequests:
@@ -137,6 +144,29 @@ def create_app(loop: EngineLoop, metrics: Metrics | None = None,
                            code="model_not_ready", headers={"Retry-After": str(settings.retry_after_s)})
         return loop.setup
 
+    grammars: dict[int, Grammars] = {}   # by setup: compiled grammars over its tokenizer
+
+    async def constraint_of(body: SamplingRequest, setup, extra=None):
+        """A maker of fresh automata for the request's constraint (or `extra`: (param, kind,
+        spec)), compiled now (cached by text); None without one. A 400 names the parameter of
+        a schema, regex or grammar that does not compile."""
+        try:
+            given = extra or body.constraint
+        except ValueError as e:
+            raise APIError(400, str(e), param="response_format") from None
+        if given is None:
+            return None
+        param, kind, spec = given
+        engine = _engine(loop)
+        g = grammars.get(id(setup))
+        if g is None:
+            g = grammars[id(setup)] = Grammars(setup.tokenizer, engine.cfg.vocab_size, engine.default_stop_ids)
+        try:
+            await run_in_threadpool(g.constraint, kind, spec)
+        except GrammarError as e:
+            raise APIError(400, str(e), param=param, code="invalid_value") from None
+        return lambda: g.constraint(kind, spec)
+
     # -- routes ---------------------------------------------------------------------------------
 
     @app.get("/health")
@@ -182,8 +212,9 @@ def create_app(loop: EngineLoop, metrics: Metrics | None = None,
                            param="echo", code="unsupported_parameter")
         prompts = await run_in_threadpool(_completion_prompts, body.prompt, tok)  # long texts: off the event loop
         n_top = body.logprobs
+        constraint = await constraint_of(body, setup)
         gen = _start(loop, tok, body, prompts, default_max=lambda p, max_len: 16, logprobs=n_top is not None,
-                     prompt_param="prompt")
+                     prompt_param="prompt", constraint=constraint)
         rid, model_id = f"cmpl-{uuid.uuid4().hex}", setup.model_id
         echoes = [tok.decode(p) if body.echo else "" for p in prompts]
 
@@ -236,8 +267,13 @@ def create_app(loop: EngineLoop, metrics: Metrics | None = None,
         n_top = (body.top_logprobs or 0) if body.logprobs else None
         if body.max_completion_tokens is not None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
+        mode, fmt = body.tool_mode, tool_format(tok.chat_template)
+        forced = None
+        if mode is not None and mode[2]:   # a call is required: the grammar writes one
+            forced = ("tool_choice", "lark", call_grammar(mode[0], mode[1], fmt))
+        constraint = await constraint_of(body, setup, forced)
         gen = _start(loop, tok, body, [prompt], default_max=lambda p, max_len: max_len - len(p),
-                     logprobs=n_top is not None, prompt_param="messages")
+                     logprobs=n_top is not None, prompt_param="messages", constraint=constraint)
         rid, model_id = f"chatcmpl-{uuid.uuid4().hex}", setup.model_id
 
         def choice_logprobs(entries: list[TokenLogprob]):
@@ -254,13 +290,23 @@ def create_app(loop: EngineLoop, metrics: Metrics | None = None,
                             "model": model_id, "system_fingerprint": None,
                             "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
 
+                streams = [ToolStream(fmt) if mode is not None else None for _ in range(gen.n)]
                 for i in range(gen.n):
                     yield chunk(i, {"role": "assistant", "content": ""})
                 async for i, piece, finish in gen.events():
-                    if piece.text or piece.logprobs:
-                        yield chunk(i, {"content": piece.text}, choice_logprobs(piece.logprobs))
+                    text = piece.text if streams[i] is None else streams[i].add(piece.text)
+                    if text or piece.logprobs:
+                        yield chunk(i, {"content": text}, choice_logprobs(piece.logprobs))
                     if finish is not None:
-                        yield chunk(i, {}, None, finish)
+                        content, calls = streams[i].finish() if streams[i] is not None else (None, [])
+                        if content:
+                            yield chunk(i, {"content": content})
+                        for k, call in enumerate(calls):   # as OpenAI streams them: the name, then arguments
+                            head = dict(call, function={"name": call["function"]["name"], "arguments": ""})
+                            yield chunk(i, {"tool_calls": [dict(head, index=k)]})
+                            yield chunk(i, {"tool_calls": [{"index": k, "function": {
+                                "arguments": call["function"]["arguments"]}}]})
+                        yield chunk(i, {}, None, "tool_calls" if calls else finish)
                 if body.stream_options and body.stream_options.include_usage:
                     yield {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
                            "model": model_id, "choices": [], "usage": gen.usage()}
@@ -268,12 +314,70 @@ def create_app(loop: EngineLoop, metrics: Metrics | None = None,
             return _sse(request, gen, chunks())
 
         texts, entries, finishes = await gen.collect(request)
-        choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
-                    "logprobs": choice_logprobs(entries[i]), "finish_reason": finishes[i]} for i in range(gen.n)]
+        choices = []
+        for i in range(gen.n):
+            content, calls = parse_tool_calls(texts[i], fmt) if mode is not None else (texts[i], [])
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            choices.append({"index": i, "message": message, "logprobs": choice_logprobs(entries[i]),
+                            "finish_reason": "tool_calls" if calls else finishes[i]})
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_id,
                 "choices": choices, "usage": gen.usage(), "system_fingerprint": None}
 
+    @app.post("/v1/embeddings", dependencies=[Depends(authorized)])
+    async def embeddings(body: EmbeddingRequest):
+        setup = ready()
+        _check_model(body, setup)
+        engine = _engine(loop)
+        d = engine.cfg.d_model
+        if body.dimensions is not None and body.dimensions != d:
+            raise APIError(400, f"dimensions {body.dimensions} is not supported: this model's embeddings have {d} "
+                                f"dimensions (leave dimensions out)", param="dimensions", code="unsupported_parameter")
+        prompts = await run_in_threadpool(_completion_prompts, body.input, setup.tokenizer)
+        try:
+            vectors = await run_in_threadpool(embed_ids, engine.cfg, engine.params, prompts,
+                                              max_tokens=engine.config.max_len)
+        except ValueError as e:
+            raise APIError(400, str(e), param="input") from None
+        data = [{"object": "embedding", "index": i,
+                 "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode() if body.encoding_format == "base64"
+                 else v.tolist()} for i, v in enumerate(vectors)]
+        n = sum(len(p) for p in prompts)
+        return {"object": "list", "data": data, "model": setup.model_id,
+                "usage": {"prompt_tokens": n, "total_tokens": n}}
+
+    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    async def tokenize(body: TokenizeRequest):
+        setup = ready()
+        tok = setup.tokenizer
+        if body.messages is not None:
+            chat = ChatCompletionRequest(model=setup.model_id, messages=body.messages)
+            ids = await run_in_threadpool(_chat_prompt, tok, chat, setup.model_id, body.add_generation_prompt)
+        else:
+            text = body.prompt if body.prompt is not None else body.content
+            ids = await run_in_threadpool(tok.encode, text, None if body.add_special_tokens else False)
+        return {"tokens": ids, "count": len(ids), "max_model_len": _engine(loop).config.max_len}
+
+    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    async def detokenize(body: DetokenizeRequest):
+        setup = ready()
+        bad = [t for t in body.tokens if not 0 <= t < setup.tokenizer.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is not in the vocabulary [0, {setup.tokenizer.vocab_size})",
+                           param="tokens", code="invalid_value")
+        text = setup.tokenizer.decode(body.tokens, skip_special=False)
+        return {"prompt": text, "content": text}
+
     return app
+
+
+def _engine(loop: EngineLoop):
+    engine = loop.engine
+    if engine is None:  # being rebuilt after a failure
+        raise APIError(503, "the engine is restarting; retry shortly", type="server_error", code="model_not_ready",
+                       headers={"Retry-After": "1"})
+    return engine
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,14 +494,13 @@ def _check_model(body: SamplingRequest, setup) -> None:
 
 
 def _start(loop: EngineLoop, tok, body: SamplingRequest, prompts: list[list[int]], *, default_max, logprobs: bool,
-           prompt_param: str) -> _Generation:
-    engine = loop.engine
-    if engine is None:  # being rebuilt after a failure
-        raise APIError(503, "the engine is restarting; retry shortly", type="server_error", code="model_not_ready",
-                       headers={"Retry-After": "1"})
+           prompt_param: str, constraint=None) -> _Generation:
+    """Check and queue the request's sequences; `constraint`: None, or a maker of a fresh
+    `rjax.grammar.Constraint` for each."""
+    engine = _engine(loop)
     max_len = engine.config.max_len
     sampling = dict(temperature=1.0 if body.temperature is None else body.temperature,
-                    top_k=max(body.top_k or 0, 0), top_p=1.0 if body.top_p is None else body.top_p)
+                    top_k=max(body.top_k or 0, 0), top_p=1.0 if body.top_p is None else body.top_p, **body.adjust)
     if len(prompts) * body.n > loop.max_queued:
         raise APIError(400, f"{len(prompts)} prompt(s) x n={body.n} sequences exceed the {loop.max_queued} the "
                        f"server queues at most (--max-queued)", param="n", code="invalid_value")
@@ -415,10 +518,12 @@ def _start(loop: EngineLoop, tok, body: SamplingRequest, prompts: list[list[int]
         try:
             engine.check_request(p, max_new_tokens=max_tokens, **sampling)
         except ValueError as e:
-            raise APIError(400, str(e), param=prompt_param) from None
+            named = [f for f in ("logit_bias", *sampling) if str(e).startswith(f)]
+            raise APIError(400, str(e), param=named[0] if named else prompt_param) from None
         for _ in range(body.n):
             requests.append(dict(prompt=p, max_new_tokens=max_tokens, seed=body.seed, sample_index=len(requests),
-                                 logprobs=logprobs, **sampling, **({"stop_ids": ()} if body.ignore_eos else {})))
+                                 logprobs=logprobs, constraint=constraint() if constraint else None, **sampling,
+                                 **({"stop_ids": ()} if body.ignore_eos else {})))
     try:
         return _Generation(loop, tok, requests, body.stop_strings, engine.default_stop_ids,
                            sum(len(p) for p in prompts))
@@ -437,7 +542,7 @@ def _completion_prompts(prompt, tok) -> list[list[int]]:
     return [list(p) for p in prompt]
 
 
-def _chat_prompt(tok, body: ChatCompletionRequest, model_id: str) -> list[int]:
+def _chat_prompt(tok, body: ChatCompletionRequest, model_id: str, add_generation_prompt: bool = True) -> list[int]:
     if tok.chat_template is None:
         raise APIError(400, f"The model '{model_id}' has no chat template, so it cannot take chat messages: use "
                        f"/v1/completions, or start the server with --chat-template FILE.", param="messages",
@@ -447,9 +552,15 @@ def _chat_prompt(tok, body: ChatCompletionRequest, model_id: str) -> list[int]:
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
         messages.append(msg)
+    mode = body.tool_mode
+    messages, extra = render_messages(messages, mode[0] if mode else None, tok.chat_template)
     try:
-        return tok.encode_chat(messages)
+        return tok.encode_chat(messages, add_generation_prompt, **extra)
     except jinja2.TemplateError as e:  # the template refused the conversation (raise_exception)
         raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
 

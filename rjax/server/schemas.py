@@ -1,9 +1,9 @@
 """Request bodies of the OpenAI API that the server accepts, as pydantic models.
 
-Ranges are the OpenAI API's; `top_k` is the extension llama.cpp's and vLLM's servers accept
-(0 or -1: off). A field the API defines but the engine cannot honour (penalties, logit_bias,
-tools, a JSON response format, suffix) is refused by name rather than silently ignored, and so
-is a field the API does not define.
+Ranges are the OpenAI API's; `top_k`, `min_p` and `repetition_penalty` are the extensions
+llama.cpp's and vLLM's servers accept (top_k 0 or -1: off). A field the API defines but the
+engine cannot honour (suffix, best_of other than n) is refused by name rather than silently
+ignored, and so is a field the API does not define.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from rjax.sampling import MAX_LOGIT_BIAS
 from rjax.slots import MAX_TOP_LOGPROBS
 
 MAX_STOP_STRINGS = 4   # OpenAI's limit
@@ -40,10 +41,19 @@ class SamplingRequest(_Body):
     user: str | None = None
     # As vLLM's and llama.cpp's servers take it: generate through end-of-sequence tokens.
     ignore_eos: bool = False
-    # Defined by the API, accepted only at their neutral values.
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    # Logit adjustments (`rjax.sampling.adjust_logits`); repetition_penalty and min_p as vLLM's.
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    # Constrained decoding as vLLM's server takes it (guided_*), and llama-server (grammar: GBNF
+    # or Lark; json_schema). At most one of them, and not with response_format.
+    guided_json: dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
     # Accepted and ignored: they change nothing about the generated text.
     metadata: dict[str, Any] | None = None
     store: bool | None = None
@@ -56,19 +66,36 @@ class SamplingRequest(_Body):
             raise ValueError("stop strings must not be empty")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v):
-        if v:
-            raise ValueError("penalties are not supported: leave them out or 0")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported: leave it out or empty")
+    def _bias_keys_are_token_ids(cls, v):
+        for k, b in (v or {}).items():
+            if not k.strip().lstrip("-").isdigit():
+                raise ValueError(f"keys must be token ids, got {k!r}")
+            if not -100 <= b <= 100:
+                raise ValueError(f"biases must be in [-100, 100], got {b!r} for token {k}")
         return v
+
+    @property
+    def constraint(self) -> tuple[str, str, Any] | None:
+        """(param, kind, spec) of the request's constraint (`rjax.grammar`), or None."""
+        given = [(name, kind, getattr(self, name)) for name, kind in (
+            ("guided_json", "json_schema"), ("json_schema", "json_schema"), ("guided_regex", "regex"),
+            ("guided_grammar", "grammar"), ("grammar", "grammar")) if getattr(self, name) is not None]
+        fmt = getattr(self, "response_format", None)
+        if fmt is not None and fmt.type != "text":
+            given.append(("response_format", "json_schema", fmt.schema_spec))
+        if len(given) > 1:
+            raise ValueError(f"one constraint at most; got {', '.join(g[0] for g in given)}")
+        return given[0] if given else None
+
+    @property
+    def adjust(self) -> dict:
+        """The engine's logit adjustments (`ServingEngine.submit`), those given."""
+        out = dict(presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                   repetition_penalty=self.repetition_penalty, min_p=self.min_p,
+                   logit_bias={int(k): b for k, b in self.logit_bias.items()} if self.logit_bias else None)
+        return {k: v for k, v in out.items() if v is not None}
 
     @property
     def stop_strings(self) -> list[str]:
@@ -102,10 +129,23 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None   # an assistant's earlier calls
+    tool_call_id: str | None = None            # the call a tool message answers
 
     @property
     def text(self) -> str:
@@ -114,8 +154,50 @@ class Message(_Body):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class JsonSchemaFormat(_Body):
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class FunctionDef(_Body):
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ResponseFormat(_Body):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type 'json_schema', and only then")
+        return self
+
+    @property
+    def schema_spec(self):
+        """The JSON schema to decode by (True: any JSON object)."""
+        if self.type == "json_object" or self.json_schema.schema_ is None:
+            return True
+        return self.json_schema.schema_
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -124,19 +206,66 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none"] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v):
-        if v:
-            raise ValueError("tools (function calling) are not supported")
-        return v
+    @model_validator(mode="after")
+    def _choice_names_a_tool(self):
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or []]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is "
+                                 f"not among the tools ({', '.join(names) or 'none given'})")
+        elif self.tool_choice == "required" and not self.tools:
+            raise ValueError("tool_choice 'required' needs tools")
+        return self
+
+    @property
+    def tool_mode(self) -> tuple[list[dict], str | None, bool] | None:
+        """(the tools as dicts, the function a call must name or None, whether a call is forced),
+        or None when no tool may be called."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        tools = [t.model_dump(exclude_none=True) for t in self.tools]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return tools, self.tool_choice.function.name, True
+        return tools, None, self.tool_choice == "required"
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+
+class EmbeddingRequest(_Body):
+    model: str
+    input: str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] \
+        | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: `prompt` (or llama-server's `content`), or chat `messages` rendered by
+    the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    content: str | None = None
+    messages: Annotated[list[Message], Field(min_length=1)] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if sum(x is not None for x in (self.prompt, self.content, self.messages)) != 1:
+            raise ValueError("give exactly one of prompt, content or messages")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]

@@ -288,10 +288,12 @@ class Tokenizer:
             messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **context
         )
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Ids of the rendered conversation. Like transformers' apply_chat_template(tokenize=True),
-        no BOS/EOS is added around the template's text: the template writes what it needs."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_bos=False)
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    **extra: Any) -> list[int]:
+        """Ids of the rendered conversation (`extra`: template variables, such as `tools`). Like
+        transformers' apply_chat_template(tokenize=True), no BOS/EOS is added around the
+        template's text: the template writes what it needs."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra), add_bos=False)
 
 
 # --- small helpers -----------------------------------------------------------------------------
