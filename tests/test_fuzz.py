@@ -151,6 +151,40 @@ def test_array_count_past_what_the_file_holds(fixtures, tmp_path, count):
     assert time.perf_counter() - start < 2.0
 
 
+def test_string_arrays_read_as_ggufs_own_reader_reads_them(fixtures):
+    """The vocabulary's strings are read in one pass (gguf's reader makes a memmap object of each
+    of them, seconds for a 50k vocabulary): the same parts, the same values."""
+    from gguf import GGUFReader, GGUFValueType
+
+    from rjax.loaders.gguf import open_gguf
+
+    for fixture in fixtures.values():
+        if not fixture.name.endswith(".gguf"):
+            continue
+        ours, theirs = open_gguf(fixture.path), GGUFReader(fixture.path)
+        strings = [k for k, f in theirs.fields.items() if f.types[0] == GGUFValueType.ARRAY
+                   and f.types[-1] == GGUFValueType.STRING]
+        assert "tokenizer.ggml.tokens" in strings, fixture.name
+        for key in strings:
+            a, b = ours.fields[key], theirs.fields[key]
+            assert (a.types, list(a.data), a.contents()) == (b.types, list(b.data), b.contents()), key
+            assert [(p.dtype, p.tobytes()) for p in a.parts] == [(p.dtype, p.tobytes()) for p in b.parts], key
+
+
+@pytest.mark.parametrize("past_end", [1 << 40, 1])
+def test_vocabulary_string_length_past_the_end_of_the_file(fixtures, tmp_path, past_end):
+    fixture = fixtures["gemma3.gguf"]
+    tokens = fixture.layout.kvs[fixture.layout.keys.index("tokenizer.ggml.tokens")]
+    last_len = [p for p in tokens if p.kind == "item_len"][-1]
+
+    def patch(buf, layout):
+        fuzz._put_int(buf, last_len, len(buf) - (last_len.offset + 8) + past_end)
+
+    path = _gguf(fixture, tmp_path, patch=patch)
+    with pytest.raises(ModelFileError, match=rf"{path} is truncated or corrupt: string .* past the end of the file"):
+        _load(path)
+
+
 @pytest.mark.parametrize("tensor, what", [
     ("blk.1.attn_k.weight", "values"),         # F32
     ("blk.1.attn_q.weight", "values"),         # BF16

@@ -35,10 +35,11 @@ class TensorFileError(ModelFileError, formats.TensorFormatError):
 
 
 def _to_device(w):
-    """Host weight (numpy array, or QTensor of numpy planes) -> the same on the default device."""
+    """Host weight (numpy array, or QTensor of numpy planes) -> the same on the default device, as
+    a plain transfer (`jnp.asarray` would compile a small program for every new shape)."""
     if isinstance(w, QTensor):
-        return QTensor(jax.tree.map(jnp.asarray, w.planes), w.qtype, w.shape)
-    return jnp.asarray(w)
+        return QTensor(jax.device_put(w.planes), w.qtype, w.shape)
+    return jax.device_put(w)
 
 
 LAYER_TENSORS = {
