@@ -16,8 +16,10 @@ the compiled executables in JAX's in-memory cache (and in the persistent cache, 
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
@@ -218,3 +220,72 @@ def compile_programs(programs: Sequence[Program], workers: int | None = None, pr
             bar.close()
     lower_s = lower_end - t0
     return CompileReport(workers, lower_s, time.perf_counter() - lower_end, lowered_s, times, compiled, errors)
+
+
+class BackgroundCompile:
+    """Compiles programs in `workers` background threads, in order, while the caller goes on (a
+    server answering its first requests): each thread lowers the next program and compiles it
+    (workers=0: none does, and each program is its caller's to compile when first needed).
+    `wait(name)` moves a program not yet started to the front and blocks until it is built.
+    `pending` names the programs not yet built (a server's /health and /metrics show them)."""
+
+    def __init__(self, programs: Sequence[Program], workers: int = 1):
+        self._queue = collections.deque(programs)
+        self._built = {p.name: threading.Event() for p in programs}
+        self._started: set[str] = set()
+        self._lock = threading.Lock()
+        self.errors: dict[str, str] = {}
+        self.compile_s: dict[str, float] = {}
+        self._threads = [threading.Thread(target=self._work, name=f"rjax-compile-{i}", daemon=True)
+                         for i in range(min(workers, len(programs)))]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def pending(self) -> list[str]:
+        return [name for name, built in self._built.items() if not built.is_set()]
+
+    def is_built(self, name: str) -> bool:
+        """Whether `name` is built (or was never this compiler's to build)."""
+        built = self._built.get(name)
+        return built is None or built.is_set()
+
+    def wait(self, name: str) -> None:
+        """Block until program `name` is built (or failed, see `errors`), compiling it next if no
+        thread has started it. A program no thread will start (after `cancel`, or with no
+        workers) is the caller's to compile: it counts as built from then on, and this returns
+        at once."""
+        built = self._built.get(name)
+        if built is None or built.is_set():
+            return
+        with self._lock:
+            queued = next((p for p in self._queue if p.name == name), None)
+            if queued is not None:
+                self._queue.remove(queued)
+                if self._threads:
+                    self._queue.appendleft(queued)
+            if name not in self._started and (queued is None or not self._threads):
+                built.set()
+        built.wait()
+
+    def cancel(self) -> None:
+        """Start no more programs (those compiling finish)."""
+        with self._lock:
+            self._queue.clear()
+
+    def join(self, timeout: float | None = None) -> None:
+        for t in self._threads:
+            t.join(timeout)
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    return
+                p = self._queue.popleft()
+                self._started.add(p.name)
+            t = time.perf_counter()
+            report = compile_programs([p], workers=1, on_error="record")
+            self.compile_s[p.name] = time.perf_counter() - t
+            self.errors.update(report.errors)
+            self._built[p.name].set()

@@ -37,6 +37,7 @@ import collections
 import dataclasses
 import heapq
 import itertools
+import logging
 import time
 from typing import Hashable, Iterator, Sequence
 
@@ -51,7 +52,7 @@ from rjax.memory import kv_bytes_per_position, plan_memory
 from rjax.model import Params
 from rjax.paged_cache import init_paged_cache, set_block_tables, set_lengths
 from rjax.pages import PageAllocator, PrefixCacheStats, page_hashes
-from rjax.precompile import Program, compile_programs
+from rjax.precompile import BackgroundCompile, Program, compile_programs
 from rjax.sampling import MAX_LOGIT_BIAS, LogitAdjust, SamplingParams, adjusts, penalizes
 from rjax.serving_events import Completion, StreamEvent, TokenLogprob, token_logprob
 from rjax.serving_limits import ServingConfig, check_request, check_stop_ids
@@ -59,6 +60,12 @@ from rjax.tensor_parallel import place_cache
 from rjax.slots import (decode_dispatch, free_slots, init_slots, prefill_into_slots, set_masks, start_history,
                         stop_slots)
 from rjax.speculative import ModelDrafter, NgramDrafter, check_draft_model, draft_prefill, speculative_dispatch
+
+
+log = logging.getLogger("rjax.serving")
+
+# `precompile_first` builds the prefill program for one prompt of up to this many tokens first.
+FIRST_PROMPT_TOKENS = 128
 
 
 def _put(*host_arrays):
@@ -168,6 +175,8 @@ class ServingEngine:
         self._drafted = self._accepted = 0                    # speculative totals of finished requests
         per_position = kv_bytes_per_position(cfg, config.kv_dtype) + \
             (kv_bytes_per_position(dcfg, config.kv_dtype) if dcfg else 0)   # the draft model's cache too
+        self._background: BackgroundCompile | None = None  # precompile_first's programs still building
+        self._building: dict[tuple, str] = {}                # every program's name, by what it is for
         self.kv_bytes = (config.pool_pages * config.page_size if config.paged else config.n_slots * config.max_len) \
             * per_position
 
@@ -224,13 +233,10 @@ class ServingEngine:
         counts = sorted({c.prefill_bucket(n) for n in range(1, min(c.n_slots, c.max_prefill_prompts) + 1)})
         return [(p, t) for p in counts for t in lengths if p == 1 or p * t <= c.max_prefill_tokens]
 
-    def precompile(self, prompt_lengths: Sequence[int] | None = None, workers: int | None = None,
-                   progress: bool = False, logprobs: bool = False):
-        """Compile the programs `step` calls (the decode dispatch, also its log-probability
-        variant with `logprobs`; the speculative dispatch; every prefill shape of
-        `prefill_shapes(prompt_lengths)`; a draft model's prefill, and with `logprobs` its
-        catch-up) concurrently, before any request: a server pays its compile time at start-up
-        rather than on its first requests. -> rjax.precompile.CompileReport."""
+    def _programs(self, prompt_lengths: Sequence[int] | None = None, logprobs: bool = False) -> dict[tuple, Program]:
+        """The programs `step` may call, by what they are for: ("decode", batch, steps, logprobs,
+        greedy, filters, adjust), ("speculative", batch, greedy), ("catch-up", batch),
+        ("prefill", prompts, tokens) (with a draft model: also ("draft prefill", prompts, tokens))."""
         c = self.config
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         u32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.uint32)  # noqa: E731
@@ -244,35 +250,96 @@ class ServingEngine:
         variants = [(N, lp, g, f, False, name) for lp in ((False, True) if logprobs else (False,))
                     for g, f, name in plain]
         variants += [(n, False, False, True, True, " adjusted") for n in sorted({N, 1})]
-        programs = [Program(f"decode B={b} N={n}{' logprobs' if lp else ''}{name}", decode_dispatch,
-                            (self.cfg, self.params, self.cache, self.slots, n, lp, i32(b) if c.paged else None, g, f, a))
-                    for b in c.decode_buckets for n, lp, g, f, a, name in variants]
+        programs = {("decode", b, n, lp, g, f, a): Program(
+            f"decode B={b} N={n}{' logprobs' if lp else ''}{name}", decode_dispatch,
+            (self.cfg, self.params, self.cache, self.slots, n, lp, i32(b) if c.paged else None, g, f, a))
+            for b in c.decode_buckets for n, lp, g, f, a, name in variants}
         model = isinstance(self.drafter, ModelDrafter)
         if c.speculative:
-            programs += [Program(f"speculative B={b} K={c.draft_tokens} N={c.steps_per_dispatch}"
-                                 f"{' greedy' if g else ''}", speculative_dispatch,
-                                 (self.cfg, self.params, self.cache, self.slots, self.drafter, self.draft_params,
-                                  (self.draft_cache, self.pending) if model else (i32(b, c.max_len + 1), i32(b)),
-                                  c.draft_tokens, c.steps_per_dispatch, i32(b) if c.paged else None, g))
-                         for b in c.decode_buckets for g in (False, True)]
+            programs |= {("speculative", b, g): Program(
+                f"speculative B={b} K={c.draft_tokens} N={c.steps_per_dispatch}{' greedy' if g else ''}",
+                speculative_dispatch, (self.cfg, self.params, self.cache, self.slots, self.drafter, self.draft_params,
+                                       (self.draft_cache, self.pending) if model else (i32(b, c.max_len + 1), i32(b)),
+                                       c.draft_tokens, c.steps_per_dispatch, i32(b) if c.paged else None, g))
+                for b in c.decode_buckets for g in (False, True)}
         shapes = self.prefill_shapes(prompt_lengths)
         if model and logprobs:  # the draft cache catching up after plain decoding (unless a prefill shape)
             T = self._catch_up_tokens
-            programs += [Program(f"draft catch-up P={b} T={T}", draft_prefill,
-                                 (self.drafter.cfg, self.draft_params, self.draft_cache, self.pending, i32(b, T),
-                                  i32(b), i32(b)))
-                         for b in c.decode_buckets if (b, T) not in shapes]
+            programs |= {("catch-up", b): Program(f"draft catch-up P={b} T={T}", draft_prefill,
+                                                  (self.drafter.cfg, self.draft_params, self.draft_cache, self.pending,
+                                                   i32(b, T), i32(b), i32(b)))
+                         for b in c.decode_buckets if (b, T) not in shapes}
         for p, t in shapes:
-            programs.append(Program(f"prefill P={p} T={t}", prefill_into_slots, (
+            programs["prefill", p, t] = Program(f"prefill P={p} T={t}", prefill_into_slots, (
                 self.cfg, self.params, self.cache, self.slots, i32(p, t), i32(p), i32(p),
                 jax.ShapeDtypeStruct((p,), jnp.bool_), u32(p, 2), u32(p),
                 SamplingParams(f32(p), i32(p), f32(p)), i32(p), i32(p, c.max_stop_ids),
                 LogitAdjust(f32(p), f32(p), f32(p), f32(p), i32(p, MAX_LOGIT_BIAS), f32(p, MAX_LOGIT_BIAS)),
-                i32(p, self.slots.mask.shape[1]))))
+                i32(p, self.slots.mask.shape[1])))
             if model:
-                programs.append(Program(f"draft prefill P={p} T={t}", draft_prefill, (
-                    self.drafter.cfg, self.draft_params, self.draft_cache, self.pending, i32(p, t), i32(p), i32(p))))
-        return compile_programs(programs, workers, progress=progress)
+                programs["draft prefill", p, t] = Program(f"draft prefill P={p} T={t}", draft_prefill, (
+                    self.drafter.cfg, self.draft_params, self.draft_cache, self.pending, i32(p, t), i32(p), i32(p)))
+        return programs
+
+
+    def precompile(self, prompt_lengths: Sequence[int] | None = None, workers: int | None = None,
+                   progress: bool = False, logprobs: bool = False):
+        """Compile the programs `step` calls (the decode dispatch, also its log-probability
+        variant with `logprobs`; the speculative dispatch; every prefill shape of
+        `prefill_shapes(prompt_lengths)`; a draft model's prefill, and with `logprobs` its
+        catch-up) concurrently, before any request: a server pays its compile time at start-up
+        rather than on its first requests. -> rjax.precompile.CompileReport."""
+        return compile_programs(list(self._programs(prompt_lengths, logprobs).values()), workers, progress=progress)
+
+    def precompile_first(self, logprobs: bool = False, workers: int | None = None, background_workers: int = 1,
+                         first_tokens: int = FIRST_PROMPT_TOKENS):
+        """Compile now what a first request of ordinary size needs (one prompt of up to
+        `first_tokens` tokens, greedy or sampled without top-k / top-p, decoding alone), and the
+        rest of `precompile`'s programs in `background_workers` threads while the engine serves
+        (`compiling` names those not yet built). Until a program is built, a call that needs it
+        runs in a larger one that is built (a prompt padded further, a batch padded to more
+        rows, a sampled program for greedy rows), or waits for it; the log says which.
+        -> the CompileReport of the first programs."""
+        c, programs = self.config, self._programs(None, logprobs)
+        P, B, N = c.prefill_bucket(1), c.decode_buckets[0], c.steps_per_dispatch
+        T = max((t for p, t in self.prefill_shapes() if p == P and t <= engine.prompt_bucket(first_tokens)),
+                default=engine.PROMPT_BUCKETS[0])
+        first = {("prefill", P, T), ("draft prefill", P, T), ("decode", B, N, False, True, True, False),
+                 ("decode", B, N, False, False, False, False), ("speculative", B, True), ("speculative", B, False)}
+        report = compile_programs([p for k, p in programs.items() if k in first], workers)
+        self._building = {k: p.name for k, p in programs.items()}
+        self._background = BackgroundCompile([p for k, p in programs.items() if k not in first], background_workers)
+        return report
+
+    @property
+    def compiling(self) -> list[str]:
+        """Programs `precompile_first` left to build in the background, not yet built."""
+        return [] if self._background is None else self._background.pending
+
+    def stop_compiling(self) -> None:
+        """Start no more of the background's programs (an engine being replaced or shut down)."""
+        if self._background is not None:
+            self._background.cancel()
+
+    def _built(self, key: tuple) -> bool:
+        name = self._building.get(key)
+        return name is None or self._background.is_built(name)
+
+    def _program(self, key: tuple, what: str, substitutes: Sequence[tuple] = ()) -> tuple:
+        """The program to call for `key`: itself once built, else the first built of
+        `substitutes` (programs that compute the same for these rows), else itself after
+        waiting for it. Logs which, while programs are still compiling in the background."""
+        if self._built(key):
+            return key
+        name = self._building[key]
+        for sub in substitutes:
+            if sub in self._building and self._built(sub):
+                log.info("%s runs in %s while %s compiles", what, self._building[sub], name)
+                return sub
+        t = time.perf_counter()
+        self._background.wait(name)
+        log.info("%s waited %.1f s for %s to compile", what, time.perf_counter() - t, name)
+        return key
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -483,8 +550,10 @@ class ServingEngine:
         reqs = [r for r, _ in batch]
         if self.pages is not None:
             self._sync_block_tables([r.slot for r, n in batch if self.pages.grow(r.slot, r.prefilled + n)])
-        P = c.prefill_bucket(len(batch))
-        tokens, lengths = engine.pad_prompts([r.prompt[r.prefilled:r.prefilled + n] for r, n in batch])
+        P, T = c.prefill_bucket(len(batch)), engine.prompt_bucket(max(n for _, n in batch))
+        if self._background is not None:
+            P, T = self._prefill_shape(P, T)
+        tokens, lengths = engine.pad_prompts([r.prompt[r.prefilled:r.prefilled + n] for r, n in batch], T)
         tokens = np.pad(tokens, ((0, P - len(batch)), (0, 0)))
         lengths = np.pad(lengths, (0, P - len(batch)))  # padding prompts: length 0, nothing written
         rows = np.full(P, reqs[0].slot, np.int32)
@@ -539,6 +608,19 @@ class ServingEngine:
         self._release([r for _, r in started if done[r.slot]])
         return events
 
+    def _prefill_shape(self, P: int, T: int) -> tuple[int, int]:
+        """(prompts, tokens) of a prefill call of P prompts of up to T tokens while programs
+        compile in the background: its own, or a larger one already built (the padding rows
+        and positions write nothing). A draft model's prefill has to match, so it waits."""
+        shapes = [] if isinstance(self.drafter, ModelDrafter) else sorted(
+            ((p, t) for k, p, t in (k for k in self._building if k[0] == "prefill") if p >= P and t >= T),
+            key=lambda pt: pt[0] * pt[1])
+        key = self._program(("prefill", P, T), f"a prefill of {P} prompt(s) of up to {T} tokens",
+                            [("prefill", p, t) for p, t in shapes])
+        if not self._built(("draft prefill", P, T)):
+            self._program(("draft prefill", P, T), f"a draft prefill of {P} prompt(s) of up to {T} tokens")
+        return key[1], key[2]
+
     def _index(self, r: _Request, tokens: list[int]) -> None:
         """Offer the full pages of `r`'s slot holding `tokens` to the prefix cache, and stop
         counting those it computed as in progress."""
@@ -565,17 +647,19 @@ class ServingEngine:
                      if self.pages.grow(s, min(r.length + c.steps_per_dispatch, r.length_limit))]
             self._sync_block_tables(grown)
         want_lp = any(r.logprobs for r in self._running.values())
+        constrained = {s: r for s, r in self._running.items() if r.constraint is not None}
+        B, n = c.decode_bucket(len(self._running)), 1 if constrained else c.steps_per_dispatch
+        lp_call, (greedy, filters, adjust) = want_lp, self._sampling()
+        if self._background is not None:
+            _, B, n, lp_call, greedy, filters, adjust = self._decode_program(B, n, want_lp, greedy, filters, adjust)
         rows = None
         if c.paged:
             running = sorted(self._running)
-            pad = [c.n_slots] * (c.decode_bucket(len(running)) - len(running))
-            rows = _put(np.array(running + pad, np.int32))
-        constrained = {s: r for s, r in self._running.items() if r.constraint is not None}
+            rows = _put(np.array(running + [c.n_slots] * (B - len(running)), np.int32))
         if constrained:
             self._set_masks(constrained)
-        out, lp, self.slots, self.cache = decode_dispatch(self.cfg, self.params, self.cache, self.slots,
-                                                          1 if constrained else c.steps_per_dispatch, want_lp, rows,
-                                                          *self._sampling())
+        out, lp, self.slots, self.cache = decode_dispatch(self.cfg, self.params, self.cache, self.slots, n, lp_call,
+                                                          rows, greedy, filters, adjust)
         out = np.asarray(out)
         done = np.asarray(self.slots.state.done)
         lp = jax.tree.map(np.asarray, lp) if want_lp else None
@@ -594,6 +678,17 @@ class ServingEngine:
                 finished.append(r)
         self._release(finished)
         return events
+
+    def _decode_program(self, B: int, n: int, lp: bool, greedy: bool, filters: bool, adjust: bool) -> tuple:
+        """The decode dispatch to call while programs compile in the background: its own, or a
+        built one that gives these rows the same tokens: more rows (padding rows are done), the
+        log-probability variant, a sampled program for greedy rows, the filtering one for rows
+        without top-k / top-p."""
+        variants = [(greedy, filters)] + ([(False, False), (False, True)] if greedy else
+                                          [(False, True)] if not filters else [])
+        subs = [] if adjust else [("decode", b, n, l, g, f, False) for b in self.config.decode_buckets if b >= B
+                                  for l in {lp, True} for g, f in variants]
+        return self._program(("decode", B, n, lp, greedy, filters, adjust), f"a decode dispatch of {B} row(s)", subs)
 
     def _all_greedy(self) -> bool:
         """Whether every running request decodes at temperature 0: the dispatch then runs the
@@ -637,6 +732,8 @@ class ServingEngine:
         # As _decode: a paged engine runs only its running slots, padded to a decode bucket.
         order = sorted(self._running) if c.paged else list(range(c.n_slots))
         B = c.decode_bucket(len(order)) if c.paged else c.n_slots
+        if self._background is not None:
+            self._program(("speculative", B, self._all_greedy()), f"a speculative dispatch of {B} row(s)")
         rows = _put(np.array(order + [c.n_slots] * (B - len(order)), np.int32)) if c.paged else None
         model = isinstance(self.drafter, ModelDrafter)
         if model:
@@ -690,6 +787,9 @@ class ServingEngine:
             if not behind:
                 return
             P = c.decode_bucket(len(behind))
+            if self._background is not None:
+                self._program(("draft prefill", P, T) if (P, T) in self.prefill_shapes() else ("catch-up", P),
+                              f"a draft catch-up of {P} row(s)")
             chunks = [(r.prompt + r.tokens)[r.draft_length: min(r.length, r.draft_length + T)] for r in behind]
             tokens = np.zeros((P, T), np.int32)
             lengths = np.zeros(P, np.int32)   # padding rows: length 0, nothing written

@@ -164,3 +164,38 @@ def test_compiled_programs_are_remembered_until_jax_clears_its_caches(model):
     with count_compiles() as compiles:
         compile_programs([program])
     assert "jit(decode_loop)" in compiles
+
+
+def test_serving_engine_serves_its_first_programs_while_the_rest_compile(model, caplog):
+    """precompile_first builds what a first ordinary request needs; until the rest are built, a
+    call runs in a larger built program (the log says which) or compiles its own, and every
+    request gets the tokens of an engine that compiled everything ahead."""
+    cfg, params = model
+    config = ServingConfig(n_slots=3, max_len=64, page_size=16, steps_per_dispatch=4, prefill_buckets=(1, 2),
+                           max_prefill_tokens=64)
+    rng = np.random.default_rng(2)
+    prompts = [list(rng.integers(0, cfg.vocab_size, n)) for n in (5, 40)]
+
+    def serve(eng, prompt, **kw):
+        rid = eng.submit(prompt, max_new_tokens=5, **kw)
+        return next(e.completion.tokens for e in eng.run() if e.finished and e.request_id == rid)
+
+    at_call = ServingEngine(cfg, params, config)  # compiles each program as it first calls it
+    want = [serve(at_call, p) for p in prompts] + [serve(at_call, prompts[0], temperature=0.8, top_k=5, seed=7)]
+
+    # The engine's own account of what is built decides, whatever JAX's caches already hold; with
+    # no background worker nothing else gets built, so the choices below are certain.
+    eng = ServingEngine(cfg, params, config)
+    report = eng.precompile_first(first_tokens=64, background_workers=0)
+    assert sorted(report.compile_s) == ["decode B=1 N=4 greedy", "decode B=1 N=4 unfiltered", "prefill P=1 T=64"]
+    every = {p.name for p in eng._programs().values()}
+    assert sorted(eng.compiling) == sorted(every - set(report.compile_s)) and "prefill P=2 T=32" in every
+    with caplog.at_level("INFO", logger="rjax.serving"):
+        got = [serve(eng, p) for p in prompts] + [serve(eng, prompts[0], temperature=0.8, top_k=5, seed=7)]
+    assert got == want
+    # 5 tokens: the T=64 program, padded further; 40 tokens: its own
+    assert "a prefill of 1 prompt(s) of up to 16 tokens runs in prefill P=1 T=64 while prefill P=1 T=16 " \
+        "compiles" in caplog.text and "up to 64 tokens" not in caplog.text
+    # top-k: no built program filters, so it waits for (here: compiles) its own, which is then built
+    assert caplog.text.count("a decode dispatch of 1 row(s) waited") == 1 and "for decode B=1 N=4 to compile" \
+        in caplog.text and "decode B=1 N=4" not in eng.compiling and "prefill P=1 T=16" in eng.compiling

@@ -176,7 +176,7 @@ def create_app(loop: EngineLoop, metrics: Metrics | None = None,
         if not loop.ready.is_set():
             return JSONResponse({"status": "loading"}, status_code=503,
                                 headers={"Retry-After": str(settings.retry_after_s)})
-        return {"status": "ok"}
+        return {"status": "ok", "compiling": loop.compiling}
 
     @app.get("/metrics")
     async def prometheus():

@@ -90,6 +90,8 @@ class EngineLoop:
         self._live: dict[Hashable, _Live] = {}  # the loop thread's own
         self._finished = 0                    # requests finished (the loop thread's own)
         self._thread: threading.Thread | None = None
+        if metrics is not None:
+            metrics.programs_compiling.set_function(lambda: len(self.compiling))
         self.n_cancel_requests = 0            # sequences handlers asked to cancel (a count for probes)
 
     # -- any thread -----------------------------------------------------------------------------
@@ -101,8 +103,16 @@ class EngineLoop:
     def stop(self, timeout: float | None = 30.0) -> None:
         self._stopping.set()
         self._wake.set()
+        if self.engine is not None:
+            self.engine.stop_compiling()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    @property
+    def compiling(self) -> list[str]:
+        """Programs the engine is still building in the background."""
+        engine = self.engine
+        return [] if engine is None else engine.compiling
 
     @property
     def n_waiting(self) -> int:
@@ -138,8 +148,10 @@ class EngineLoop:
             self.setup = self._setup_fn()
             self.engine = self.setup.make_engine()
             if self.setup.precompile:
-                report = self.engine.precompile(logprobs=True)
-                log.info("compiled %d programs in %.1f s", len(report.compile_s), report.total_s)
+                # What a first request needs now; the rest while serving (/health lists them).
+                report = self.engine.precompile_first(logprobs=True)
+                log.info("compiled %d programs in %.1f s; %d more compile in the background", len(report.compile_s),
+                         report.total_s, len(self.engine.compiling))
         except Exception as e:  # the server stays up to say why on /health
             self.error = f"{type(e).__name__}: {e}"
             log.error("engine setup failed: %s", traceback.format_exc())
@@ -256,6 +268,7 @@ class EngineLoop:
         self._finish_waiting(sum(not x.started for x in live.values()))
         for rid, x in live.items():
             self._send(x.sink, EngineFailure(rid, message))
+        self.engine.stop_compiling()
         self.engine = None  # the old cache goes before the new one is allocated
         try:
             self.engine = self.setup.make_engine()
