@@ -10,7 +10,7 @@ import pytest
 from rjax import engine
 from rjax.bench import load_for_bench
 from rjax.cache import init_cache
-from rjax.precompile import Program, compile_programs, decode_program, prefill_program
+from rjax.precompile import BackgroundCompile, Program, compile_programs, decode_program, prefill_program
 from rjax.sampling import SamplingParams
 from rjax.serving import ServingConfig, ServingEngine
 from rjax.synth import write_synthetic
@@ -199,3 +199,20 @@ def test_serving_engine_serves_its_first_programs_while_the_rest_compile(model, 
     # top-k: no built program filters, so it waits for (here: compiles) its own, which is then built
     assert caplog.text.count("a decode dispatch of 1 row(s) waited") == 1 and "for decode B=1 N=4 to compile" \
         in caplog.text and "decode B=1 N=4" not in eng.compiling and "prefill P=1 T=16" in eng.compiling
+
+
+def test_background_compile_builds_every_program_and_a_waited_one_first():
+    """Programs build in a background thread; `wait` returns once its program is built (moved to
+    the front of the queue), and the calls then compile nothing."""
+    fns = [jax.jit(lambda x, k=k: jnp.sin(x) * k) for k in range(4)]
+    args = [(jax.ShapeDtypeStruct((3 + k,), jnp.float32),) for k in range(4)]
+    programs = [Program(f"p{k}", fn, a) for k, (fn, a) in enumerate(zip(fns, args))]
+    bg = BackgroundCompile(programs, workers=1)
+    bg.wait("p3")
+    assert bg.is_built("p3") and "p3" in bg.compile_s and bg.is_built("not mine")
+    bg.join()
+    assert bg.pending == [] and bg.errors == {} and sorted(bg.compile_s) == ["p0", "p1", "p2", "p3"]
+    xs = jax.block_until_ready([jnp.ones(3 + k) for k in range(4)])
+    with count_compiles() as compiles:
+        got = [np.asarray(fn(x)) for fn, x in zip(fns, xs)]
+    assert not compiles and all(np.allclose(g, np.sin(1.0) * k) for k, g in enumerate(got))
