@@ -1,7 +1,7 @@
 """Start-up: wall time from process start to the first token and to a healthy server, cold and warm.
 
     python benchmarks/startup.py                    # default model, all three, medians of 3
-    python benchmarks/startup.py --model llama-1b-q4_k.gguf --json --out startup.json
+    python benchmarks/startup.py --model llama-1b-q4_k.gguf --raw --json --out startup.json
 
 Measured, each in a fresh process with its own $RJAX_HOME (the catalog's models linked in, so
 nothing is downloaded):
@@ -49,7 +49,7 @@ MISS = "/jax/compilation_cache/cache_misses"
 
 # -- the child: one measured process ----------------------------------------------------------------
 
-def _child(what: str, model: str, max_new_tokens: int, port: int, record: str) -> int:
+def _child(what: str, model: str, max_new_tokens: int, port: int, record: str, raw: bool) -> int:
     t0 = float(os.environ["RJAX_STARTUP_T0"])  # the parent's clock when it started this process
     events: list = []
     marks: dict[str, float] = {}
@@ -79,11 +79,12 @@ def _child(what: str, model: str, max_new_tokens: int, port: int, record: str) -
 
     rjax.load = timed_load
     if what == "generate":
-        return rjax.cli.main(["generate", "-m", model, "--max-new-tokens", str(max_new_tokens), "Hi"])
+        return rjax.cli.main(["generate", "-m", model, "--max-new-tokens", str(max_new_tokens), "Hi"]
+                             + ["--raw"] * raw)
     if what == "serve":
         return rjax.cli.main(["serve", "-m", model, "--port", str(port)])
     m = rjax.load(model, progress=False)  # which turns the persistent cache on (rjax.xla_cache)
-    for chunk in rjax.stream(m, "Hi", max_new_tokens=max_new_tokens):
+    for chunk in rjax.stream(m, "Hi", max_new_tokens=max_new_tokens, raw=raw):
         marks.setdefault("first_token", now())
         sys.stdout.write(chunk)
         sys.stdout.flush()
@@ -118,7 +119,7 @@ def _cpu_s(pid: int) -> float | None:
         return None
 
 
-def run_once(what: str, model: str, home: Path, max_new_tokens: int, timeout_s: float) -> dict:
+def run_once(what: str, model: str, home: Path, max_new_tokens: int, timeout_s: float, raw: bool = False) -> dict:
     """One measured process. -> its wall time to the milestone and its breakdown."""
     record = home / f"record-{what}-{time.time_ns()}.json"
     port = _free_port()
@@ -126,14 +127,20 @@ def run_once(what: str, model: str, home: Path, max_new_tokens: int, timeout_s: 
     t0 = time.time()
     env["RJAX_STARTUP_T0"] = repr(t0)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", what, "--model", model, "--record", str(record),
-           "--port", str(port), "--max-new-tokens", str(max_new_tokens)]
-    p = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+           "--port", str(port), "--max-new-tokens", str(max_new_tokens)] + ["--raw"] * raw
+    # The child's log goes to a file: a pipe nobody reads while polling /health fills up with
+    # uvicorn's access log, and the server then blocks writing it.
+    log_path = record.with_suffix(".log")
+    log_file = open(log_path, "wb")
+    p = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log_file if what == "serve" else subprocess.PIPE,
+                         stderr=log_file)
     milestone = cpu = None
     try:
         if what == "serve":
             while milestone is None and time.time() - t0 < timeout_s:
                 if p.poll() is not None:
-                    raise RuntimeError(f"rjax serve exited with {p.returncode}: {p.stderr.read().decode()[-2000:]}")
+                    raise RuntimeError(f"rjax serve exited with {p.returncode}: "
+                                       f"{log_path.read_bytes().decode(errors='replace')[-2000:]}")
                 try:
                     with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
                         if r.status == 200:
@@ -144,13 +151,16 @@ def run_once(what: str, model: str, home: Path, max_new_tokens: int, timeout_s: 
         else:
             if p.stdout.read(1):
                 milestone, cpu = time.time() - t0, _cpu_s(p.pid)
-        out, err = p.communicate(timeout=timeout_s)
+        p.communicate(timeout=timeout_s)
     except BaseException:
         p.kill()
         p.wait()
         raise
+    finally:
+        log_file.close()
     if milestone is None or (what != "serve" and p.returncode != 0):
-        raise RuntimeError(f"{what} failed (exit {p.returncode}): {err.decode()[-2000:]}")
+        raise RuntimeError(f"{what} failed (exit {p.returncode}; not there within {timeout_s:.0f} s?): "
+                           f"{log_path.read_bytes().decode(errors='replace')[-2000:]}")
     rec = json.loads(record.read_text())
     return dict(breakdown(rec, milestone), cpu_s=cpu)
 
@@ -210,6 +220,7 @@ def main(argv=None) -> int:
     ap.add_argument("--what", default=",".join(WHATS), help=f"comma-separated, of {WHATS}")
     ap.add_argument("--runs", type=int, default=3, help="runs per row, cold and warm (default 3; medians)")
     ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--raw", action="store_true", help="prompt without the chat template (a synthetic model has none)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
     ap.add_argument("--workdir", default=None, help="where the temporary $RJAX_HOMEs go (default: the system's)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON (per-program breakdown included)")
@@ -223,7 +234,7 @@ def main(argv=None) -> int:
         from rjax.catalog import DEFAULT_MODEL
         a.model = DEFAULT_MODEL
     if a.child:
-        return _child(a.child, a.model, a.max_new_tokens, a.port, a.record)
+        return _child(a.child, a.model, a.max_new_tokens, a.port, a.record, a.raw)
     whats = [w.strip() for w in a.what.split(",") if w.strip()]
     if bad := [w for w in whats if w not in WHATS]:
         ap.error(f"--what: unknown {bad}; choose from {WHATS}")
@@ -236,11 +247,11 @@ def main(argv=None) -> int:
         cold = []
         for i in range(a.runs):
             home = _home_with_models(base)
-            cold.append(run_once(what, a.model, home, a.max_new_tokens, a.timeout))
+            cold.append(run_once(what, a.model, home, a.max_new_tokens, a.timeout, a.raw))
             print(f"[startup] {what} cold run {i + 1}: {cold[-1]['wall_s']:.1f} s", file=sys.stderr, flush=True)
         warm = []
         for i in range(a.runs):  # the last cold run's cache
-            warm.append(run_once(what, a.model, home, a.max_new_tokens, a.timeout))
+            warm.append(run_once(what, a.model, home, a.max_new_tokens, a.timeout, a.raw))
             print(f"[startup] {what} warm run {i + 1}: {warm[-1]['wall_s']:.1f} s", file=sys.stderr, flush=True)
         for cache, rows in (("cold", cold), ("warm", warm)):
             results[f"{what}:{cache}"] = median_row(rows)
