@@ -139,6 +139,9 @@ def test_serving_engine_precompiles_every_shape_it_calls(model, page_size):
     decode = ["decode B=1 N=4", "decode B=3 N=4"] if page_size else ["decode B=3 N=4"]
     # The programs for batches of greedy requests alone, and of sampled ones without top-k / top-p.
     decode += [f"{name} {variant}" for name in decode for variant in ("greedy", "unfiltered")]
+    # And the variant with logit adjustments and masks, of 4 steps and of 1 (constrained requests).
+    batches = (1, 3) if page_size else (3,)
+    decode += [f"decode B={b} N={n} adjusted" for b in batches for n in (1, 4)]
     assert sorted(report.compile_s) == sorted(decode + [f"prefill P={p} T={t}" for p, t in eng.prefill_shapes()])
     rng = np.random.default_rng(1)
     lengths = [5, 20, 40, 3, 60, 11]  # singles and pairs over the 16, 32 and 64 buckets
