@@ -123,7 +123,7 @@ def run_once(what: str, model: str, home: Path, max_new_tokens: int, timeout_s: 
     """One measured process. -> its wall time to the milestone and its breakdown."""
     record = home / f"record-{what}-{time.time_ns()}.json"
     port = _free_port()
-    env = dict(os.environ, RJAX_HOME=str(home), PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, RJAX_HOME=str(home), PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))), PYTHONUNBUFFERED="1")
     t0 = time.time()
     env["RJAX_STARTUP_T0"] = repr(t0)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", what, "--model", model, "--record", str(record),
