@@ -11,7 +11,10 @@ that names the file and the key or tensor.
 """
 from __future__ import annotations
 
+import collections
+import itertools
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -77,40 +80,62 @@ def _place(name: str, cfg: ModelConfig, path) -> tuple[int | None, str] | None:
     return int(parts[1]), field
 
 
+def _load_tensor(t, cfg: ModelConfig, path, on_device: bool):
+    """One tensor of the file -> (layer or None, params field, weight), or None where the engine
+    does not use it; every check of the tensor against the config is made here."""
+    place = _place(t.name, cfg, path)
+    if place is None:
+        return None
+    layer, field = place
+    shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+    if field == "lm_head" and cfg.tie_embeddings:
+        return None
+    try:
+        formats.resolve_type(t.tensor_type, t.name)
+    except formats.TensorFormatError as e:
+        raise TensorFileError(f"{path}: {e}") from e
+    want = expected_shape(cfg, field)
+    if shape != want:
+        raise ModelFileError(f"{path}: tensor {t.name!r} has shape {list(shape)}, but the metadata implies "
+                             f"{list(want)} (embedding {cfg.d_model}, heads {cfg.n_heads}/{cfg.n_kv_heads} of "
+                             f"{cfg.head_dim}, feed-forward {cfg.d_ff}, vocabulary {cfg.vocab_size})")
+    try:
+        host = formats.to_host_weight(t.name, t.tensor_type, t.data, shape)
+    except formats.TensorFormatError as e:
+        raise TensorFileError(f"{path}: {e}") from e
+    if field in NORM_FIELDS | BIAS_FIELDS and isinstance(host, QTensor):
+        raise ModelFileError(f"{path}: tensor {t.name!r} is {host.qtype.name}; norms and biases must be "
+                             "F32, F16 or BF16")
+    check_finite(path, t.name, host)
+    if field in EXPERT_FIELDS:  # the reference mixture multiplies dense experts: dequantized once here
+        host = reference.dequantize(host).astype(jnp.bfloat16) if isinstance(host, QTensor) else host
+    return layer, field, _to_device(host) if on_device else host
+
+
 def load_params(reader: GGUFReader, cfg: ModelConfig, progress: bool = True, on_device: bool = True) -> Params:
     """on_device False: leave the weights in host memory (views of the mapped file where the
     layout allows), for a caller that puts them onto devices itself (a model split over several)."""
     path = reader.data.filename if hasattr(reader.data, "filename") else "<gguf>"
     layers: list[dict] = [dict() for _ in range(cfg.n_layers)]
     top: dict = {}
-    for t in tqdm(reader.tensors, desc="loading tensors", unit="tensor", disable=not progress, leave=False):
-        place = _place(t.name, cfg, path)
-        if place is None:
-            continue
-        layer, field = place
-        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
-        if field == "lm_head" and cfg.tie_embeddings:
-            continue
-        try:
-            formats.resolve_type(t.tensor_type, t.name)
-        except formats.TensorFormatError as e:
-            raise TensorFileError(f"{path}: {e}") from e
-        want = expected_shape(cfg, field)
-        if shape != want:
-            raise ModelFileError(f"{path}: tensor {t.name!r} has shape {list(shape)}, but the metadata implies "
-                                 f"{list(want)} (embedding {cfg.d_model}, heads {cfg.n_heads}/{cfg.n_kv_heads} of "
-                                 f"{cfg.head_dim}, feed-forward {cfg.d_ff}, vocabulary {cfg.vocab_size})")
-        try:
-            host = formats.to_host_weight(t.name, t.tensor_type, t.data, shape)
-        except formats.TensorFormatError as e:
-            raise TensorFileError(f"{path}: {e}") from e
-        if field in NORM_FIELDS | BIAS_FIELDS and isinstance(host, QTensor):
-            raise ModelFileError(f"{path}: tensor {t.name!r} is {host.qtype.name}; norms and biases must be "
-                                 "F32, F16 or BF16")
-        check_finite(path, t.name, host)
-        if field in EXPERT_FIELDS:  # the reference mixture multiplies dense experts: dequantized once here
-            host = reference.dequantize(host).astype(jnp.bfloat16) if isinstance(host, QTensor) else host
-        (top if layer is None else layers[layer])[field] = _to_device(host) if on_device else host
+    # Splitting blocks into planes, the finiteness checks and the transfers are numpy and XLA
+    # work that releases the interpreter lock: a few tensors at a time in threads, in file
+    # order, so that the first bad tensor of the file is the one reported and host memory
+    # holds only the window's copies.
+    workers = max(1, min(8, os.cpu_count() or 1))
+    tensors = iter(reader.tensors)
+    with ThreadPoolExecutor(workers) as pool, tqdm(total=len(reader.tensors), desc="loading tensors", unit="tensor",
+                                                   disable=not progress, leave=False) as bar:
+        window = collections.deque(pool.submit(_load_tensor, t, cfg, path, on_device)
+                                   for t in itertools.islice(tensors, 2 * workers))
+        while window:
+            loaded = window.popleft().result()
+            if (t := next(tensors, None)) is not None:
+                window.append(pool.submit(_load_tensor, t, cfg, path, on_device))
+            bar.update()
+            if loaded is not None:
+                layer, field, weight = loaded
+                (top if layer is None else layers[layer])[field] = weight
     missing = [n for n, f in TOP_TENSORS.items() if f not in top and (f != "lm_head" or not cfg.tie_embeddings)]
     inverse = {v: k for k, v in LAYER_TENSORS.items()} | {"w_gate_up": "ffn_up"}
     for i, layer in enumerate(layers):
