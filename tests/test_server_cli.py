@@ -31,8 +31,9 @@ def test_serve_arguments():
 
 def test_setup_loads_the_model_with_the_given_template_and_limits(tiny_path):
     setup = make_setup(str(tiny_path), model_id="tiny", slots=2, max_len=64, steps_per_dispatch=4,
-                       chat_template=TEMPLATE, precompile=False)()
+                       chat_template=(TEMPLATE, "t.jinja"), precompile=False)()
     assert setup.model_id == "tiny" and setup.tokenizer.chat_template == TEMPLATE
+    assert setup.tokenizer.chat_template_source == "t.jinja"
     eng = setup.make_engine()
     assert eng.config.n_slots == 2 and eng.config.max_len == 64 and eng.config.page_size == 16
     assert eng.default_stop_ids == tuple(sorted(setup.tokenizer.eos_ids))
@@ -63,13 +64,17 @@ def test_serve_max_len_defaults_to_the_context_that_fits(tiny_path, monkeypatch,
     assert "--max-len 2048" in caplog.text and "8192 positions" in caplog.text
 
 
-def test_serve_refuses_bad_limits_before_loading():
+def test_serve_refuses_bad_limits_and_templates_before_loading(tmp_path):
     from rjax.server.cli import cmd_serve
 
     with pytest.raises(ValueError, match="--slots must be >= 1, got 0"):
         cmd_serve(build_parser().parse_args(["serve", "--slots", "0"]))
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ValueError, match=r"--chat-template /nonexistent/t\.jinja: cannot read it"):
         cmd_serve(build_parser().parse_args(["serve", "--chat-template", "/nonexistent/t.jinja"]))
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m['content'] }")
+    with pytest.raises(ValueError, match=rf"^{broken}: the chat template does not compile: line 1: unexpected '}}'"):
+        cmd_serve(build_parser().parse_args(["serve", "--chat-template", str(broken)]))
 
 
 def _free_port() -> int:

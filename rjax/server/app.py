@@ -20,7 +20,6 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Sequence
 
-import jinja2
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -36,6 +35,7 @@ from rjax.server.schemas import (ChatCompletionRequest, CompletionRequest, Detok
 from rjax.server.text import ChoiceText, Piece
 from rjax.server.tools import ToolStream, call_grammar, parse_tool_calls, render_messages, tool_format
 from rjax.serving import TokenLogprob
+from rjax.tokenizer import ChatTemplateError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -561,8 +561,8 @@ def _chat_prompt(tok, body: ChatCompletionRequest, model_id: str, add_generation
     messages, extra = render_messages(messages, mode[0] if mode else None, tok.chat_template)
     try:
         return tok.encode_chat(messages, add_generation_prompt, **extra)
-    except jinja2.TemplateError as e:  # the template refused the conversation (raise_exception)
-        raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
+    except ChatTemplateError as e:  # the template refused the conversation, or ran past its limits
+        raise APIError(400, str(e), param="messages", code="chat_template_error") from None
 
 
 def _validation_error(errors: Sequence[dict]) -> APIError:

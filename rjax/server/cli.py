@@ -14,7 +14,7 @@ log = logging.getLogger(__name__)
 
 
 def make_setup(model: str, *, model_id: str, slots: int, max_len: int | None, steps_per_dispatch: int,
-               chat_template: str | None, precompile: bool, prefix_cache: bool = True, kv_dtype: str = "bf16", tp: int = 1,
+               chat_template: tuple[str, str] | None, precompile: bool, prefix_cache: bool = True, kv_dtype: str = "bf16", tp: int = 1,
                speculative: str | None = None, draft_tokens: int = 4):
     """-> the EngineLoop's setup: loads the model and makes engines, on the loop's thread."""
     from rjax.server.loop import Setup
@@ -31,7 +31,7 @@ def make_setup(model: str, *, model_id: str, slots: int, max_len: int | None, st
         m = rjax.load(model, mesh=make_tp(tp).mesh if tp > 1 else None)
         tok = m.tokenizer
         if chat_template is not None:
-            tok = dataclasses.replace(tok, chat_template=chat_template)
+            tok = tok.with_chat_template(*chat_template)
         ctx = m.config.context_length
         if max_len is not None and max_len > ctx:
             raise ValueError(f"--max-len {max_len} exceeds the context length of {m.name} ({ctx} tokens)")
@@ -90,7 +90,15 @@ def cmd_serve(a) -> int:
     for name in ("slots", "max_queued", "steps_per_dispatch", "port"):
         if getattr(a, name) < (0 if name == "port" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    template = Path(a.chat_template).read_text(encoding="utf-8") if a.chat_template else None
+    template = None
+    if a.chat_template:  # a template that does not compile stops the server before it starts
+        from rjax.tokenizer.chat_template import check_chat_template
+
+        try:
+            template = (Path(a.chat_template).read_text(encoding="utf-8"), a.chat_template)
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template {a.chat_template}: cannot read it: {e}") from None
+        check_chat_template(*template)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     metrics = Metrics()
     loop = EngineLoop(make_setup(a.model, model_id=a.served_model_name or Path(a.model).name, slots=a.slots,
