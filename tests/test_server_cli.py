@@ -2,6 +2,7 @@
 serving the tiny synthetic model in a subprocess."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -110,12 +111,32 @@ def test_rjax_serve_end_to_end(tiny_path, tmp_path):
         r = client.chat.completions.create(model=tiny_path.name, messages=[{"role": "user", "content": "hi"}],
                                            max_tokens=5, temperature=0)
         assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
-        assert "rjax_generation_tokens_total 5.0" in httpx.get(f"{url}/metrics").text
+        auth = {"Authorization": "Bearer k"}
+        assert httpx.get(f"{url}/metrics").status_code == 401
+        assert "rjax_generation_tokens_total 5.0" in httpx.get(f"{url}/metrics", headers=auth).text
+        # SIGTERM drains: the stream in flight runs to its end, a new request is refused (503, or
+        # the connection, once the listening socket is closed), and the process exits cleanly.
+        with httpx.Client(timeout=120, headers=auth) as c:
+            body = dict(model=tiny_path.name, prompt="hi", max_tokens=40, ignore_eos=True, temperature=0, stream=True)
+            with c.stream("POST", f"{url}/v1/completions", json=body) as stream:
+                lines = stream.iter_lines()
+                next(line for line in lines if line.startswith("data: "))
+                proc.send_signal(signal.SIGTERM)
+                time.sleep(0.5)
+                try:
+                    late = httpx.post(f"{url}/v1/completions", headers=auth, json=dict(model=tiny_path.name, prompt="x"))
+                    assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+                except httpx.ConnectError:
+                    pass
+                rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+        proc.wait(60)
     finally:
-        proc.send_signal(signal.SIGINT)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 0
+    assert proc.returncode in (0, -signal.SIGTERM)  # uvicorn ends a drained server by its signal again

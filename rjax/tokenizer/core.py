@@ -4,6 +4,7 @@ Face checkpoint directory."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,9 @@ from rjax.tokenizer.chat_template import ChatTemplateError, check_chat_template,
 from rjax.tokenizer.gguf_vocab import (SUPPORTED_GGUF_MODELS, TOKEN_NORMAL, _BYTE_LEVEL_SPLITS, _GEMMA_ARCHITECTURES,
                                        _GGUFMetadata, _byte_level_backend, _sentencepiece_backend)
 from rjax.tokenizer.stream import StreamDecoder
+
+# Texts at least this long are encoded without holding the interpreter lock (see `encode`).
+_LONG_TEXT = 4096
 
 # Control tokens that end a turn in common chat formats: generation stops on them as on EOS.
 _END_OF_TURN_TOKENS = (
@@ -259,12 +263,28 @@ class Tokenizer:
         """Number of ids the tokenizer can produce, added tokens included."""
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """No token covers more characters of input text than this: the longest token's text
+        (byte-level and byte-fallback tokens spell a byte in one character or more), times 4 where
+        a normalizer may first compose several characters into one."""
+        longest = max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
+        return longest * (1 if self.backend.normalizer is None else 4)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on len(self.encode(text)) that costs no encoding: a text too long for a
+        context is refused by its length alone."""
+        return -(-len(text) // self.max_chars_per_token)
+
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`. Special tokens written in the text (e.g. `<|im_start|>`) become
         their ids. With `add_bos=None` the model file decides (BOS, and EOS where the file asks
         for it: transformers' add_special_tokens=True); `add_bos=False` adds nothing
         (add_special_tokens=False); `add_bos=True` adds BOS only."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if len(text) < _LONG_TEXT:
+            ids = self.backend.encode(text, add_special_tokens=False).ids
+        else:  # encode holds the interpreter lock throughout; encode_batch lets other threads run
+            ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         if add_bos is None and self.add_eos and self.eos_id is not None:
