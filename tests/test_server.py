@@ -7,9 +7,11 @@ cache (the functional API) with log_softmax on the host for log-probabilities.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
+import random
 import re
 import socket
 import threading
@@ -29,6 +31,7 @@ from rjax.server.app import ServerSettings, create_app
 from rjax.server.loop import EngineLoop, Setup
 from rjax.server.metrics import Metrics
 from rjax.serving import ServingConfig, ServingEngine
+from tests import fuzz
 
 MODEL = "tiny"
 # Positions per sequence 64: a prompt of 64 tokens is too long, 10 + 60 new tokens too many.
@@ -539,6 +542,31 @@ def test_a_chat_template_that_fails_gets_400_naming_the_message(srv):
                param="messages", code="chat_template_error")
     assert e["message"] == ("test.jinja: the chat template failed at message 1 (role 'assistant'): "
                             "no RAISE here"), e
+
+
+HTTP_CASES = 300
+
+
+def test_fuzzed_request_bodies_get_200_or_a_4xx(srv):
+    """Seeded fuzzed bodies (tests/fuzz.py: wrong types, ranges and encodings, unknown fields,
+    broken messages, damaged JSON): each gets a 200 or a 4xx with an OpenAI error body, never a
+    500, an error inside a 200 stream, or a hang; and the engine is left idle."""
+    counts, failures = collections.Counter(), []
+    with httpx.Client(timeout=30) as client:
+        for i in range(HTTP_CASES):
+            path, body, what = fuzz.http_body_case(random.Random(f"http:{i}"), MODEL)
+            try:
+                r = client.post(srv.url + path, content=body, headers={"Content-Type": "application/json"})
+                outcome = fuzz.http_outcome(r.status_code, r.headers.get("content-type", ""), r.text)
+            except httpx.TimeoutException:
+                outcome = "FAIL hang"
+            counts[outcome.split(":")[0]] += 1
+            if outcome.startswith("FAIL"):
+                failures.append(f"case {i} ({path}: {what}): {outcome}")
+    assert not failures, "\n".join(failures[:20])
+    # both ends are reached: requests that run and many kinds of refusal
+    assert counts["200"] + counts["200 stream"] > HTTP_CASES // 10 and len(counts) > 15, counts
+    _idle(srv)
 
 
 def test_api_key(strict):
