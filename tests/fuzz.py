@@ -983,7 +983,7 @@ def _message_class(message: str, where: Path) -> str:
 def _outcome_of_error(e: BaseException, where: Path) -> str:
     message = str(e)
     if isinstance(e, (ModelFileError, ChatTemplateError)):
-        kind = type(e).__name__
+        kind = "ChatTemplateError" if isinstance(e, ChatTemplateError) else "ModelFileError"  # subclasses too
         if str(where) not in message:
             return f"FAIL {kind} not naming the file: {_message_class(message, where)}"
         return f"{kind}: {_message_class(message, where)}"
