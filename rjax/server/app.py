@@ -403,7 +403,8 @@ def create_app(loop: EngineLoop, metrics: Metrics | None = None,
         if body.dimensions is not None and body.dimensions != d:
             raise APIError(400, f"dimensions {body.dimensions} is not supported: this model's embeddings have {d} "
                                 f"dimensions (leave dimensions out)", param="dimensions", code="unsupported_parameter")
-        prompts = await run_in_threadpool(_completion_prompts, body.input, setup.tokenizer)
+        prompts = await run_in_threadpool(_completion_prompts, body.input, setup.tokenizer,
+                                          _engine(loop).config.max_len)
         try:
             vectors = await run_in_threadpool(embed_ids, engine.cfg, engine.params, prompts,
                                               max_tokens=engine.config.max_len)
