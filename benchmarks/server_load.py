@@ -13,7 +13,12 @@ output tokens/s over the level's wall time, and p50 / p99 time to first token. W
 (target: output tokens/s >= 1.5x at concurrency 32; p50 TTFT no worse at concurrency 1).
 
 --soak N: N requests at concurrency 8 against rjax alone, in rounds of 100; the server process's
-RSS after each round, once it is idle (host memory should stay flat).
+RSS after each round, once it is idle (host memory should stay flat). With --mix, the requests
+vary as a server's do: short and long prompts, streaming and not, greedy and seeded sampling,
+log-probabilities, and clients that leave after the first chunk. rss_growth is measured from the
+first round past warm-up (200 requests) to the last.
+
+    python benchmarks/server_load.py -m smollm2-135m-instruct --soak 5000 --mix --max-len 2048 --out /tmp/mix.json
 """
 from __future__ import annotations
 
@@ -96,13 +101,43 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
     return ttft if ttft is not None else time.perf_counter() - t0, tokens if tokens is not None else chunks
 
 
-async def level(url: str, model: str, prompts: list[list[int]], gen: int, concurrency: int, time_limit: float) -> dict:
+async def mixed_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], gen: int,
+                        rng: np.random.Generator) -> tuple:
+    """One request of the --mix soak: -> (seconds, output tokens; 0 for a client that left)."""
+    long = rng.random() < 0.25
+    body = dict(model=model, prompt=prompt if long else prompt[:16], max_tokens=int(rng.integers(1, gen + 1)),
+                ignore_eos=True, stream=bool(rng.random() < 0.5))
+    if rng.random() < 0.5:
+        body.update(temperature=0.8, top_p=0.95, seed=int(rng.integers(0, 2 ** 31)))
+    else:
+        body.update(temperature=0)
+    if rng.random() < 0.3:
+        body.update(logprobs=int(rng.integers(0, 6)))
+    leave = body["stream"] and rng.random() < 0.2
+    t0 = time.perf_counter()
+    if not body["stream"]:
+        r = await client.post(f"{url}/v1/completions", json=body, timeout=600)
+        r.raise_for_status()
+        return time.perf_counter() - t0, r.json()["usage"]["completion_tokens"]
+    async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if leave and line.startswith("data: "):
+                return time.perf_counter() - t0, 0  # the client goes away mid-stream
+    return time.perf_counter() - t0, body["max_tokens"]
+
+
+async def level(url: str, model: str, prompts: list[list[int]], gen: int, concurrency: int, time_limit: float,
+                mix: np.random.Generator | None = None) -> dict:
     queue = list(prompts)
     results, t0 = [], time.perf_counter()
 
     async def worker(client):
         while queue and time.perf_counter() - t0 < time_limit:
-            results.append(await one_request(client, url, model, queue.pop(), gen))
+            if mix is not None:
+                results.append(await mixed_request(client, url, model, queue.pop(), gen, mix))
+            else:
+                results.append(await one_request(client, url, model, queue.pop(), gen))
 
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency + 4)) as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
@@ -136,10 +171,12 @@ def soak(cmd, url, a, prompts) -> dict:
     proc = start(cmd, url, a.start_timeout)
     samples, done, t0 = [], 0, time.perf_counter()
     pool = [p for level_prompts in prompts for p in level_prompts]
+    mix = np.random.default_rng(1) if a.mix else None
     try:
         while done < a.soak:
             n = min(100, a.soak - done)
-            asyncio.run(level(url, "m", [pool[(done + i) % len(pool)] for i in range(n)], a.gen, 8, float("inf")))
+            asyncio.run(level(url, "m", [pool[(done + i) % len(pool)] for i in range(n)], a.gen, 8, float("inf"),
+                              mix))
             done += n
             time.sleep(1.0)
             samples.append((done, rss_bytes(proc.pid)))
@@ -166,6 +203,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--soak", type=int, default=0, help="run N requests at concurrency 8 and sample the server's RSS")
+    p.add_argument("--mix", action="store_true", help="with --soak: vary the requests (lengths, streaming, sampling, "
+                                                     "logprobs, clients leaving)")
     p.add_argument("--token-range", default="1000,30000", help="prompt token ids are drawn from [LO, HI)")
     a = p.parse_args(argv)
     a.concurrency = [int(c) for c in a.concurrency.split(",")]

@@ -8,7 +8,8 @@ Research:    rjax.forward (tokens or input embeddings -> logits, hidden states),
              rjax.split_params / rjax.merge_params keep quantized weights out of jax.grad.
 Serving:     rjax.ServingEngine (continuous batching over slots of a paged KV cache).
 Errors:      rjax.ModelFileError (a damaged or unsupported model file), rjax.ContextLengthError
-             (prompt plus new tokens beyond the context), rjax.InvalidTextError, rjax.NotDifferentiableError.
+             (prompt plus new tokens beyond the context), rjax.InvalidTextError, rjax.NotDifferentiableError,
+             rjax.ChatTemplateError (a chat template that does not compile, fails or runs past its limits).
 Compiled programs are kept in $RJAX_HOME/xla-cache from rjax.load on; rjax.compile_cache(path or None) to change.
 """
 import importlib
@@ -33,6 +34,7 @@ _EXPORTS = {
     "rjax.scoring": ("perplexity", "score", "token_logprobs"),
     "rjax.serving": ("ServingConfig", "ServingEngine"),
     "rjax.xla_cache": ("compile_cache",),
+    "rjax.tokenizer": ("ChatTemplateError",),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -53,7 +55,7 @@ def __dir__():
 
 
 __all__ = [
-    "ContextLengthError", "DEFAULT_MODEL", "ForwardResult", "GenerationResult", "InvalidTextError", "KVCache", "Model", "ModelConfig",
+    "ChatTemplateError", "ContextLengthError", "DEFAULT_MODEL", "ForwardResult", "GenerationResult", "InvalidTextError", "KVCache", "Model", "ModelConfig",
     "ModelFileError", "NotDifferentiableError", "PagedKVCache", "Params", "Plan",
     "SamplingParams", "ServingConfig", "ServingEngine",
     "compile_cache", "decode_loop", "decode_step", "embed", "forward", "generate", "greedy_decode_loop", "init_cache",

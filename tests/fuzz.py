@@ -1,7 +1,10 @@
 """Fuzzed model files: seeded mutations of tiny GGUF files and Hugging Face checkpoint
-directories, each loaded through `rjax.load` (config, params and tokenizer).
+directories (header, tensors, config.json, tokenizer files, chat templates), each loaded through
+`rjax.load` (config, params and tokenizer) and its chat template rendered over a conversation;
+and fuzzed HTTP request bodies for the server (`http_body_case`, run by tests/test_server.py).
 
-Every case must end in a correct load or in one `ModelFileError` whose message names the file.
+Every case must end in a correct load (and render) or in one `ModelFileError` (or, rendering,
+`ChatTemplateError`) whose message names the file.
 An uncaught exception, an error that does not name the file, a crash, a hang (a load over
 TIMEOUT_S), an allocation the worker's address-space limit refuses, or a load whose params and
 tokenizer disagree with its config is a failure.
@@ -48,6 +51,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 import rjax
 from gguf_blocks import formats
 from rjax.loaders import ModelFileError
+from rjax.tokenizer import ChatTemplateError, chat_template
 from rjax.synth import TensorSpec, random_tensor
 from rjax.tokenizer import byte_alphabet
 
@@ -61,6 +65,38 @@ GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ '<start_of_turn>' + 
                   "+ '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}"
                   "{% endif %}")
 PROBE_TEXT = "Hello the world, <|im_end|> <end_of_turn> \u00fcn\u00ef 12  ok"
+PROBE_MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROBE_TEXT},
+                  {"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}]
+# Chat templates as a hostile model file might carry them: syntax errors, sandbox escapes, values
+# and output past the size limits, deep recursion, failures at one message. (A render that runs
+# past its time is tested on its own: here it would cost seconds a case.)
+HOSTILE_TEMPLATES = [
+    "{% for m in messages %}{{ m['content'] }", "{% if %}", "{{ messages }", "{% endfor %}", "{% raw %}",
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}", "{{ cycler.__init__.__globals__.os }}",
+    "{{ messages.append(1) }}", "{{ 'a' * 10 ** 10 }}", "{{ ('x' * 1000000) | replace('x', 'yyyyyyyyyy') }}",
+    "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+    "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+    "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "{{ 'a' | center(10 ** 9) }}",
+    "{{ '%1000000000d' % 1 }}", "{{ '{:>1000000000}'.format(1) }}", "{{ (['x' * 1000000] * 1000) | join }}",
+    "{% macro f(x) %}{{ f(x) }}{% endmacro %}{{ f(1) }}", "{{ undefined_thing.attr }}", "{{ messages[99] }}",
+    "{% for m in messages %}{% if m.role == 'assistant' %}{{ raise_exception('no') }}{% endif %}{% endfor %}",
+    "{{ messages[0].content + 1 }}", "{{ 10 ** 10 ** 10 }}", "{{" + "(" * 3000 + "1" + ")" * 3000 + "}}",
+    "{{ strftime_now('%Y') }}{{ messages | tojson }}", "", "\u00e9\ud800", CHATML[:-7],
+]
+
+
+def hostile_template(rng: random.Random) -> str:
+    """One of HOSTILE_TEMPLATES, or a working template with characters cut or inserted."""
+    if rng.random() < 0.6:
+        return rng.choice(HOSTILE_TEMPLATES)
+    text = list(rng.choice([CHATML, GEMMA_TEMPLATE]))
+    for _ in range(rng.randint(1, 4)):
+        at = rng.randrange(len(text))
+        if rng.random() < 0.5:
+            del text[at:at + rng.randint(1, 6)]
+        else:
+            text.insert(at, rng.choice(["{", "}", "%", "{{", "{%", "'", "(", "|", "~", "*", "endfor", " if "]))
+    return "".join(text)
 
 
 class CaseTimeout(BaseException):
@@ -474,7 +510,8 @@ def _value_pool() -> list[tuple]:
 
 def _optional_keys(arch: str, spec: GGUFSpec) -> list[tuple[str, tuple]]:
     """Keys the loaders read when present, with values to try."""
-    n_tokens = len(spec.kvs.get("tokenizer.ggml.tokens", ([],))[0])
+    tokens = spec.kvs.get("tokenizer.ggml.tokens", ([],))[0]  # an earlier edit may have retyped it
+    n_tokens = len(tokens) if isinstance(tokens, (list, tuple)) else 0
     return [
         (f"{arch}.rope.scaling.type", value) for value in [("yarn", V.STRING, None), ("llama3", V.STRING, None),
                                                            ("none", V.STRING, None), (3, V.UINT32, None)]
@@ -545,8 +582,16 @@ def _edit_array(rng, key, value, vtype, sub) -> tuple[tuple, str]:
 def gguf_spec_mutation(rng: random.Random, spec: GGUFSpec) -> str:
     """Edit the spec in place (its lists and dicts are the caller's copy)."""
     kind = rng.choices(["drop_kv", "retype_kv", "array", "add_kv", "drop_tensor", "rename_tensor", "reshape_tensor",
-                        "retype_tensor", "extra_tensor"], [10, 16, 14, 16, 6, 8, 10, 10, 5])[0]
+                        "retype_tensor", "extra_tensor", "chat_template"], [10, 16, 14, 16, 6, 8, 10, 10, 5, 8])[0]
     keys = list(spec.kvs)
+    if kind == "chat_template":
+        template = hostile_template(rng)
+        try:
+            template.encode("utf-8")
+        except UnicodeEncodeError:
+            template = template.encode("utf-8", "surrogatepass")  # bytes that are not UTF-8
+        spec.kvs["tokenizer.chat_template"] = (template, V.STRING, None)
+        return f"tokenizer.chat_template = {template!r:.60}"
     if kind == "drop_kv":
         key = rng.choice(keys)
         del spec.kvs[key]
@@ -792,8 +837,21 @@ def _mutate_tokenizer_files(rng, directory: Path) -> str:
     return f"{which}: {key} = {cfg[key]!r:.40}"
 
 
+def _mutate_chat_template(rng, directory: Path) -> str:
+    template = hostile_template(rng)
+    if rng.random() < 0.5:
+        (directory / "chat_template.jinja").write_bytes(template.encode("utf-8", "surrogatepass"))
+        return f"chat_template.jinja = {template!r:.60}"
+    path = directory / "tokenizer_config.json"
+    cfg = _json_object(path) or {}
+    cfg["chat_template"] = template
+    path.write_text(json.dumps(cfg))
+    return f"tokenizer_config.json: chat_template = {template!r:.60}"
+
+
 def hf_mutation(rng: random.Random, directory: Path) -> str:
-    options = [(_mutate_config, 40), (_mutate_safetensors, 45), (_mutate_tokenizer_files, 8)]
+    options = [(_mutate_config, 40), (_mutate_safetensors, 45), (_mutate_tokenizer_files, 8),
+               (_mutate_chat_template, 8)]
     if (directory / "model.safetensors.index.json").exists():
         options.append((_mutate_index, 8))
     fn = rng.choices([f for f, _ in options], [w for _, w in options])[0]
@@ -904,6 +962,10 @@ def check_loaded(model) -> str | None:
         return f"tokenizer gives ids outside the embedding's {cfg.vocab_size} rows: {max(ids)}"
     if not isinstance(tok.decode(ids), str):
         return "decode did not return text"
+    if tok.chat_template is not None:  # a template that fails raises ChatTemplateError naming it
+        text = tok.apply_chat_template(PROBE_MESSAGES)
+        if not isinstance(text, str) or len(text) > chat_template.MAX_RENDER_CHARS:
+            return f"the chat template rendered {type(text).__name__} of {len(text):,} characters"
     return None
 
 
@@ -920,10 +982,11 @@ def _message_class(message: str, where: Path) -> str:
 
 def _outcome_of_error(e: BaseException, where: Path) -> str:
     message = str(e)
-    if isinstance(e, ModelFileError):
+    if isinstance(e, (ModelFileError, ChatTemplateError)):
+        kind = "ChatTemplateError" if isinstance(e, ChatTemplateError) else "ModelFileError"  # subclasses too
         if str(where) not in message:
-            return f"FAIL ModelFileError not naming the file: {_message_class(message, where)}"
-        return f"ModelFileError: {_message_class(message, where)}"
+            return f"FAIL {kind} not naming the file: {_message_class(message, where)}"
+        return f"{kind}: {_message_class(message, where)}"
     return f"FAIL uncaught {type(e).__module__}.{type(e).__name__}: {_message_class(message, where)}"
 
 
@@ -1084,12 +1147,13 @@ def run_many(cases: range, seed: int, workers: int, timeout: float, root: Path, 
 
 def print_report(counts, failures, times, total: int, seconds: float, top: int = 60) -> None:
     print(f"\n{total} cases in {seconds:.0f} s")
-    errors = [(k, n) for k, n in counts.most_common() if k.startswith("ModelFileError")]
+    errors = [(k, n) for k, n in counts.most_common() if k.startswith(("ModelFileError", "ChatTemplateError"))]
     fails = sum(n for k, n in counts.items() if k.startswith("FAIL"))
     print(f"  {counts.get(OK, 0):6d}  {OK}")
-    print(f"  {sum(n for _, n in errors):6d}  ModelFileError naming the file, in {len(errors)} message classes:")
+    print(f"  {sum(n for _, n in errors):6d}  ModelFileError (at load) or ChatTemplateError (rendering a conversation) "
+          f"naming the file, in {len(errors)} message classes:")
     for k, n in errors[:top]:
-        print(f"      {n:6d}  {k.removeprefix('ModelFileError: ')}")
+        print(f"      {n:6d}  {k}")
     if len(errors) > top:
         print(f"      {sum(n for _, n in errors[top:]):6d}  in the {len(errors) - top} other classes")
     print(f"  {fails:6d}  failures (uncaught exceptions, unnamed files, hangs, crashes, inconsistent loads)")
@@ -1135,3 +1199,92 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# --- HTTP request bodies ---------------------------------------------------------------------------
+# Bodies for the server's /v1/completions and /v1/chat/completions: a valid request with fields set
+# to values of the wrong type, range or encoding, unknown fields, broken messages, or the raw bytes
+# damaged. Every one must get a 200 (a stream without an error event) or a 4xx with an OpenAI
+# error body; run by tests/test_server.py against a server on a tiny model.
+
+def _deep(depth: int):
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+HTTP_VALUES = [None, True, False, 0, 1, -1, 2, 4, 17, 2 ** 31, 2 ** 63, 2 ** 100, -2 ** 100, 0.5, -0.0, 1e308,
+               float("nan"), float("inf"), "", "x", "yes", "0", "a\ud800b", "a\x00b", "x" * 300, "\U0001f642" * 5,
+               [], [1], [0, 1, 2], ["a"] * 5, ["a"] * 100, [""], [[1, 2]], [[]], [None], {}, {"a": 1},
+               {"type": "text"}, _deep(40)]
+HTTP_FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
+               "stream", "stream_options", "logprobs", "top_logprobs", "echo", "ignore_eos", "user", "best_of",
+               "suffix", "presence_penalty", "frequency_penalty", "logit_bias", "response_format", "tools",
+               "tool_choice", "max_completion_tokens", "metadata", "frobnicate"]
+HTTP_MESSAGES = [{"role": "user"}, {"role": "wizard", "content": "hi"}, {"content": "hi"},
+                 {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url"}]},
+                 {"role": "user", "content": [{"type": "text", "text": 5}]}, {"role": "assistant", "content": None},
+                 {"role": "user", "content": "hi", "name": "n" * 300}, {"role": "tool", "content": "x"},
+                 {"role": "user", "content": "a\ud800"}, {"role": "user", "content": "hi", "extra": 1}, "hi", None]
+
+
+def http_body_case(rng: random.Random, model: str) -> tuple[str, bytes, str]:
+    """One fuzzed request: (path, body bytes, what was done)."""
+    chat = rng.random() < 0.5
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body: dict = {"model": model, "max_tokens": rng.choice([1, 2, 4])}
+    if chat:
+        body["messages"] = [{"role": "user", "content": rng.choice(["hi", "The quick brown fox"])}]
+    else:
+        body["prompt"] = rng.choice(["hello", "The quick", [1, 2, 3], ["a", "b"]])
+    if rng.random() < 0.3:
+        body.update(rng.choice([{"stream": True}, {"temperature": 0.7, "seed": 3}, {"stop": ["e", "o"]},
+                                {"n": 2}, {"logprobs": True, "top_logprobs": 2} if chat else {"logprobs": 2},
+                                {"stream": True, "stream_options": {"include_usage": True}}]))
+    steps = []
+    for _ in range(rng.choices([1, 2, 3], [60, 30, 10])[0]):
+        kind = rng.choices(["field", "drop", "message", "raw"], [70, 8, 12 if chat else 0, 10])[0]
+        if kind == "field":
+            key = rng.choice(HTTP_FIELDS)
+            body[key] = copy.deepcopy(rng.choice(HTTP_VALUES))
+            steps.append(f"{key} = {body[key]!r:.40}")
+        elif kind == "drop" and body:
+            key = rng.choice(sorted(body))
+            del body[key]
+            steps.append(f"drop {key}")
+        elif kind == "message":
+            messages = body.get("messages") if isinstance(body.get("messages"), list) else []
+            messages.insert(rng.randint(0, len(messages)), copy.deepcopy(rng.choice(HTTP_MESSAGES)))
+            body["messages"] = messages
+            steps.append(f"message {messages!r:.60}")
+    raw = json.dumps(body).encode()  # json escapes: a lone surrogate goes as "\ud800", NaN as NaN
+    if rng.random() < 0.1:
+        cut = rng.choice(["truncate", "bad utf-8", "not an object", "empty", "nested 100,000 deep"])
+        deep = b"[" * 100_000 + b"]" * 100_000  # written out: json.dumps would recurse out of stack
+        raw = {"truncate": raw[:rng.randrange(max(1, len(raw)))], "bad utf-8": raw.replace(b'"', b'"\xff', 1),
+               "not an object": json.dumps([body]).encode(), "empty": b"",
+               "nested 100,000 deep": raw[:-1] + b', "metadata": ' + deep + b"}"}[cut]
+        steps.append(cut)
+    return path, raw, "; ".join(steps) or "valid"
+
+
+def http_outcome(status: int, content_type: str, text: str) -> str:
+    """A response's outcome class: '200', '<status> <param or code>', or 'FAIL ...'."""
+    if status == 200:
+        if "text/event-stream" in content_type:
+            events = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+            if not events or events[-1] != "[DONE]":
+                return "FAIL stream without [DONE]"
+            if any('"error"' in e[:12] for e in events[:-1]):
+                return f"FAIL error event in a 200 stream: {events[-2][:120]}"
+            return "200 stream"
+        return "200"
+    try:
+        error = json.loads(text)["error"]
+        assert {"message", "type", "param", "code"} <= set(error) and error["message"]
+    except Exception:  # noqa: BLE001
+        return f"FAIL {status} without an OpenAI error body: {text[:120]}"
+    if not 400 <= status < 500:
+        return f"FAIL {status}: {error['message'][:120]}"
+    return f"{status} {error['param'] or error['code']}"

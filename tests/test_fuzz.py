@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import rjax
+import rjax.tokenizer
 from rjax.loaders import ModelFileError
 from tests import fuzz
 
@@ -66,7 +67,8 @@ def test_fixed_seed_sample(fixtures, tmp_path):
                 for i, (outcome, steps, _) in enumerate(results) if outcome.startswith("FAIL")]
     assert not failures, "\n".join(failures[:20])
     outcomes = collections.Counter(outcome for outcome, _, _ in results)
-    errors = sum(n for k, n in outcomes.items() if k.startswith("ModelFileError"))
+    errors = sum(n for k, n in outcomes.items() if k.startswith(("ModelFileError", "ChatTemplateError")))
+    assert any(k.startswith("ChatTemplateError") for k in outcomes), outcomes  # templates are fuzzed too
     # the sample exercises both ends: loads that succeed and many kinds of refusal
     assert outcomes[fuzz.OK] > SAMPLE // 20 and errors > SAMPLE // 2
     assert len(outcomes) > 40, outcomes
@@ -307,3 +309,50 @@ def test_tokenizer_larger_than_the_embedding(fixtures, tmp_path):
     (path / "tokenizer.json").write_text(json.dumps(tokenizer))
     with pytest.raises(ModelFileError, match=rf"{path}: the tokenizer has 279 tokens, but the embedding has 272 rows"):
         _load(path)
+
+
+@pytest.mark.parametrize("file", ["config.json", "tokenizer_config.json", "generation_config.json",
+                                  "model.safetensors.index.json"])
+def test_hf_json_nested_too_deeply(fixtures, tmp_path, file):
+    """JSON nested past any real file's depth (100,000 levels would make the parser recurse out of
+    stack) is refused naming the file."""
+    path = _hf(fixtures["llama-hf-sharded"], tmp_path)
+    for depth in (100_000, 65):
+        value = json.loads((path / file).read_text())
+        (path / file).write_text(json.dumps(value)[:-1] + ', "x": ' + "[" * depth + "]" * depth + "}")
+        with pytest.raises(ModelFileError, match=rf"{path / file}: JSON nested deeper than 64 levels"):
+            _load(path)
+        shutil.copy(fixtures["llama-hf-sharded"].path / file, path / file)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(rope_theta=0), r"config key 'rope_theta' = 0 is not a positive number"),
+    (dict(rope_scaling={"rope_type": "default", "rope_theta": 0}), r"config key 'rope_theta' = 0 is not a positive"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 0}),
+     r"rope original_max_position_embeddings = 0 is not an integer"),
+    (dict(rope_scaling=0), r"config key 'rope_scaling' = 0 is not an object"),
+])
+def test_hf_config_values_are_never_silently_replaced(fixtures, tmp_path, changes, message):
+    """A zero is not a missing key: it is refused, not replaced by the default."""
+    path = _hf(fixtures["llama-hf-sharded"], tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelFileError, match=rf"{path / 'config.json'}: {message}"):
+        _load(path)
+
+
+def test_chat_template_that_does_not_compile_is_refused_at_load(fixtures, tmp_path):
+    def edit(spec):
+        spec.kvs["tokenizer.chat_template"] = ("{% for m in messages %}{{ m['content'] }", *spec.kvs[
+            "tokenizer.chat_template"][1:])
+
+    path = _gguf(fixtures["llama.gguf"], tmp_path, edit)
+    with pytest.raises(ModelFileError, match=rf"{path} \(tokenizer\.chat_template\): the chat template does not "
+                                             r"compile: line 1: unexpected '}'"):
+        rjax.tokenizer.Tokenizer.from_gguf(path)
+    hf = _hf(fixtures["qwen2-hf"], tmp_path)
+    (hf / "chat_template.jinja").write_text("{% if %}")
+    with pytest.raises(ModelFileError, match=rf"{hf / 'chat_template.jinja'}: the chat template does not compile"):
+        rjax.tokenizer.Tokenizer.from_hf_dir(hf)

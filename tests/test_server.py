@@ -7,9 +7,11 @@ cache (the functional API) with log_softmax on the host for log-probabilities.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
+import random
 import re
 import socket
 import threading
@@ -29,23 +31,31 @@ from rjax.server.app import ServerSettings, create_app
 from rjax.server.loop import EngineLoop, Setup
 from rjax.server.metrics import Metrics
 from rjax.serving import ServingConfig, ServingEngine
+from tests import fuzz
 
 MODEL = "tiny"
 # Positions per sequence 64: a prompt of 64 tokens is too long, 10 + 60 new tokens too many.
 CONFIG = ServingConfig(n_slots=4, max_len=64, page_size=8, steps_per_dispatch=4, prefill_buckets=(4,))
-TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}")
+TEMPLATE = ("{% for m in messages %}{% if m['content'] == 'RAISE' %}{{ raise_exception('no RAISE here') }}{% endif %}"
+            "<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
 API_KEY = "sekret"
 
 
 class GatedEngine(ServingEngine):
     """Steps only while `gate` is set, and raises once from `step` after `fail_next` is set:
     lets a test hold the engine still (a full queue, a client leaving mid-generation) or
-    break it."""
+    break it. A request whose prompt is POISON raises inside `submit`."""
+
+    POISON = [7, 7, 7, 7, 7]
 
     def __init__(self, *args, gate: threading.Event, fail_next: threading.Event, **kw):
         super().__init__(*args, **kw)
         self.gate, self.fail_next = gate, fail_next
+
+    def submit(self, prompt, *args, **kw):
+        if list(prompt) == self.POISON:
+            raise RuntimeError("injected fault in this request")
+        return super().submit(prompt, *args, **kw)
 
     def step(self):
         self.gate.wait()
@@ -104,7 +114,7 @@ def _server(model, *, tokenizer, api_key=None, max_queued=16, precompile=True, s
     loop = EngineLoop(setup, max_queued=max_queued, metrics=metrics)
     app = create_app(loop, metrics, ServerSettings(api_key=api_key))
     with _uvicorn(app) as url:
-        yield SimpleNamespace(url=url, loop=loop, gate=gate, fail_next=fail_next, engines=engines, metrics=metrics,
+        yield SimpleNamespace(url=url, app=app, loop=loop, gate=gate, fail_next=fail_next, engines=engines, metrics=metrics,
                               tok=tokenizer, model=model, api_key=api_key)
 
 
@@ -113,7 +123,7 @@ def model(tiny_path):
     m = rjax.load(tiny_path, progress=False)
     # The synthetic model's file has no chat template: the main server is given one (as
     # --chat-template does); the second server keeps none.
-    return dataclasses.replace(m, tokenizer=dataclasses.replace(m.tokenizer, chat_template=TEMPLATE))
+    return dataclasses.replace(m, tokenizer=m.tokenizer.with_chat_template(TEMPLATE, "test.jinja"))
 
 
 @pytest.fixture(scope="module")
@@ -334,7 +344,7 @@ def test_stop_strings_across_token_boundaries(srv, model):
                         and ref.text.find(ref.text[e - 2:e + 2]) == e - 2)
         stop = ref.text[boundary - 2:boundary + 2]
         expect = ref.text[: boundary - 2]
-        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stop=[stop, "\x00never"])
+        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stop=[stop, "\u2603never"])
         assert r.choices[0].text == expect and r.choices[0].finish_reason == "stop", (prompt, stop)
         # Tokens up to the one that completed the stop string.
         assert r.usage.completion_tokens == int(np.searchsorted(ends, boundary + 2)) + 1
@@ -467,6 +477,99 @@ def test_bad_requests_get_400_with_the_openai_error_body(srv):
     _idle(srv)  # nothing was queued
 
 
+def test_text_that_is_not_valid_unicode_gets_400_naming_the_field(srv):
+    """A lone surrogate ("\\ud800" in JSON) or a NUL in any text field is the client's error."""
+    url, chat = f"{srv.url}/v1/completions", f"{srv.url}/v1/chat/completions"
+    good = dict(model=MODEL, prompt="hi", max_tokens=2)
+
+    def post(url, body):  # as JSON escapes: "\\ud800" is valid JSON, but not a valid str to encode
+        return httpx.post(url, content=json.dumps(body), headers={"Content-Type": "application/json"})
+
+    for bad in ("a\ud800b", "a\x00b"):
+        why = "unpaired surrogate U+D800 at index 1" if "\ud800" in bad else "NUL character at index 1"
+        for field, value in [("prompt", bad), ("prompt", ["ok", bad]), ("stop", bad), ("stop", [bad]),
+                             ("model", bad), ("user", bad)]:
+            e = _error(post(url, dict(good, **{field: value})), 400, param=field, code="invalid_value")
+            assert why in e["message"], e
+        for message in ({"role": "user", "content": bad}, {"role": "user", "content": [{"type": "text", "text": bad}]},
+                        {"role": "user", "content": "hi", "name": bad}):
+            e = _error(post(chat, dict(model=MODEL, messages=[message])), 400, param="messages")
+            assert e["message"].startswith("messages.0.") and why in e["message"], e
+    e = _error(httpx.post(url, json=dict(good, stop=["x" * 257])), 400, param="stop")
+    assert "at most 256 characters" in e["message"]
+    _idle(srv)
+
+
+def test_types_are_strict_and_limits_named(srv):
+    url = f"{srv.url}/v1/completions"
+    good = dict(model=MODEL, prompt="hi", max_tokens=2)
+    for field, value in [("n", True), ("max_tokens", 2.0), ("stream", "yes"), ("echo", 1), ("temperature", "0"),
+                         ("seed", 2 ** 100), ("seed", -2 ** 63 - 1), ("logprobs", False)]:
+        _error(httpx.post(url, json=dict(good, **{field: value})), 400, param=field, code="invalid_value")
+    e = _error(httpx.post(url, json=dict(good, stop=["s"] * 100)), 400, param="stop")
+    assert e["message"] == "stop: List should have at most 4 items after validation, not 100", e
+    r = httpx.post(url, json=dict(good, seed=2 ** 63 - 1, temperature=1))  # an int for a float is fine
+    assert r.status_code == 200, r.text
+    _idle(srv)
+
+
+def test_long_texts_are_refused_by_their_length_before_they_are_encoded(srv):
+    url = f"{srv.url}/v1/completions"
+    prompt = "hello " * 500_000  # 3 MB: within the body limit, far past a 64-token context
+    start = time.perf_counter()
+    e = _error(httpx.post(url, json=dict(model=MODEL, prompt=prompt, max_tokens=2), timeout=60), 400, param="prompt",
+               code="context_length_exceeded")
+    assert time.perf_counter() - start < 2.0
+    assert "the prompt has 3,000,000 characters, at least" in e["message"]
+    e = _error(httpx.post(f"{srv.url}/v1/chat/completions", timeout=60,
+                          json=dict(model=MODEL, messages=[{"role": "user", "content": prompt}])), 400,
+               param="messages", code="context_length_exceeded")
+    # A body declared past the 4 MiB limit is refused before a byte of it is read.
+    host, port = srv.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 5242880\r\n\r\n")
+        reply = b""
+        while chunk := conn.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413 ") and json.loads(body)["error"]["code"] == "request_too_large", reply
+    assert httpx.get(f"{srv.url}/health").status_code == 200
+
+
+def test_a_chat_template_that_fails_gets_400_naming_the_message(srv):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "RAISE"}]
+    e = _error(httpx.post(f"{srv.url}/v1/chat/completions", json=dict(model=MODEL, messages=messages)), 400,
+               param="messages", code="chat_template_error")
+    assert e["message"] == ("test.jinja: the chat template failed at message 1 (role 'assistant'): "
+                            "no RAISE here"), e
+
+
+HTTP_CASES = 300
+
+
+def test_fuzzed_request_bodies_get_200_or_a_4xx(srv):
+    """Seeded fuzzed bodies (tests/fuzz.py: wrong types, ranges and encodings, unknown fields,
+    broken messages, damaged JSON): each gets a 200 or a 4xx with an OpenAI error body, never a
+    500, an error inside a 200 stream, or a hang; and the engine is left idle."""
+    counts, failures = collections.Counter(), []
+    with httpx.Client(timeout=30) as client:
+        for i in range(HTTP_CASES):
+            path, body, what = fuzz.http_body_case(random.Random(f"http:{i}"), MODEL)
+            try:
+                r = client.post(srv.url + path, content=body, headers={"Content-Type": "application/json"})
+                outcome = fuzz.http_outcome(r.status_code, r.headers.get("content-type", ""), r.text)
+            except httpx.TimeoutException:
+                outcome = "FAIL hang"
+            counts[outcome.split(":")[0]] += 1
+            if outcome.startswith("FAIL"):
+                failures.append(f"case {i} ({path}: {what}): {outcome}")
+    assert not failures, "\n".join(failures[:20])
+    # both ends are reached: requests that run and many kinds of refusal
+    assert counts["200"] + counts["200 stream"] > HTTP_CASES // 10 and len(counts) > 15, counts
+    _idle(srv)
+
+
 def test_api_key(strict):
     strict.setup_gate.set()
     _wait(lambda: httpx.get(f"{strict.url}/health").status_code == 200, "the second server's setup")
@@ -478,9 +581,11 @@ def test_api_key(strict):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{strict.url}/v1", api_key="wrong", max_retries=0).models.list()
     assert _client(strict).completions.create(model=MODEL, prompt="hi", max_tokens=3).usage.completion_tokens == 3
-    # Health and metrics stay open to probes.
+    # Health stays open to probes; metrics and the API's documentation need the key.
     assert httpx.get(f"{strict.url}/health").status_code == 200
-    assert httpx.get(f"{strict.url}/metrics").status_code == 200
+    for path in ("/metrics", "/docs", "/openapi.json"):
+        _error(httpx.get(f"{strict.url}{path}"), 401, code="invalid_api_key")
+    assert httpx.get(f"{strict.url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
 
 
 def test_a_full_queue_gets_429_with_retry_after(strict):
@@ -550,6 +655,49 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on(srv, model):
     assert "injected failure" in _sse_events(r.text)[-1]["error"]["message"]
     ref = rjax.generate(model, PROMPTS[0], raw=True, max_new_tokens=6).text
     assert c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0).choices[0].text == ref
+    _idle(srv)
+
+
+def test_a_request_that_fails_inside_the_engine_fails_alone(srv, model):
+    """A fault injected into one request's submission: that request gets a 500 with an OpenAI
+    error body, a request running beside it finishes, and the server goes on serving."""
+    c = _client(srv)
+    ref = rjax.generate(model, PROMPTS[1], raw=True, max_new_tokens=12).text
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{srv.url}/v1/completions", json=dict(
+                model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0, stream=True)) as beside:
+            lines = beside.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            r = httpx.post(f"{srv.url}/v1/completions", json=dict(model=MODEL, prompt=GatedEngine.POISON, max_tokens=4))
+            e = _error(r, 500)
+            assert e["type"] == "server_error" and "injected fault in this request" in e["message"]
+            rest = [line for line in lines if line.startswith("data: ")]
+    events = _sse_events("\n".join(rest))
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0).choices[0].text == ref
+    _idle(srv)
+
+
+def test_draining_refuses_new_requests_while_running_ones_finish(srv, model):
+    ref = rjax.generate(model, PROMPTS[0], raw=True, max_new_tokens=10).text
+    out = {}
+    srv.gate.clear()
+    try:
+        t = threading.Thread(target=lambda: out.setdefault("r", httpx.post(
+            f"{srv.url}/v1/completions", json=dict(model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=0),
+            timeout=60)))
+        t.start()
+        _wait(lambda: srv.engines[-1].has_work, "the request to reach the engine")
+        srv.app.state.draining.set()
+        r = httpx.post(f"{srv.url}/v1/completions", json=dict(model=MODEL, prompt="hi", max_tokens=2))
+        _error(r, 503, code="shutting_down")
+        assert r.headers["retry-after"] == "1"
+        _error(httpx.get(f"{srv.url}/health"), 503, code="shutting_down")  # load balancers stop sending
+    finally:
+        srv.gate.set()
+    t.join(60)
+    srv.app.state.draining.clear()
+    assert out["r"].status_code == 200 and out["r"].json()["choices"][0]["text"] == ref
     _idle(srv)
 
 

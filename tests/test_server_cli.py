@@ -2,6 +2,7 @@
 serving the tiny synthetic model in a subprocess."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -31,8 +32,9 @@ def test_serve_arguments():
 
 def test_setup_loads_the_model_with_the_given_template_and_limits(tiny_path):
     setup = make_setup(str(tiny_path), model_id="tiny", slots=2, max_len=64, steps_per_dispatch=4,
-                       chat_template=TEMPLATE, precompile=False)()
+                       chat_template=(TEMPLATE, "t.jinja"), precompile=False)()
     assert setup.model_id == "tiny" and setup.tokenizer.chat_template == TEMPLATE
+    assert setup.tokenizer.chat_template_source == "t.jinja"
     eng = setup.make_engine()
     assert eng.config.n_slots == 2 and eng.config.max_len == 64 and eng.config.page_size == 16
     assert eng.default_stop_ids == tuple(sorted(setup.tokenizer.eos_ids))
@@ -63,13 +65,17 @@ def test_serve_max_len_defaults_to_the_context_that_fits(tiny_path, monkeypatch,
     assert "--max-len 2048" in caplog.text and "8192 positions" in caplog.text
 
 
-def test_serve_refuses_bad_limits_before_loading():
+def test_serve_refuses_bad_limits_and_templates_before_loading(tmp_path):
     from rjax.server.cli import cmd_serve
 
     with pytest.raises(ValueError, match="--slots must be >= 1, got 0"):
         cmd_serve(build_parser().parse_args(["serve", "--slots", "0"]))
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ValueError, match=r"--chat-template /nonexistent/t\.jinja: cannot read it"):
         cmd_serve(build_parser().parse_args(["serve", "--chat-template", "/nonexistent/t.jinja"]))
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m['content'] }")
+    with pytest.raises(ValueError, match=rf"^{broken}: the chat template does not compile: line 1: unexpected '}}'"):
+        cmd_serve(build_parser().parse_args(["serve", "--chat-template", str(broken)]))
 
 
 def _free_port() -> int:
@@ -105,12 +111,32 @@ def test_rjax_serve_end_to_end(tiny_path, tmp_path):
         r = client.chat.completions.create(model=tiny_path.name, messages=[{"role": "user", "content": "hi"}],
                                            max_tokens=5, temperature=0)
         assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
-        assert "rjax_generation_tokens_total 5.0" in httpx.get(f"{url}/metrics").text
+        auth = {"Authorization": "Bearer k"}
+        assert httpx.get(f"{url}/metrics").status_code == 401
+        assert "rjax_generation_tokens_total 5.0" in httpx.get(f"{url}/metrics", headers=auth).text
+        # SIGTERM drains: the stream in flight runs to its end, a new request is refused (503, or
+        # the connection, once the listening socket is closed), and the process exits cleanly.
+        with httpx.Client(timeout=120, headers=auth) as c:
+            body = dict(model=tiny_path.name, prompt="hi", max_tokens=40, ignore_eos=True, temperature=0, stream=True)
+            with c.stream("POST", f"{url}/v1/completions", json=body) as stream:
+                lines = stream.iter_lines()
+                next(line for line in lines if line.startswith("data: "))
+                proc.send_signal(signal.SIGTERM)
+                time.sleep(0.5)
+                try:
+                    late = httpx.post(f"{url}/v1/completions", headers=auth, json=dict(model=tiny_path.name, prompt="x"))
+                    assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+                except httpx.ConnectError:
+                    pass
+                rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+        proc.wait(60)
     finally:
-        proc.send_signal(signal.SIGINT)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 0
+    assert proc.returncode in (0, -signal.SIGTERM)  # uvicorn ends a drained server by its signal again

@@ -170,3 +170,20 @@ def test_end_of_sequence_and_split_characters(tok):
     # A stop string that ends inside a multi-byte character's text.
     text = ChoiceText(tok, ["aé"])
     assert "".join(_feed(text, tok.encode("xaéy"))) == "x" and text.stopped
+
+
+def test_bytes_that_are_not_yet_a_character_are_held_until_one_completes(tok):
+    """As the OpenAI API streams text: a character spread over byte tokens is sent once, whole;
+    a byte that can begin no character is sent as U+FFFD once the next token shows it never will,
+    and the pieces add up to the decoded sequence."""
+    from rjax.tokenizer import byte_alphabet
+
+    emoji = tok.encode("🙂", add_bos=False)
+    assert len(emoji) == 4  # one character, four byte tokens
+    lone = tok.token_to_id(byte_alphabet()[0x80])  # a continuation byte with no lead byte
+    ids = emoji + [lone] + tok.encode("ab", add_bos=False) + emoji[:2]
+    text = ChoiceText(tok)
+    pieces = _feed(text, ids)
+    assert pieces[:4] == ["", "", "", "🙂"]
+    assert pieces[4] == "" and pieces[5] == "\ufffda"
+    assert "".join(pieces) == tok.decode(ids) and pieces[-1].endswith("\ufffd")  # the end flushes what never completed

@@ -6,7 +6,9 @@ truncated download from an unsupported architecture without a traceback.
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import numpy as np
 
@@ -17,10 +19,31 @@ MAX_LAYERS = 1 << 12
 MAX_DIM = 1 << 24          # hidden, intermediate, head sizes and head counts
 MAX_VOCAB = 1 << 24
 MAX_CONTEXT = 1 << 30
+MAX_JSON_DEPTH = 64        # nesting of a JSON file beside the weights; real ones need under 10
 
 
 class ModelFileError(ValueError):
     """A model file that cannot be used: the message names the file and what is wrong."""
+
+
+def read_json(path: str | os.PathLike):
+    """A JSON file's value; a ModelFileError naming the file if it is not UTF-8 JSON or nests
+    deeper than MAX_JSON_DEPTH (deeper still, the parser itself would recurse out of stack)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelFileError(f"{path}: not valid JSON ({e})") from e
+    except RecursionError:
+        raise ModelFileError(f"{path}: JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ModelFileError(f"{path}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return value
 
 
 def listing(names: list[str], most: int) -> str:

@@ -6,13 +6,12 @@ the key. Gemma 3's multimodal configs are read for their text model.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
 
 from rjax.config import ModelConfig, RopeScaling, longrope_context
-from rjax.loaders.errors import MAX_CONTEXT, MAX_DIM, MAX_LAYERS, MAX_VOCAB, ModelFileError
+from rjax.loaders.errors import MAX_CONTEXT, MAX_DIM, MAX_LAYERS, MAX_VOCAB, ModelFileError, read_json
 
 CONFIG_FILE = "config.json"
 
@@ -67,10 +66,7 @@ def read_hf_config(path: str | os.PathLike) -> tuple[str, dict]:
     config_path = path / CONFIG_FILE
     if not config_path.is_file():
         raise ModelFileError(f"{path}: no {CONFIG_FILE}: a Hugging Face checkpoint needs one beside its weights")
-    try:
-        hf = json.loads(config_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelFileError(f"{config_path}: not valid JSON ({e})") from e
+    hf = read_json(config_path)
     if not isinstance(hf, dict):
         raise ModelFileError(f"{config_path}: expected a JSON object, got {type(hf).__name__}")
     model_type = hf.get("model_type")
@@ -149,7 +145,7 @@ def _rope(keys: _Keys, params: dict, theta_default: float, context: int, allowed
     if not isinstance(params, dict):
         keys.fail(f"rope parameters must be an object, got {params!r}")
     kind = params.get("rope_type", params.get("type", "default"))
-    theta = _positive(keys, "rope_theta", params.get("rope_theta") or theta_default)
+    theta = _positive(keys, "rope_theta", params["rope_theta"] if params.get("rope_theta") is not None else theta_default)
     if not isinstance(kind, str) or kind not in allowed:
         keys.fail(f"rope type {kind!r:.80} is not supported here; supported: {', '.join(allowed)}")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
@@ -163,7 +159,8 @@ def _rope(keys: _Keys, params: dict, theta_default: float, context: int, allowed
     if kind == "linear":
         return theta, None, number("factor")
     if kind == "llama3":
-        original = params.get("original_max_position_embeddings") or context
+        original = params.get("original_max_position_embeddings")
+        original = context if original is None else original
         if isinstance(original, bool) or not isinstance(original, int) or not 1 <= original <= MAX_CONTEXT:
             keys.fail(f"rope original_max_position_embeddings = {original!r:.80} is not an integer in "
                       f"[1, {MAX_CONTEXT:,}]")
@@ -173,7 +170,7 @@ def _rope(keys: _Keys, params: dict, theta_default: float, context: int, allowed
 
 
 def _layer_types(keys: _Keys, n_layers: int, default: list[str]) -> list[str]:
-    types = keys.hf.get("layer_types") or default
+    types = default if keys.hf.get("layer_types") is None else keys.hf["layer_types"]
     if (not isinstance(types, list) or len(types) != n_layers
             or not all(t in ("sliding_attention", "full_attention") for t in types)):
         keys.fail(f"layer_types must list 'sliding_attention' / 'full_attention' for each of the {n_layers} "
@@ -229,7 +226,7 @@ def config_from_hf(model_type: str, hf: dict, where: str | os.PathLike = CONFIG_
 
 def _object(keys: _Keys, key: str) -> dict:
     """A config value that must be an object (or absent/null: empty)."""
-    value = keys.hf.get(key) or {}
+    value = {} if keys.hf.get(key) is None else keys.hf[key]
     if not isinstance(value, dict):
         keys.fail(f"config key {key!r} = {value!r:.80} is not an object")
     return value
@@ -240,14 +237,14 @@ def _arch_config(keys: _Keys, model_type: str, hf: dict, common: dict, n_layers:
     if model_type == "gemma3_text":
         rp = _object(keys, "rope_parameters")
         if "full_attention" in rp or "sliding_attention" in rp:  # transformers 5: one dict per layer type
-            global_rp, local_rp = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
+            global_rp, local_rp = rp.get("full_attention", {}), rp.get("sliding_attention", {})
         else:  # older configs: rope_theta + rope_scaling for global layers, rope_local_base_freq for local
             global_rp = {**_object(keys, "rope_scaling"), **rp}
             local_rp = {}
         g_theta, _, g_linear = _rope(keys, global_rp, keys.float("rope_theta"), context, ("default", "linear"))
         l_theta, _, l_linear = _rope(keys, local_rp, keys.float("rope_local_base_freq"), context, ("default", "linear"))
         # the pattern only matters without layer_types: every pattern-th layer is global
-        pattern = keys.int("sliding_window_pattern", hf.get("_sliding_window_pattern") or 6, maximum=MAX_LAYERS)
+        pattern = keys.int("sliding_window_pattern", hf.get("_sliding_window_pattern", 6), maximum=MAX_LAYERS)
         types = _layer_types(keys, n_layers, ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                                               for i in range(n_layers)])
         window = keys.window()

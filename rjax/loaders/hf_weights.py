@@ -7,7 +7,6 @@ is a ModelFileError naming the file and the tensor.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -16,7 +15,7 @@ import ml_dtypes  # noqa: F401 - registers numpy's "bfloat16" dtype, which safe_
 from safetensors import SafetensorError, safe_open
 
 from rjax.config import ModelConfig
-from rjax.loaders.errors import ModelFileError, listing
+from rjax.loaders.errors import ModelFileError, listing, read_json
 from rjax.loaders.fields import expected_shape, missing_layer_fields
 
 SINGLE_FILE = "model.safetensors"
@@ -61,9 +60,9 @@ def weight_files(path: str | os.PathLike) -> list[Path]:
     index = path / INDEX_FILE
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            weight_map = read_json(index)["weight_map"]
             names = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+        except (KeyError, TypeError, AttributeError) as e:
             raise ModelFileError(f"{index}: not a safetensors index (needs a 'weight_map' object): {e}") from e
         # plain file names beside the index: an index does not reach outside its directory
         bad = [n for n in names if not isinstance(n, str) or not n or Path(n).name != n or n in (".", "..")]

@@ -16,12 +16,12 @@ import contextlib
 import dataclasses
 import hmac
 import json
+import threading
 import time
 import uuid
 from typing import Any, AsyncIterator, Sequence
 
-import jinja2
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -36,12 +36,20 @@ from rjax.server.schemas import (ChatCompletionRequest, CompletionRequest, Detok
 from rjax.server.text import ChoiceText, Piece
 from rjax.server.tools import ToolStream, call_grammar, parse_tool_calls, render_messages, tool_format
 from rjax.serving import TokenLogprob
+from rjax.tokenizer import ChatTemplateError
+
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerSettings:
-    api_key: str | None = None   # required as "Authorization: Bearer KEY" on /v1 routes when set
-    retry_after_s: int = 1       # the Retry-After of a 429 (queue full) or 503 (still loading)
+    # required as "Authorization: Bearer KEY" on every route but /health (and /metrics when
+    # metrics_public) when set
+    api_key: str | None = None
+    metrics_public: bool = False
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body gets 413 before it is parsed
+    retry_after_s: int = 1       # the Retry-After of a 429 (queue full) or 503 (still loading, draining)
 
 
 class APIError(Exception):
@@ -89,11 +97,78 @@ class _CountRequests:
             self.metrics.http_requests.labels(route, str(status[0])).inc()
 
 
+class _Edge:
+    """What every request meets before a route (a plain ASGI middleware): 503 once the server
+    drains for shutdown, 401 without the API key, 413 for a body past the limit, which is read
+    here (and handed on whole) so that no route parses an oversized body."""
+
+    def __init__(self, app, settings: ServerSettings, draining):
+        self.app, self.settings, self.draining = app, settings, draining
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, s = scope["path"], self.settings
+        if self.draining.is_set():
+            return await APIError(503, "the server is shutting down", type="server_error", code="shutting_down",
+                                  headers={"Retry-After": str(s.retry_after_s), "Connection": "close"}
+                                  ).response()(scope, receive, send)
+        if s.api_key is not None and path != "/health" and not (s.metrics_public and path == "/metrics"):
+            refusal = _authorization_error(dict(scope["headers"]).get(b"authorization", b""), s.api_key)
+            if refusal is not None:
+                return await refusal.response()(scope, receive, send)
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length", b"").decode("latin-1").strip()
+        if declared.isdigit() and int(declared) > s.max_body_bytes:
+            return await self._too_large(int(declared))(scope, receive, send)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # gone before the body arrived
+                return
+            size += len(message.get("body", b""))
+            if size > s.max_body_bytes:
+                return await self._too_large(None)(scope, receive, send)
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # what follows the body: a disconnect
+
+        await self.app(scope, replay, send)
+
+    def _too_large(self, size: int | None):
+        """413 for a body of `size` bytes (None: more than the limit, found while reading it)."""
+        limit = self.settings.max_body_bytes
+        return APIError(413, f"The request body has {f'more than {limit:,}' if size is None else f'{size:,}'} bytes; "
+                        f"the server takes at most {limit:,} (--max-body-bytes).",
+                        code="request_too_large", headers={"Connection": "close"}).response()
+
+
+def _authorization_error(header: bytes, api_key: str) -> APIError | None:
+    scheme, _, key = header.decode("latin-1").partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return APIError(401, "Missing API key: send it as 'Authorization: Bearer KEY'.", code="invalid_api_key")
+    if not hmac.compare_digest(key.strip().encode("latin-1"), api_key.encode()):
+        return APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+    return None
+
+
 def create_app(loop: EngineLoop, metrics: Metrics | None = None,
                settings: ServerSettings = ServerSettings()) -> FastAPI:
     """The app over `loop`, which it starts and stops with its lifespan (uvicorn's startup and
-    shutdown)."""
+    shutdown). Setting `app.state.draining` (a threading.Event; `rjax serve` sets it on SIGTERM)
+    makes every new request a 503 while those in flight finish."""
     metrics = metrics or loop.metrics or Metrics()
+    draining = threading.Event()
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -102,7 +177,9 @@ def create_app(loop: EngineLoop, metrics: Metrics | None = None,
         await run_in_threadpool(loop.stop)
 
     app = FastAPI(title="rjax", lifespan=lifespan)
-    app.add_middleware(_CountRequests, metrics=metrics)
+    app.state.draining = draining
+    app.add_middleware(_Edge, settings=settings, draining=draining)
+    app.add_middleware(_CountRequests, metrics=metrics)  # outermost: counts the edge's refusals too
     created = int(time.time())
 
     # -- errors ---------------------------------------------------------------------------------
@@ -125,15 +202,6 @@ def create_app(loop: EngineLoop, metrics: Metrics | None = None,
         return APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").response()
 
     # -- dependencies ---------------------------------------------------------------------------
-
-    def authorized(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            raise APIError(401, "Missing API key: send it as 'Authorization: Bearer KEY'.", code="invalid_api_key")
-        if not hmac.compare_digest(key.strip().encode(), settings.api_key.encode()):
-            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
     def ready():
         if loop.error is not None:
@@ -189,12 +257,12 @@ def create_app(loop: EngineLoop, metrics: Metrics | None = None,
         return {"id": setup.model_id, "object": "model", "created": created, "owned_by": "rjax",
                 "max_model_len": engine.config.max_len if engine is not None else None}
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    @app.get("/v1/models")
     async def models():
         setup = ready()
         return {"object": "list", "data": [model_card(setup)]}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorized)])
+    @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         setup = ready()
         if model_id != setup.model_id:
@@ -202,7 +270,7 @@ def create_app(loop: EngineLoop, metrics: Metrics | None = None,
                            param="model", code="model_not_found")
         return model_card(setup)
 
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         setup = ready()
         _check_model(body, setup)
@@ -210,7 +278,8 @@ def create_app(loop: EngineLoop, metrics: Metrics | None = None,
         if body.echo and body.logprobs is not None:
             raise APIError(400, "echo with logprobs (log-probabilities of the prompt) is not supported",
                            param="echo", code="unsupported_parameter")
-        prompts = await run_in_threadpool(_completion_prompts, body.prompt, tok)  # long texts: off the event loop
+        max_len = _engine(loop).config.max_len
+        prompts = await run_in_threadpool(_completion_prompts, body.prompt, tok, max_len)  # off the event loop
         n_top = body.logprobs
         constraint = await constraint_of(body, setup)
         gen = _start(loop, tok, body, prompts, default_max=lambda p, max_len: 16, logprobs=n_top is not None,
@@ -258,12 +327,12 @@ def create_app(loop: EngineLoop, metrics: Metrics | None = None,
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_id,
                 "choices": choices, "usage": gen.usage(), "system_fingerprint": None}
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         setup = ready()
         _check_model(body, setup)
         tok = setup.tokenizer
-        prompt = await run_in_threadpool(_chat_prompt, tok, body, setup.model_id)
+        prompt = await run_in_threadpool(_chat_prompt, tok, body, setup.model_id, _engine(loop).config.max_len)
         n_top = (body.top_logprobs or 0) if body.logprobs else None
         if body.max_completion_tokens is not None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
@@ -325,7 +394,7 @@ def create_app(loop: EngineLoop, metrics: Metrics | None = None,
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_id,
                 "choices": choices, "usage": gen.usage(), "system_fingerprint": None}
 
-    @app.post("/v1/embeddings", dependencies=[Depends(authorized)])
+    @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest):
         setup = ready()
         _check_model(body, setup)
@@ -334,7 +403,8 @@ def create_app(loop: EngineLoop, metrics: Metrics | None = None,
         if body.dimensions is not None and body.dimensions != d:
             raise APIError(400, f"dimensions {body.dimensions} is not supported: this model's embeddings have {d} "
                                 f"dimensions (leave dimensions out)", param="dimensions", code="unsupported_parameter")
-        prompts = await run_in_threadpool(_completion_prompts, body.input, setup.tokenizer)
+        prompts = await run_in_threadpool(_completion_prompts, body.input, setup.tokenizer,
+                                          _engine(loop).config.max_len)
         try:
             vectors = await run_in_threadpool(embed_ids, engine.cfg, engine.params, prompts,
                                               max_tokens=engine.config.max_len)
@@ -347,19 +417,20 @@ def create_app(loop: EngineLoop, metrics: Metrics | None = None,
         return {"object": "list", "data": data, "model": setup.model_id,
                 "usage": {"prompt_tokens": n, "total_tokens": n}}
 
-    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         setup = ready()
         tok = setup.tokenizer
         if body.messages is not None:
             chat = ChatCompletionRequest(model=setup.model_id, messages=body.messages)
-            ids = await run_in_threadpool(_chat_prompt, tok, chat, setup.model_id, body.add_generation_prompt)
+            ids = await run_in_threadpool(_chat_prompt, tok, chat, setup.model_id, _engine(loop).config.max_len,
+                                          body.add_generation_prompt)
         else:
             text = body.prompt if body.prompt is not None else body.content
             ids = await run_in_threadpool(tok.encode, text, None if body.add_special_tokens else False)
         return {"tokens": ids, "count": len(ids), "max_model_len": _engine(loop).config.max_len}
 
-    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         setup = ready()
         bad = [t for t in body.tokens if not 0 <= t < setup.tokenizer.vocab_size]
@@ -493,6 +564,15 @@ def _check_model(body: SamplingRequest, setup) -> None:
                        param="model", code="model_not_found")
 
 
+def _check_text_length(tok, text: str, max_len: int, param: str) -> None:
+    """Refuse a text that cannot fit the context by its length alone, before it is encoded."""
+    at_least = tok.min_tokens(text)
+    if at_least >= max_len:
+        raise APIError(400, f"This model's maximum context length is {max_len} tokens; the {param} has "
+                       f"{len(text):,} characters, at least {at_least:,} tokens.", param=param,
+                       code="context_length_exceeded")
+
+
 def _start(loop: EngineLoop, tok, body: SamplingRequest, prompts: list[list[int]], *, default_max, logprobs: bool,
            prompt_param: str, constraint=None) -> _Generation:
     """Check and queue the request's sequences; `constraint`: None, or a maker of a fresh
@@ -532,17 +612,19 @@ def _start(loop: EngineLoop, tok, body: SamplingRequest, prompts: list[list[int]
                        headers={"Retry-After": "1"}) from None
 
 
-def _completion_prompts(prompt, tok) -> list[list[int]]:
-    if isinstance(prompt, str):
-        return [tok.encode(prompt)]
-    if isinstance(prompt[0], str):
-        return [tok.encode(p) for p in prompt]
+def _completion_prompts(prompt, tok, max_len: int) -> list[list[int]]:
+    if isinstance(prompt, str) or isinstance(prompt[0], str):
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        for text in texts:
+            _check_text_length(tok, text, max_len, "prompt")
+        return [tok.encode(text) for text in texts]
     if isinstance(prompt[0], int):
         return [list(prompt)]
     return [list(p) for p in prompt]
 
 
-def _chat_prompt(tok, body: ChatCompletionRequest, model_id: str, add_generation_prompt: bool = True) -> list[int]:
+def _chat_prompt(tok, body: ChatCompletionRequest, model_id: str, max_len: int,
+                 add_generation_prompt: bool = True) -> list[int]:
     if tok.chat_template is None:
         raise APIError(400, f"The model '{model_id}' has no chat template, so it cannot take chat messages: use "
                        f"/v1/completions, or start the server with --chat-template FILE.", param="messages",
@@ -560,14 +642,24 @@ def _chat_prompt(tok, body: ChatCompletionRequest, model_id: str, add_generation
     mode = body.tool_mode
     messages, extra = render_messages(messages, mode[0] if mode else None, tok.chat_template)
     try:
-        return tok.encode_chat(messages, add_generation_prompt, **extra)
-    except jinja2.TemplateError as e:  # the template refused the conversation (raise_exception)
-        raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
+        text = tok.apply_chat_template(messages, add_generation_prompt, **extra)
+    except ChatTemplateError as e:  # the template refused the conversation, or ran past its limits
+        raise APIError(400, str(e), param="messages", code="chat_template_error") from None
+    _check_text_length(tok, text, max_len, "messages")
+    return tok.encode(text, add_bos=False)  # as encode_chat: the template writes what it needs
+
+
+def _union_branch(part) -> bool:
+    """A part of an error's location that names the branch of a union ('str', 'list[int]'), not a field."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part or "-" in part)
 
 
 def _validation_error(errors: Sequence[dict]) -> APIError:
+    # Of a union's errors, one that is not a plain type mismatch names the limit the value broke
+    # (100 stop strings: the 4-string limit of the list branch, not "not a string").
+    errors = sorted(errors, key=lambda e: str(e.get("type", "")).endswith("_type"))
     e = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    loc = [str(x) for x in e.get("loc", ()) if x != "body" and not _union_branch(x)]
     if e.get("type") == "json_invalid":
         return APIError(400, f"We could not parse the JSON body of your request: {e.get('msg')}.",
                         code="invalid_json")

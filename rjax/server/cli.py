@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 from pathlib import Path
 
@@ -14,7 +13,7 @@ log = logging.getLogger(__name__)
 
 
 def make_setup(model: str, *, model_id: str, slots: int, max_len: int | None, steps_per_dispatch: int,
-               chat_template: str | None, precompile: bool, prefix_cache: bool = True, kv_dtype: str = "bf16", tp: int = 1,
+               chat_template: tuple[str, str] | None, precompile: bool, prefix_cache: bool = True, kv_dtype: str = "bf16", tp: int = 1,
                speculative: str | None = None, draft_tokens: int = 4):
     """-> the EngineLoop's setup: loads the model and makes engines, on the loop's thread."""
     from rjax.server.loop import Setup
@@ -31,7 +30,7 @@ def make_setup(model: str, *, model_id: str, slots: int, max_len: int | None, st
         m = rjax.load(model, mesh=make_tp(tp).mesh if tp > 1 else None)
         tok = m.tokenizer
         if chat_template is not None:
-            tok = dataclasses.replace(tok, chat_template=chat_template)
+            tok = tok.with_chat_template(*chat_template)
         ctx = m.config.context_length
         if max_len is not None and max_len > ctx:
             raise ValueError(f"--max-len {max_len} exceeds the context length of {m.name} ({ctx} tokens)")
@@ -81,16 +80,31 @@ def cmd_serve(a) -> int:
     try:
         import uvicorn
 
-        from rjax.server.app import ServerSettings, create_app
+        from rjax.server.app import DEFAULT_MAX_BODY_BYTES, ServerSettings, create_app
+        from rjax.server.edge import default_max_connections, guarded_protocol
         from rjax.server.loop import EngineLoop
         from rjax.server.metrics import Metrics
+
+        DrainingServer = _draining_server_class()
     except ImportError as e:
         raise ValueError(f"rjax serve needs the server's packages ({e.name} is missing): "
                          f"pip install 'rjax[serve]'") from None
-    for name in ("slots", "max_queued", "steps_per_dispatch", "port"):
-        if getattr(a, name) < (0 if name == "port" else 1):
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    template = Path(a.chat_template).read_text(encoding="utf-8") if a.chat_template else None
+    for name in ("slots", "max_queued", "steps_per_dispatch", "port", "max_body_bytes", "max_connections"):
+        value = getattr(a, name)
+        if value is not None and value < (0 if name == "port" else 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {0 if name == 'port' else 1}, got {value}")
+    for name in ("header_timeout", "drain_timeout"):
+        if not getattr(a, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(a, name)}")
+    template = None
+    if a.chat_template:  # a template that does not compile stops the server before it starts
+        from rjax.tokenizer.chat_template import check_chat_template
+
+        try:
+            template = (Path(a.chat_template).read_text(encoding="utf-8"), a.chat_template)
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template {a.chat_template}: cannot read it: {e}") from None
+        check_chat_template(*template)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     metrics = Metrics()
     loop = EngineLoop(make_setup(a.model, model_id=a.served_model_name or Path(a.model).name, slots=a.slots,
@@ -99,9 +113,28 @@ def cmd_serve(a) -> int:
                                  kv_dtype=a.kv_dtype, tp=a.tp, speculative=a.speculative,
                                  draft_tokens=a.draft_tokens),
                       max_queued=a.max_queued, metrics=metrics)
-    app = create_app(loop, metrics, ServerSettings(api_key=a.api_key))
-    uvicorn.run(app, host=a.host, port=a.port, log_level="info")
+    app = create_app(loop, metrics, ServerSettings(api_key=a.api_key, metrics_public=a.metrics_public,
+                                                   max_body_bytes=a.max_body_bytes or DEFAULT_MAX_BODY_BYTES))
+    max_connections = a.max_connections or default_max_connections()
+    config = uvicorn.Config(app, host=a.host, port=a.port, log_level="info",
+                            http=guarded_protocol(a.header_timeout, max_connections),
+                            timeout_graceful_shutdown=a.drain_timeout)
+    DrainingServer(config).run()
     return 0
+
+
+def _draining_server_class():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server; on SIGTERM or SIGINT the app answers new requests with 503 at once
+        while uvicorn lets those in flight finish (up to --drain-timeout)."""
+
+        def handle_exit(self, sig, frame) -> None:
+            self.config.app.state.draining.set()
+            super().handle_exit(sig, frame)
+
+    return DrainingServer
 
 
 def register_cli(subparsers) -> None:
@@ -127,7 +160,18 @@ def register_cli(subparsers) -> None:
     p.add_argument("--max-queued", type=int, default=256,
                    help="sequences waiting for a slot before new requests get 429 (default: 256)")
     p.add_argument("--steps-per-dispatch", type=int, default=8, help="decode steps per device dispatch (default: 8)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health (/metrics and /docs too)")
+    p.add_argument("--metrics-public", action="store_true", help="with --api-key: leave /metrics open to scrapers")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="a larger request body gets 413 before it is parsed (default: 4 MiB)")
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="open connections the server takes at most; more are closed as they come (default: the "
+                        "process's open-file limit less 128)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a request's headers (default: 10)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let running requests finish while new ones get 503 (default: 30)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template to use instead of the model's (or for a model without one)")
     p.add_argument("--served-model-name", default=None,

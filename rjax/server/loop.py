@@ -71,7 +71,8 @@ class _Live:
 
 class EngineLoop:
     """`setup()` (loading the model, say) runs on the loop's thread, so a server answers /health
-    with 503 while it runs. `max_queued` bounds the sequences accepted but not yet in a slot."""
+    with 503 while it runs. `max_queued` bounds the sequences accepted but not yet in a slot: those
+    in the inbox and those in the engine's queue (not those prefilling or decoding)."""
 
     def __init__(self, setup: Callable[[], Setup], *, max_queued: int = 256, metrics=None, idle_wait_s: float = 0.5):
         if max_queued < 1:
@@ -85,8 +86,9 @@ class EngineLoop:
         self.engine: ServingEngine | None = None
         self.error: str | None = None        # why setup failed
         self._ids = itertools.count()
-        self._lock = threading.Lock()         # guards _waiting
-        self._waiting = 0                     # accepted, not yet in a slot (or finished)
+        self._lock = threading.Lock()         # guards _inbox_pending and _engine_queued
+        self._inbox_pending = 0               # submitted, not yet handed to the engine
+        self._engine_queued = 0               # in the engine's queue, waiting for a slot
         self._live: dict[Hashable, _Live] = {}  # the loop thread's own
         self._finished = 0                    # requests finished (the loop thread's own)
         self._thread: threading.Thread | None = None
@@ -116,7 +118,8 @@ class EngineLoop:
 
     @property
     def n_waiting(self) -> int:
-        return self._waiting
+        """Sequences accepted and waiting for a slot."""
+        return self._inbox_pending + self._engine_queued
 
 
     def submit(self, requests: list[dict], sink: Callable[[object], None]) -> list[int]:
@@ -124,10 +127,11 @@ class EngineLoop:
         events go to `sink`. -> their ids. Raises QueueFullError when they would take the queue
         past `max_queued` (all or none are taken)."""
         with self._lock:
-            if self._waiting + len(requests) > self.max_queued:
-                raise QueueFullError(f"{self._waiting} sequences are waiting for a slot; the server takes at most "
+            waiting = self.n_waiting
+            if waiting + len(requests) > self.max_queued:
+                raise QueueFullError(f"{waiting} sequences are waiting for a slot; the server takes at most "
                                      f"{self.max_queued} (--max-queued)")
-            self._waiting += len(requests)
+            self._inbox_pending += len(requests)
         ids = [next(self._ids) for _ in requests]
         now = time.perf_counter()
         for rid, kw in zip(ids, requests):
@@ -186,6 +190,7 @@ class EngineLoop:
             now = time.perf_counter()
             for event in events:
                 self._deliver(event, now)
+            self._count_queued()
             self._update_gauges()
 
     def _refuse_inbox(self) -> None:
@@ -196,7 +201,7 @@ class EngineLoop:
             except queue.Empty:
                 return
             if item[0] == "submit":
-                self._finish_waiting(1)
+                self._handed_on()
                 self._send(item[3], EngineFailure(item[1], "the server is shutting down"))
 
     def _drain_inbox(self) -> None:
@@ -213,9 +218,11 @@ class EngineLoop:
             try:
                 self.engine.submit(request_id=rid, **kw)
             except Exception as e:  # checked by the handler already; this request fails alone
-                self._finish_waiting(1)
-                self._send(sink, EngineFailure(rid, f"{type(e).__name__}: {e}"))
+                self._handed_on()
+                log.error("request %s failed on submission: %s", rid, traceback.format_exc())
+                self._send(sink, EngineFailure(rid, f"the engine refused this request: {type(e).__name__}: {e}"))
                 continue
+            self._handed_on()
             self._live[rid] = _Live(sink, submitted)
             if self.metrics is not None:
                 self.metrics.prompt_tokens.inc(len(kw["prompt"]))
@@ -228,7 +235,6 @@ class EngineLoop:
         if event.tokens:
             if not live.started:
                 live.started = True
-                self._finish_waiting(1)
                 if m is not None:
                     m.ttft.observe(now - live.submitted_s)
                     if len(event.tokens) > 1:
@@ -243,8 +249,6 @@ class EngineLoop:
         if event.finished:
             self._finished += 1
             del self._live[event.request_id]
-            if not live.started:
-                self._finish_waiting(1)
             if m is not None:
                 m.requests_finished.labels(event.completion.finish_reason).inc()
                 m.speculative_drafted.inc(event.completion.drafted)
@@ -259,13 +263,18 @@ class EngineLoop:
         except Exception:  # the handler's event loop is closed: its client is gone
             return False
 
-    def _finish_waiting(self, n: int) -> None:
+    def _handed_on(self) -> None:
+        """One submission left the inbox (into the engine, or refused)."""
         with self._lock:
-            self._waiting -= n
+            self._inbox_pending -= 1
+            self._engine_queued = self.engine.n_queued if self.engine is not None else 0
+
+    def _count_queued(self) -> None:
+        with self._lock:
+            self._engine_queued = self.engine.n_queued if self.engine is not None else 0
 
     def _fail_all(self, message: str) -> None:
         live, self._live = self._live, {}
-        self._finish_waiting(sum(not x.started for x in live.values()))
         for rid, x in live.items():
             self._send(x.sink, EngineFailure(rid, message))
         self.engine.stop_compiling()
@@ -277,6 +286,7 @@ class EngineLoop:
             self.error = f"the engine failed and could not be rebuilt: {message}"
             self.ready.clear()
             self._stopping.set()
+        self._count_queued()
         self._update_gauges()
 
     def _update_gauges(self) -> None:
@@ -284,7 +294,7 @@ class EngineLoop:
         if m is None or e is None:
             return
         m.running.set(e.n_running)
-        m.queued.set(self._waiting)
+        m.queued.set(self.n_waiting)
         m.free_slots.set(e.n_free_slots)
         if e.pages is not None:
             m.kv_pages_in_use.set(e.pages_in_use)

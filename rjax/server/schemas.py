@@ -4,22 +4,48 @@ Ranges are the OpenAI API's; `top_k`, `min_p` and `repetition_penalty` are the e
 llama.cpp's and vLLM's servers accept (top_k 0 or -1: off). A field the API defines but the
 engine cannot honour (suffix, best_of other than n) is refused by name rather than silently
 ignored, and so is a field the API does not define.
+
+Types are strict (no boolean for an integer, no string for a boolean or a number), and every
+text must be valid Unicode (no unpaired surrogate, which "\ud800" in JSON makes) without NUL
+characters; names and stop strings have length limits.
 """
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from rjax.sampling import MAX_LOGIT_BIAS
 from rjax.slots import MAX_TOP_LOGPROBS
 
 MAX_STOP_STRINGS = 4   # OpenAI's limit
 MAX_N = 16             # choices per request: each takes a slot of its own
+MAX_NAME_CHARS = 256   # model, user and message names
+MAX_STOP_CHARS = 256   # each stop string is matched against the text held back at every token
+SEED_RANGE = (-2 ** 63, 2 ** 63)  # as rjax.generate takes it
+
+
+def _valid_text(text):
+    """Runs before pydantic's own checks (whose length check would misname a surrogate)."""
+    if not isinstance(text, str):
+        return text  # pydantic names the wrong type
+    if "\x00" in text:
+        raise ValueError(f"has a NUL character at index {text.index(chr(0))}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"has an unpaired surrogate U+{ord(text[e.start]):04X} at index {e.start}, which is not "
+                         f"valid Unicode") from None
+    return text
+
+
+Text = Annotated[str, BeforeValidator(_valid_text)]
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS), BeforeValidator(_valid_text)]
+Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS), BeforeValidator(_valid_text)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Body):
@@ -28,17 +54,17 @@ class StreamOptions(_Body):
 
 
 class SamplingRequest(_Body):
-    model: str
+    model: Name
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=2 ** 31 - 1)
-    seed: int | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
+    stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOP_STRINGS)] | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Name | None = None
     # As vLLM's and llama.cpp's servers take it: generate through end-of-sequence tokens.
     ignore_eos: bool = False
     # Logit adjustments (`rjax.sampling.adjust_logits`); repetition_penalty and min_p as vLLM's.
@@ -57,7 +83,7 @@ class SamplingRequest(_Body):
     # Accepted and ignored: they change nothing about the generated text.
     metadata: dict[str, Any] | None = None
     store: bool | None = None
-    service_tier: str | None = None
+    service_tier: Name | None = None
 
     @field_validator("stop")
     @classmethod
@@ -103,7 +129,7 @@ class SamplingRequest(_Body):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] \
+    prompt: Text | Annotated[list[Text], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] \
         | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -126,7 +152,7 @@ class CompletionRequest(SamplingRequest):
 
 class TextPart(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class FunctionCall(_Body):
@@ -142,8 +168,8 @@ class ToolCall(_Body):
 
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Name | None = None
     tool_calls: list[ToolCall] | None = None   # an assistant's earlier calls
     tool_call_id: str | None = None            # the call a tool message answers
 

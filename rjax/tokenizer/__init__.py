@@ -14,14 +14,14 @@ Modules: `core` (the `Tokenizer`: construction from either source, encode/decode
 environment), `stream` (incremental detokenization).
 """
 
-from rjax.tokenizer.chat_template import compile_chat_template
+from rjax.tokenizer.chat_template import ChatTemplateError, compile_chat_template
 from rjax.tokenizer.core import Tokenizer
 from rjax.tokenizer.gguf_vocab import (SUPPORTED_GGUF_MODELS, TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNKNOWN,
                                        TOKEN_UNUSED, TOKEN_USER_DEFINED, byte_alphabet)
 from rjax.tokenizer.stream import StreamDecoder
 
 __all__ = [
-    "SUPPORTED_GGUF_MODELS", "StreamDecoder",
+    "ChatTemplateError", "SUPPORTED_GGUF_MODELS", "StreamDecoder",
     "TOKEN_BYTE", "TOKEN_CONTROL", "TOKEN_NORMAL", "TOKEN_UNKNOWN", "TOKEN_UNUSED", "TOKEN_USER_DEFINED",
     "Tokenizer", "byte_alphabet", "compile_chat_template",
 ]

@@ -3,7 +3,8 @@ Face checkpoint directory."""
 
 from __future__ import annotations
 
-import json
+import dataclasses
+import functools
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -13,12 +14,15 @@ from typing import Any
 import numpy as np
 import tokenizers
 
-from rjax.loaders.errors import ModelFileError
+from rjax.loaders.errors import ModelFileError, read_json
 from rjax.loaders.gguf_header import open_gguf
-from rjax.tokenizer.chat_template import compile_chat_template
+from rjax.tokenizer.chat_template import ChatTemplateError, check_chat_template, render_chat_template
 from rjax.tokenizer.gguf_vocab import (SUPPORTED_GGUF_MODELS, TOKEN_NORMAL, _BYTE_LEVEL_SPLITS, _GEMMA_ARCHITECTURES,
                                        _GGUFMetadata, _byte_level_backend, _sentencepiece_backend)
 from rjax.tokenizer.stream import StreamDecoder
+
+# Texts at least this long are encoded without holding the interpreter lock (see `encode`).
+_LONG_TEXT = 4096
 
 # Control tokens that end a turn in common chat formats: generation stops on them as on EOS.
 _END_OF_TURN_TOKENS = (
@@ -48,6 +52,8 @@ class Tokenizer:
     add_bos: bool
     add_eos: bool
     chat_template: str | None
+    # Where `chat_template` came from (a file and key), as its errors name it.
+    chat_template_source: str = "the chat template"
     special_tokens: Mapping[str, str | None] = field(default_factory=dict)  # bos_token, eos_token, ... as text
     special_ids: frozenset[int] = frozenset()  # ids decode(skip_special=True) drops
     byte_fallback_ids: frozenset[int] = frozenset()  # <0x00>..<0xFF> of a byte-fallback vocabulary
@@ -126,6 +132,7 @@ class Tokenizer:
             add_bos=meta.typed("tokenizer.ggml.add_bos_token", bool, default_add_bos),
             add_eos=meta.typed("tokenizer.ggml.add_eos_token", bool, False),
             chat_template=template,
+            template_source=f"{source} (tokenizer.chat_template)",
             special_tokens=specials,
         )
 
@@ -181,6 +188,8 @@ class Tokenizer:
         add_eos = tok_config.get("add_eos_token", eos_id is not None and added_after == [eos_id])
 
         template_file = root / "chat_template.jinja"
+        template_source = (str(template_file) if template_file.is_file()
+                           else f"{root / 'tokenizer_config.json'} (chat_template)")
         try:
             template = (template_file.read_text(encoding="utf-8") if template_file.is_file()
                         else tok_config.get("chat_template"))
@@ -200,6 +209,7 @@ class Tokenizer:
             add_bos=bool(add_bos) and bos_id is not None,
             add_eos=bool(add_eos) and eos_id is not None,
             chat_template=template,
+            template_source=template_source,
             special_tokens=specials,
         )
 
@@ -214,6 +224,7 @@ class Tokenizer:
         add_bos: bool,
         add_eos: bool,
         chat_template: str | None,
+        template_source: str,
         special_tokens: Mapping[str, str | None],
     ) -> Tokenizer:
         added = backend.get_added_tokens_decoder()
@@ -226,6 +237,11 @@ class Tokenizer:
             index = backend.token_to_id(text)
             if index is not None and text in special_texts:
                 eos_ids.add(index)
+        if chat_template:
+            try:  # a template that does not compile is a damaged file, found at load
+                check_chat_template(chat_template, template_source)
+            except ChatTemplateError as e:
+                raise ModelFileError(str(e)) from None
         return cls(
             backend=backend,
             bos_id=bos_id,
@@ -234,6 +250,7 @@ class Tokenizer:
             add_bos=add_bos,
             add_eos=add_eos,
             chat_template=chat_template or None,
+            chat_template_source=template_source,
             special_tokens=dict(special_tokens),
             special_ids=frozenset(i for i, t in added.items() if t.special),
             byte_fallback_ids=frozenset(byte_fallback_ids),
@@ -246,12 +263,28 @@ class Tokenizer:
         """Number of ids the tokenizer can produce, added tokens included."""
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """No token covers more characters of input text than this: the longest token's text
+        (byte-level and byte-fallback tokens spell a byte in one character or more), times 4 where
+        a normalizer may first compose several characters into one."""
+        longest = max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
+        return longest * (1 if self.backend.normalizer is None else 4)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on len(self.encode(text)) that costs no encoding: a text too long for a
+        context is refused by its length alone."""
+        return -(-len(text) // self.max_chars_per_token)
+
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`. Special tokens written in the text (e.g. `<|im_start|>`) become
         their ids. With `add_bos=None` the model file decides (BOS, and EOS where the file asks
         for it: transformers' add_special_tokens=True); `add_bos=False` adds nothing
         (add_special_tokens=False); `add_bos=True` adds BOS only."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if len(text) < _LONG_TEXT:
+            ids = self.backend.encode(text, add_special_tokens=False).ids
+        else:  # encode holds the interpreter lock throughout; encode_batch lets other threads run
+            ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         if add_bos is None and self.add_eos and self.eos_id is not None:
@@ -274,19 +307,26 @@ class Tokenizer:
 
     # -- chat ----------------------------------------------------------------------------------
 
+    def with_chat_template(self, template: str, source: str) -> Tokenizer:
+        """This tokenizer with `template` (from `source`, a file name) as its chat template.
+        Raises ChatTemplateError naming `source` if the template does not compile."""
+        check_chat_template(template, source)
+        return dataclasses.replace(self, chat_template=template, chat_template_source=source)
+
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **extra: Any
     ) -> str:
         """The conversation rendered as the model expects it (text, to be encoded with
-        `encode_chat` or `encode(..., add_bos=False)` when the template writes BOS itself)."""
+        `encode_chat` or `encode(..., add_bos=False)` when the template writes BOS itself).
+        A template that fails, or runs past its limits of size and time, raises ChatTemplateError
+        naming the template's source and the message it failed on."""
         if self.chat_template is None:
             raise ValueError("the model file has no chat template (a base model): give one, or use raw text")
         context = {name: value for name, value in self.special_tokens.items()}
         context.update(tools=None, documents=None)
         context.update(extra)
-        return compile_chat_template(self.chat_template).render(
-            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **context
-        )
+        return render_chat_template(self.chat_template, self.chat_template_source, [dict(m) for m in messages],
+                                    add_generation_prompt=add_generation_prompt, **context)
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     **extra: Any) -> list[int]:
@@ -306,11 +346,7 @@ def _is_id(value, n_ids: int) -> bool:
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelFileError(f"{path}: not valid JSON ({e})") from e
+    value = read_json(path)
     if not isinstance(value, dict):
         raise ModelFileError(f"{path}: expected a JSON object, got {type(value).__name__}")
     return value
