@@ -541,7 +541,9 @@ def _dense(params):
 
 def _compare_greedy(model, kv_dtype):
     cfg, params, tok = model.config, _dense(model.params), model.tokenizer
-    prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS_TEXT]
+    # a base model (gemma3-270m has no chat template) continues the raw text
+    prompts = [tok.encode_chat([{"role": "user", "content": p}]) if tok.chat_template is not None else tok.encode(p)
+               for p in PROMPTS_TEXT]
     ref_tokens, ref_logits = _greedy_float(cfg, params, prompts)
     got_logits = _forced_logits(cfg, params, prompts, ref_tokens, kv_dtype)
     margin = np.asarray(_top2(ref_logits)[1])
