@@ -105,6 +105,36 @@ class Grammars:
         return Constraint(proto.deep_copy(), self.words, self._eos)
 
 
+# A number the schema leaves unbounded is written in plain notation, within JSON's exactly
+# interoperable integer range (RFC 8259, section 6) and to at most 9 decimals: otherwise a small
+# model can loop inside one number ("0.000122222...") until max_tokens cuts the JSON short.
+# Every such output still validates against the schema as given.
+_NUMBER_LIMIT = 2 ** 53 - 1
+_NUMBER_STEP = 1e-9
+# Keywords whose values are data, not schemas: never rewritten.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
+
+
+def bound_numbers(schema):
+    """`schema` with every number and integer the schema leaves unbounded given the bounds
+    above (a copy; the bounds a schema states are kept)."""
+    if isinstance(schema, list):
+        return [bound_numbers(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _DATA_KEYWORDS else bound_numbers(v) for k, v in schema.items()}
+    types = out.get("type")
+    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
+    if types & {"number", "integer"}:
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -_NUMBER_LIMIT
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = _NUMBER_LIMIT
+        if "number" in types and "multipleOf" not in out:
+            out["multipleOf"] = _NUMBER_STEP
+    return out
+
+
 def grammar_text(kind: str, spec) -> str:
     """llguidance's grammar text of a constraint (see `Grammars.constraint`)."""
     import llguidance
@@ -117,7 +147,7 @@ def grammar_text(kind: str, spec) -> str:
             # Compact JSON, as OpenAI writes it: whitespace between items is free otherwise, and
             # a small model given the freedom may fill max_tokens with it.
             return llguidance.LLMatcher.grammar_from_json_schema(
-                json.dumps(schema), defaults={"whitespace_flexible": False})
+                json.dumps(bound_numbers(schema)), defaults={"whitespace_flexible": False})
         except ValueError as e:
             raise GrammarError(f"json_schema: {e}") from None
     if kind == "regex":

@@ -78,3 +78,32 @@ def test_a_bad_constraint_is_a_grammar_error(grammars):
         grammars.constraint("regex", "a(")
     with pytest.raises(GrammarError, match="unknown constraint kind"):
         grammars.constraint("xml", "<a/>")
+
+
+def _allows(grammars, model, schema, text: str) -> bool:
+    """Whether the automaton of `schema` lets the model write `text` (every token in the mask)."""
+    c = grammars.constraint("json_schema", schema)
+    for t in model.tokenizer.encode(text):
+        if not allowed(c.mask(), model.config.vocab_size)[t]:
+            return False
+        c.advance(t)
+    return True
+
+
+def test_unbounded_numbers_are_bounded_and_stated_bounds_kept(grammars, model):
+    """A number that never ends ("0.000122222...") cannot be written: unbounded numbers get
+    JSON's exact integer range and at most 9 decimals; bounds the schema states are its own,
+    and data keywords (const, enum) are not touched."""
+    from rjax.grammar import bound_numbers
+
+    number = {"type": "number"}
+    assert _allows(grammars, model, number, "0.000122") and _allows(grammars, model, number, "-3")
+    assert not _allows(grammars, model, number, "0.000122222222222")
+    assert not _allows(grammars, model, {"type": "integer"}, "12345678901234567890")
+    assert _allows(grammars, model, {"type": ["integer", "null"]}, "null")
+    assert not _allows(grammars, model, {"type": "number", "minimum": 0, "maximum": 1}, "3")
+    schema = {"type": "object", "properties": {"type": {"type": "number", "minimum": 2}},
+              "const": {"type": "number"}}
+    assert bound_numbers(schema) == {"type": "object", "const": {"type": "number"},
+                                     "properties": {"type": {"type": "number", "minimum": 2,
+                                                             "maximum": 2 ** 53 - 1, "multipleOf": 1e-9}}}
