@@ -87,17 +87,33 @@ def _order_keys(x):
     return jnp.where(b >> 31 == 1, ~b, b | jnp.uint32(0x80000000))
 
 
-def _search(holds, bits: int, batch: int):
+def _search(holds, bits: int, batch: int, rolled: bool | None = None):
     """The largest t in [0, 2**bits) for which holds(t) (t: [B, _WAYS, 1] uint32 -> [B, _WAYS]
-    bool, true up to some t and false above it) is true, per row; 0 where holds(0) is false."""
+    bool, true up to some t and false above it) is true, per row; 0 where holds(0) is false.
+    rolled: the passes as a loop (True) or unrolled (False); None: by the platform, below."""
     rounds = -(-bits // 4)
-    lo = jnp.zeros((batch, 1), jnp.uint32)
     ways = jnp.arange(_WAYS, dtype=jnp.uint32)[None]
-    for r in range(rounds):
-        step = jnp.uint32(1 << (4 * (rounds - r - 1)))
+
+    def one(r, lo):
+        step = jnp.left_shift(jnp.uint32(1), (4 * (rounds - 1 - r)).astype(jnp.uint32))
         t = lo + ways * step
         n = jnp.sum(holds(t[:, :, None]), axis=-1, keepdims=True, dtype=jnp.uint32)
-        lo = lo + jnp.maximum(n, 1).astype(jnp.uint32) * step - step
+        return lo + jnp.maximum(n, 1).astype(jnp.uint32) * step - step
+
+    def unrolled(lo):
+        for r in range(rounds):
+            lo = one(jnp.int32(r), lo)
+        return lo
+
+    # The same passes either way. A GPU runs them unrolled: a loop would bring the decode step's
+    # control back to the host. On the CPU a loop compiles one pass instead of up to eight, which
+    # is most of the compile time a sampled program spends on its filters.
+    lo = jnp.zeros((batch, 1), jnp.uint32)
+    loop = lambda lo: jax.lax.fori_loop(0, rounds, one, lo)  # noqa: E731
+    if rolled is None:
+        lo = jax.lax.platform_dependent(lo, default=unrolled, cpu=loop)
+    else:
+        lo = loop(lo) if rolled else unrolled(lo)
     return lo[:, 0]
 
 

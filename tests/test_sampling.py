@@ -140,3 +140,15 @@ def test_filters_keep_what_a_sort_keeps(kind, V):
             np.testing.assert_array_equal(got[b], _reference_keep(x[b], temperature[b], top_k[b], top_p[b]), msg)
     text = jax.jit(sample).trace(jnp.asarray(x), jax.random.key(0), sp).lower().as_text()
     assert "stablehlo.sort" not in text and "@filtered_logits" in text
+
+
+def test_the_search_finds_the_same_threshold_rolled_and_unrolled():
+    """The CPU runs the filters' search passes as a loop, a GPU unrolled: the same thresholds."""
+    from rjax.sampling import _search
+
+    target = jnp.asarray(np.random.default_rng(1).integers(0, 2 ** 32, size=7, dtype=np.uint64), jnp.uint32)
+    target = target.at[0].set(0).at[1].set(2 ** 32 - 1)
+    holds = lambda t: t[..., 0] <= target[:, None]  # noqa: E731
+    for rolled in (True, False):
+        got = jax.jit(lambda: _search(holds, 32, 7, rolled=rolled))()
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(target), f"rolled={rolled}")
