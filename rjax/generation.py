@@ -20,12 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.attention import decode_positions
 from rjax import checks, engine
 from rjax.config import ModelConfig
 from rjax.tensor_parallel import place_cache
 from rjax.cache import KVCache, check_kv_dtype, init_cache
-from rjax.plan import TUNING
+from rjax.plan import TUNING, decode_positions
 from rjax.precompile import compile_programs, decode_program, prefill_program
 from rjax.loaders import Model
 from rjax.engine import ContextLengthError, PromptTooLongError  # noqa: F401 (part of this module's API)
@@ -314,7 +313,7 @@ def default_draft_tokens(cfg: ModelConfig, drafter) -> int:
     runs on the device, about 20% faster at batch 1). A draft model: MODEL_DRAFT_TOKENS."""
     if not isinstance(drafter, NgramDrafter):
         return MODEL_DRAFT_TOKENS
-    return min(MAX_DRAFT_TOKENS, decode_positions(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)) - 1
+    return min(MAX_DRAFT_TOKENS, decode_positions(cfg)) - 1
 
 
 def load_drafter(model: Model, speculative) -> tuple[object, Model | None]:

@@ -34,7 +34,7 @@ __all__ = [
     "prefill_attention", "mgpu_prefill_attention", "paged_prefill_attention", "decode_attention",
     "paged_decode_attention", "decode_rope_attention", "rope_attention", "paged_decode_rope_attention",
     "paged_rope_attention",
-    "MAX_DECODE_TOKENS", "decode_positions", "kind_of", "quantize_int8", "quantize_fp8", "dequantize",
+    "MAX_DECODE_TOKENS", "takes_decode", "kind_of", "quantize_int8", "quantize_fp8", "dequantize",
 ]
 
 # Query tokens per sequence up to which the decode kernel is used: always up to 8, and up to 16
@@ -45,15 +45,11 @@ MAX_DECODE_TOKENS = 16
 _DECODE_TILE = 64 * 128
 
 
-def _takes_decode(T: int, q_heads: int, kv_heads: int, head_dim: int) -> bool:
+def takes_decode(T: int, q_heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether T query positions per sequence over these heads go to the decode kernel (else to
+    the prefill kernels)."""
     Tp, Gp = token_rows(T, q_heads // kv_heads)
     return T <= 8 or (T <= MAX_DECODE_TOKENS and Tp * Gp * head_dim <= _DECODE_TILE)
-
-
-def decode_positions(q_heads: int, kv_heads: int, head_dim: int) -> int:
-    """The most query positions per sequence the decode kernel takes for these heads (more go
-    to the prefill kernels): 8, or up to 16 while its tile holds them."""
-    return max(T for T in range(1, MAX_DECODE_TOKENS + 1) if _takes_decode(T, q_heads, kv_heads, head_dim))
 
 
 _IMPLEMENTATIONS = (None, "reference", "pallas", "interpret")
@@ -74,7 +70,7 @@ def attention(q, k, v, q_pos, kv_len, *, scale: float, window: int | None = None
     scales = dict(k_scale=k_scale, v_scale=v_scale)
     if impl == "reference":
         return attention_reference(q, k, v, q_pos, kv_len, scale=scale, window=window, **scales)
-    if _takes_decode(q.shape[1], q.shape[2], k.shape[1], q.shape[3]):
+    if takes_decode(q.shape[1], q.shape[2], k.shape[1], q.shape[3]):
         kernel = decode_attention
     elif k_scale is None and mgpu_prefill_supports(q, k):
         kernel = mgpu_prefill_attention
@@ -149,7 +145,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, q_pos, kv_len, *, scale: 
     if impl == "reference":
         return paged_attention_reference(q, k_pages, v_pages, block_tables, q_pos, kv_len, scale=scale,
                                          window=window, **scales)
-    decode = _takes_decode(q.shape[1], q.shape[2], k_pages.shape[1], q.shape[3])
+    decode = takes_decode(q.shape[1], q.shape[2], k_pages.shape[1], q.shape[3])
     kernel = paged_decode_attention if decode else paged_prefill_attention
     return kernel(q, k_pages, v_pages, block_tables, q_pos, kv_len, scale=scale, window=window,
                   interpret=impl == "interpret", **(scales if k_scale is not None else {}))
