@@ -26,7 +26,7 @@ from rjax.tensor_parallel import place_cache
 from rjax.cache import KVCache, check_kv_dtype, init_cache
 from rjax.plan import TUNING, decode_positions
 from rjax.precompile import compile_programs, decode_program, prefill_program
-from rjax.loaders import Model
+from rjax.loaders import Model, load
 from rjax.engine import ContextLengthError, PromptTooLongError  # noqa: F401 (part of this module's API)
 from rjax.sampling import SamplingParams, check_sampling
 from rjax.serving import ServingConfig, ServingEngine
@@ -330,12 +330,8 @@ def load_drafter(model: Model, speculative) -> tuple[object, Model | None]:
         if qtype not in SELF_DRAFT_TYPES:
             raise ValueError(f"speculative={speculative!r}: the target can draft for itself requantized to "
                              f"{' or '.join(SELF_DRAFT_TYPES)} (e.g. 'self:q4_0')")
-        from rjax.loaders import load
-
         draft = load(model.source, progress=False, requantize=qtype)
     elif isinstance(speculative, str) and speculative:
-        from rjax.loaders import load
-
         draft = load(speculative, progress=False)
     else:
         raise ValueError(f"speculative must be 'ngram', 'self:q4_0' / 'self:q8_0', a model (catalog name, .gguf "

@@ -26,6 +26,7 @@ from .decode import (decode_attention, decode_rope_attention, paged_decode_atten
                      token_rows)
 from .prefill import paged_prefill_attention, prefill_attention
 from .prefill_mgpu import mgpu_prefill_attention, supports as mgpu_prefill_supports
+from pallas_kernels.kv_append import rope_append_reference
 from pallas_kernels.kv_quant import dequantize, kind_of, quantize_fp8, quantize_int8
 from .reference import attention_reference, paged_attention_reference
 
@@ -96,8 +97,6 @@ def rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, *, n_heads: int
     impl = _resolve(implementation)
     kw = dict(n_heads=n_heads, pairing=pairing, dtype=dtype, qk_norm=qk_norm, eps=eps)
     if impl == "reference":
-        from pallas_kernels.kv_append import rope_append_reference
-
         B = parts.shape[1]
         q, k_cache, v_cache, k_scale, v_scale = rope_append_reference(
             parts[:, :, None], bias, pos[:, None], k_cache, v_cache, inv_freq, jnp.arange(B), **kw, k_scale=k_scale,
@@ -120,8 +119,6 @@ def paged_rope_attention(parts, bias, pos, k_pages, v_pages, block_tables, inv_f
     impl = _resolve(implementation)
     kw = dict(n_heads=n_heads, pairing=pairing, dtype=dtype, qk_norm=qk_norm, eps=eps)
     if impl == "reference":
-        from pallas_kernels.kv_append import rope_append_reference
-
         ps, max_pages = k_pages.shape[2], block_tables.shape[1]
         col = jnp.where(pos >= 0, pos // ps, max_pages)
         page = jnp.take_along_axis(block_tables, col[:, None], axis=1, mode="fill", fill_value=-1)[:, 0]
