@@ -24,7 +24,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "loading": ("rjax.loaders", "rjax.loaders.errors", "rjax.loaders.fields", "rjax.loaders.gguf_header",
                 "rjax.loaders.gguf", "rjax.loaders.hf_config", "rjax.loaders.hf_weights", "rjax.loaders.safetensors",
                 "rjax.tokenizer", "rjax.tokenizer.chat_template", "rjax.tokenizer.core", "rjax.tokenizer.gguf_vocab",
-                "rjax.tokenizer.stream", "rjax.catalog", "rjax.hub", "rjax.store", "rjax.pypi", "rjax.xla_cache", "rjax.synth"),
+                "rjax.tokenizer.stream", "rjax.catalog", "rjax.hub", "rjax.store", "rjax.pypi", "rjax.xla_cache",
+                "rjax.synth"),
     # The jitted device programs (prefill, decode loops, slot batches, speculative rounds), their
     # compilation, and what they need of the device's memory and bandwidth.
     "engine": ("rjax.engine", "rjax.slots", "rjax.speculative", "rjax.precompile", "rjax.memory", "rjax.roofline"),
@@ -137,6 +138,16 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return out
+
+
+def test_the_reading_of_imports_finds_them():
+    """The checks above see every form of import: `from a import b`, `import a.b`, relative, and
+    in a function body; and a circle is found as one."""
+    edges = {m: {t for t, _ in imports} for m, imports in GRAPH.items()}
+    assert {"rjax.ops", "rjax.params", "rjax.plan"} <= edges["rjax.model"]
+    assert "rjax.tokenizer" in edges["rjax.loaders"]                          # in `load`'s body
+    assert "pallas_kernels.attention.decode" in edges["pallas_kernels.attention"]  # `from .decode import`
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_no_import_cycles():
