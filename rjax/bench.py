@@ -55,7 +55,7 @@ from rjax.config import ModelConfig
 from rjax.generation import activation_dtype, cache_length
 from rjax.loaders import for_backend, load, split_for_backend
 from rjax.loaders.gguf import load_gguf
-from rjax.model import Params
+from rjax.params import Params
 from rjax.precompile import compile_programs, decode_program, prefill_program
 from rjax.bench_report import _pyplot, format_table, plot, summarize, write_json
 from rjax.roofline import (decode_weight_bytes, kv_bytes_per_sequence, measure_bandwidth, memory_stats, roofline,

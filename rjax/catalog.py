@@ -23,16 +23,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from rjax import pypi
+from rjax import hub, pypi
+from rjax.store import CatalogError, file_sha256, rjax_home, stamp_path, stamp_vouches, write_stamp
 
 log = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
-STAMP_SUFFIX = ".sha256"
-
-
-class CatalogError(Exception):
-    """A model could not be named, found, fetched or verified; the message says which and why."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,12 +121,6 @@ def add_model_argument(parser) -> None:
 # where things live
 
 
-def rjax_home(home: str | os.PathLike | None = None) -> Path:
-    """`home` if given, else $RJAX_HOME, else ~/.cache/rjax."""
-    chosen = home if home is not None else os.environ.get("RJAX_HOME") or "~/.cache/rjax"
-    return Path(chosen).expanduser()
-
-
 def _find(name: str, catalog: Mapping[str, CatalogEntry]) -> CatalogEntry | None:
     return catalog.get(name) or catalog.get(name.strip().lower())
 
@@ -153,46 +143,8 @@ def model_path(name: str, home: str | os.PathLike | None = None, *,
     return rjax_home(home) / "models" / lookup(name, catalog).file_name
 
 
-def stamp_path(path: Path) -> Path:
-    return path.with_name(path.name + STAMP_SUFFIX)
-
-
 # ---------------------------------------------------------------------------------------------
 # verification
-
-
-def file_sha256(path: Path, *, progress: bool = False, desc: str | None = None) -> str:
-    """Hex sha256 of a file, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f, tqdm(total=path.stat().st_size, unit="B", unit_scale=True,
-                                     unit_divisor=1024, desc=desc or f"sha256 {path.name}",
-                                     disable=not progress) as bar:
-        while chunk := f.read(pypi.CHUNK_BYTES):
-            digest.update(chunk)
-            bar.update(len(chunk))
-    return digest.hexdigest()
-
-
-def _write_stamp(path: Path, sha256: str) -> None:
-    """Record that `path` hashed to `sha256`.
-
-    The stamp is a `sha256sum -c` line; its mtime is set to the model's, so a model replaced or
-    touched since (a different mtime) is hashed again rather than trusted.
-    """
-    stamp = stamp_path(path)
-    stamp.write_text(f"{sha256}  {path.name}\n", encoding="utf-8")
-    mtime_ns = path.stat().st_mtime_ns
-    os.utime(stamp, ns=(mtime_ns, mtime_ns))
-
-
-def _stamp_vouches(path: Path, sha256: str) -> bool:
-    stamp = stamp_path(path)
-    try:
-        recorded = stamp.read_text(encoding="utf-8").split()[0]
-        return (recorded == sha256
-                and stamp.stat().st_mtime_ns == path.stat().st_mtime_ns)
-    except (OSError, IndexError):
-        return False
 
 
 def is_verified(path: Path, entry: CatalogEntry, *, progress: bool = False) -> bool:
@@ -203,14 +155,14 @@ def is_verified(path: Path, entry: CatalogEntry, *, progress: bool = False) -> b
             return False
     except OSError:
         return False
-    if _stamp_vouches(path, entry.sha256):
+    if stamp_vouches(path, entry.sha256):
         return True
     got = file_sha256(path, progress=progress, desc=f"verify {path.name}")
     if got != entry.sha256:
         log.warning("%s has sha256 %s, expected %s for %s; it will be replaced",
                     path, got, entry.sha256, entry.name)
         return False
-    _write_stamp(path, entry.sha256)
+    write_stamp(path, entry.sha256)
     return True
 
 
@@ -275,8 +227,6 @@ def pull(name: str, home: str | os.PathLike | None = None, progress: bool = True
     into place; temporaries live next to it and are removed whatever happens.
     """
     if _find(name, catalog) is None:
-        from rjax import hub  # imports this module
-
         ref = hub.parse_ref(name)
         if ref is not None:
             return hub.pull(ref, home, progress)
@@ -331,7 +281,7 @@ def pull(name: str, home: str | os.PathLike | None = None, progress: bool = True
                                f"expected {entry.size} bytes with sha256 {entry.sha256}, "
                                f"got {size} bytes with sha256 {got}")
         os.replace(assembled, dest)
-    _write_stamp(dest, entry.sha256)
+    write_stamp(dest, entry.sha256)
     return dest
 
 
@@ -375,8 +325,6 @@ def resolve_model(name_or_path: str | os.PathLike, home: str | os.PathLike | Non
             raise CatalogError(f"{path} is not a GGUF file (starts with {magic!r}, "
                                f"expected {GGUF_MAGIC!r})")
         return path
-    from rjax import hub  # imports this module
-
     pulled = hub.find_local(text, home)
     if pulled is not None:
         return pulled
@@ -406,3 +354,34 @@ def list_models(home: str | os.PathLike | None = None, *,
                      path=models / e.file_name, present=present(models / e.file_name, e.size),
                      default=e.name == DEFAULT_MODEL, summary=e.summary)
         for e in catalog.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalModel:
+    """One line of `rjax list`."""
+
+    name: str  # what -m takes
+    path: Path
+    size: int
+    architecture: str | None  # None: the header could not be read (`error` says why)
+    quant: str | None
+    error: str | None = None
+
+
+def local_models(home=None) -> list[LocalModel]:
+    """Every model in the store, the catalog's pulled ones first, each described from its header."""
+    from rjax.loaders.errors import ModelFileError
+    from rjax.loaders.gguf_header import metadata, open_gguf, quant_name
+
+    named = [(m.name, m.path) for m in list_models(home) if m.present]
+    named += [(hub.pulled_name(p, home), p) for p in hub.pulled_files(home)]
+    out = []
+    for name, path in named:
+        try:
+            reader = open_gguf(path, string_arrays=False)
+            arch = metadata(reader).get("general.architecture")
+            out.append(LocalModel(name, path, path.stat().st_size, arch if isinstance(arch, str) else None,
+                                  quant_name(reader)))
+        except (ModelFileError, OSError) as e:
+            out.append(LocalModel(name, path, path.stat().st_size, None, None, str(e)))
+    return out

@@ -35,8 +35,9 @@ import jax.numpy as jnp
 
 from rjax.cache import KVCache, check_kv_dtype, grow, init_cache
 from rjax.engine import alive
-from rjax.generation import (STEPS_PER_DISPATCH, _visible, activation_dtype, cache_length, check_draft_tokens,
-                             check_prompt_lengths, check_request, check_text, load_drafter, stream_ids)
+from rjax.generation import (AUTO_DRAFT_TOKENS, STEPS_PER_DISPATCH, _visible, activation_dtype, cache_length,
+                             check_draft_tokens, check_prompt_lengths, check_request, check_text, default_draft_tokens,
+                             load_drafter, stream_ids)
 from rjax.loaders import Model
 from rjax.sampling import SamplingParams
 from rjax.speculative import ModelDrafter, SpeculativeStats, draft_cache_for, speculative_ids
@@ -178,8 +179,6 @@ class ChatSession:
 
     def _speculative(self, ids, keep, cache, draft_cache, seed, stats: dict):
         """The reply's tokens by speculative decoding; leaves the caches and counts in `stats`."""
-        from rjax.generation import AUTO_DRAFT_TOKENS, default_draft_tokens
-
         drafter, draft = self.drafter
         spec = SpeculativeStats()
         for new in speculative_ids(self.model.config, self.model.params, cache, ids, max_new_tokens=self.max_new_tokens,

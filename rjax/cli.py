@@ -56,8 +56,7 @@ def cmd_pull(a) -> int:
 
 
 def cmd_list(a) -> int:
-    from rjax.catalog import rjax_home
-    from rjax.hub import local_models
+    from rjax.catalog import local_models, rjax_home
 
     models = local_models()
     if a.json:

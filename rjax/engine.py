@@ -25,7 +25,8 @@ import numpy as np
 from rjax.cache import KVCache
 from rjax.config import ModelConfig
 from rjax import tensor_parallel
-from rjax.model import Params, hidden_states, logits_from_hidden, plan_of
+from rjax.model import hidden_states, logits_from_hidden, plan_of
+from rjax.params import Params
 from rjax.plan import TUNING, Tuning
 from rjax.sampling import SamplingParams, _is_concrete, check_sampling, sample
 

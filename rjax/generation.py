@@ -20,14 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.attention import decode_positions
 from rjax import checks, engine
 from rjax.config import ModelConfig
 from rjax.tensor_parallel import place_cache
 from rjax.cache import KVCache, check_kv_dtype, init_cache
-from rjax.plan import TUNING
+from rjax.plan import TUNING, decode_positions
 from rjax.precompile import compile_programs, decode_program, prefill_program
-from rjax.loaders import Model
+from rjax.loaders import Model, load
 from rjax.engine import ContextLengthError, PromptTooLongError  # noqa: F401 (part of this module's API)
 from rjax.sampling import SamplingParams, check_sampling
 from rjax.serving import ServingConfig, ServingEngine
@@ -314,7 +313,7 @@ def default_draft_tokens(cfg: ModelConfig, drafter) -> int:
     runs on the device, about 20% faster at batch 1). A draft model: MODEL_DRAFT_TOKENS."""
     if not isinstance(drafter, NgramDrafter):
         return MODEL_DRAFT_TOKENS
-    return min(MAX_DRAFT_TOKENS, decode_positions(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)) - 1
+    return min(MAX_DRAFT_TOKENS, decode_positions(cfg)) - 1
 
 
 def load_drafter(model: Model, speculative) -> tuple[object, Model | None]:
@@ -331,12 +330,8 @@ def load_drafter(model: Model, speculative) -> tuple[object, Model | None]:
         if qtype not in SELF_DRAFT_TYPES:
             raise ValueError(f"speculative={speculative!r}: the target can draft for itself requantized to "
                              f"{' or '.join(SELF_DRAFT_TYPES)} (e.g. 'self:q4_0')")
-        from rjax.loaders import load
-
         draft = load(model.source, progress=False, requantize=qtype)
     elif isinstance(speculative, str) and speculative:
-        from rjax.loaders import load
-
         draft = load(speculative, progress=False)
     else:
         raise ValueError(f"speculative must be 'ngram', 'self:q4_0' / 'self:q8_0', a model (catalog name, .gguf "

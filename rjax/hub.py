@@ -12,7 +12,7 @@ The hub goes through `huggingface_hub` (resumable downloads, progress, HF_ENDPOI
 HF_HOME as it reads them); the file's sha256 from the repository's file list is checked before the
 file is kept. A URL is streamed to `<file>.part` next to its final path, resumed with an HTTP Range
 request when a part is there, and renamed into place only after its GGUF header parses. Either
-way a stamp (`<file>.sha256`, see rjax.catalog) records the check; a file without a current stamp
+way a stamp (`<file>.sha256`, see rjax.store) records the check; a file without a current stamp
 is not used.
 
 The store: `<home>/models/hf/<org>/<repo>/<file>` and `<home>/models/url/<file>`, beside the
@@ -31,7 +31,7 @@ from urllib.parse import unquote, urlsplit
 
 from tqdm import tqdm
 
-from rjax.catalog import CatalogError, _stamp_vouches, _write_stamp, file_sha256, rjax_home, stamp_path
+from rjax.store import CatalogError, file_sha256, rjax_home, stamp_path, stamp_vouches, write_stamp
 
 HUB_DIR, URL_DIR = "hf", "url"
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
@@ -145,7 +145,7 @@ def pull_hub(ref: HubRef, home=None, progress: bool = True, *, endpoint: str | N
     sha256 = lfs.sha256 if lfs is not None else None
     local_dir = store_dir(ref, home)
     dest = local_dir / file
-    if _stamp_vouches(dest, sha256) if sha256 else _is_stamped(dest):
+    if stamp_vouches(dest, sha256) if sha256 else _is_stamped(dest):
         return dest
     stamp_path(dest).unlink(missing_ok=True)
     try:
@@ -164,7 +164,7 @@ def pull_hub(ref: HubRef, home=None, progress: bool = True, *, endpoint: str | N
     except BaseException:
         got.unlink(missing_ok=True)
         raise
-    _write_stamp(got, sha256 or file_sha256(got))
+    write_stamp(got, sha256 or file_sha256(got))
     return got
 
 
@@ -203,7 +203,7 @@ def pull_url(ref: UrlRef, home=None, progress: bool = True) -> Path:
         raise
     sha256 = file_sha256(part, progress=progress, desc=f"sha256 {ref.file_name}")
     os.replace(part, dest)
-    _write_stamp(dest, sha256)
+    write_stamp(dest, sha256)
     return dest
 
 
@@ -268,35 +268,3 @@ def pulled_name(path: Path, home=None) -> str:
     models = rjax_home(home) / "models"
     rel = path.relative_to(models).parts
     return "/".join(rel[1:]) if rel[0] == HUB_DIR else path.name
-
-
-@dataclasses.dataclass(frozen=True)
-class LocalModel:
-    """One line of `rjax list`."""
-
-    name: str  # what -m takes
-    path: Path
-    size: int
-    architecture: str | None  # None: the header could not be read (`error` says why)
-    quant: str | None
-    error: str | None = None
-
-
-def local_models(home=None) -> list[LocalModel]:
-    """Every model in the store, the catalog's pulled ones first, each described from its header."""
-    from rjax.catalog import list_models
-    from rjax.loaders.errors import ModelFileError
-    from rjax.loaders.gguf_header import metadata, open_gguf, quant_name
-
-    named = [(m.name, m.path) for m in list_models(home) if m.present]
-    named += [(pulled_name(p, home), p) for p in pulled_files(home)]
-    out = []
-    for name, path in named:
-        try:
-            reader = open_gguf(path, string_arrays=False)
-            arch = metadata(reader).get("general.architecture")
-            out.append(LocalModel(name, path, path.stat().st_size, arch if isinstance(arch, str) else None,
-                                  quant_name(reader)))
-        except (ModelFileError, OSError) as e:
-            out.append(LocalModel(name, path, path.stat().st_size, None, None, str(e)))
-    return out

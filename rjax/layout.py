@@ -13,7 +13,7 @@ from gguf_blocks.words import as_words
 from pallas_kernels.quant_matmul.gemv import reads_words
 from rjax import tensor_parallel as tpl
 from rjax.config import ModelConfig
-from rjax.model import Params
+from rjax.params import Params
 
 
 def _stack_rows(ws: list[Weight]) -> Weight | None:

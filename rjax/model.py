@@ -19,58 +19,13 @@ kernels run these ops, and which ops one kernel does together, is the plan's bus
 """
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
-from gguf_blocks.qtensor import Weight
 from rjax import ops, tensor_parallel
 from rjax.config import ModelConfig
+from rjax.params import LayerParams, Params
 from rjax.plan import TUNING, LayerPlan, Plan, Tuning, plan_for
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LayerParams:
-    attn_norm: jax.Array
-    wq: Weight | None            # None when fused into `wqkv`
-    wk: Weight | None
-    wv: Weight | None
-    wo: Weight
-    ffn_norm: jax.Array
-    w_gate: Weight | None        # None when fused into `w_gate_up`
-    w_up: Weight | None
-    w_down: Weight
-    # q, k, v (gate, up) stacked along the output rows: one matmul instead of three (two);
-    # see `fuse_projections`.
-    wqkv: Weight | None = None
-    w_gate_up: Weight | None = None
-    # Architecture-specific pieces; None where the architecture has none.
-    bq: jax.Array | None = None
-    bk: jax.Array | None = None
-    bv: jax.Array | None = None
-    q_norm: jax.Array | None = None
-    k_norm: jax.Array | None = None
-    post_attn_norm: jax.Array | None = None
-    post_ffn_norm: jax.Array | None = None
-    # Mixture of experts, in place of w_gate, w_up, w_down: the router (n_experts, d_model) and
-    # the experts' weights stacked (n_experts, out, in).
-    router: jax.Array | None = None
-    w_gate_exps: jax.Array | None = None
-    w_up_exps: jax.Array | None = None
-    w_down_exps: jax.Array | None = None
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Params:
-    embed: Weight                # (vocab, d_model)
-    layers: tuple[LayerParams, ...]
-    final_norm: jax.Array
-    lm_head: Weight | None       # (vocab, d_model); None: tied to `embed`
-    # The device mesh the params are split over (rjax.tensor_parallel); None: one device.
-    tp: tensor_parallel.TensorParallel | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 def rope_inv_freq(cfg: ModelConfig, theta: float, linear: float = 1.0) -> jax.Array:

@@ -267,3 +267,20 @@ def set_lengths(cache: PagedKVCache, slots: jax.Array, lengths: jax.Array) -> Pa
 def set_block_tables(cache: PagedKVCache, slots: jax.Array, tables: jax.Array) -> PagedKVCache:
     """block_tables[slots] = tables ([B], [B, max_pages]); slots >= n_slots are ignored (padding)."""
     return dataclasses.replace(cache, block_tables=cache.block_tables.at[slots].set(tables, mode="drop"))
+
+
+def row_view(cache: PagedKVCache, rows):
+    """Rows [R] of the cache as a cache of R rows: their block tables and lengths over the same
+    page pool (no K/V copy); a padding row (>= n_slots) owns no page and holds nothing."""
+    n = cache.block_tables.shape[0]
+    pad = rows >= n
+    idx = jnp.minimum(rows, n - 1)
+    return dataclasses.replace(cache, block_tables=jnp.where(pad[:, None], NO_PAGE, cache.block_tables[idx]),
+                               lengths=jnp.where(pad, 0, cache.lengths[idx]))
+
+
+def put_row_view(cache: PagedKVCache, rows, view: PagedKVCache) -> PagedKVCache:
+    """Back from a `row_view`: its pool is the cache's, written in place; only the rows'
+    lengths go back (padding rows dropped)."""
+    return dataclasses.replace(view, block_tables=cache.block_tables,
+                               lengths=cache.lengths.at[rows].set(view.lengths, mode="drop"))

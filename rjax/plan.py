@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import quant_matmul as qm
+from pallas_kernels.attention import MAX_DECODE_TOKENS, takes_decode
 from pallas_kernels.quant_matmul import TUNING, Tuning
 from rjax.config import ModelConfig
 
@@ -189,6 +190,13 @@ def plan_for(cfg: ModelConfig, params, batch: int, tokens: int, dtype, *, paged:
     head = params.embed if params.lm_head is None else params.lm_head
     return Plan(batch, tokens, dtype.name, gpu, paged, slots, implementation, first_norm, tuple(plans),
                 qm.kernel_for(head, rows, dtype, **kw), tuning, tp_axis)
+
+
+def decode_positions(cfg: ModelConfig) -> int:
+    """The most query positions per sequence that this model's attention runs on the decode
+    kernel (more go to the prefill kernels): 8, or up to 16 while its tile holds them. A
+    speculative verification of up to this many positions costs about one decode step."""
+    return max(T for T in range(1, MAX_DECODE_TOKENS + 1) if takes_decode(T, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim))
 
 
 def _summed_first(how: str, consumers, rows, dtype, kw) -> str:

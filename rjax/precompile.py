@@ -31,7 +31,7 @@ from rjax import engine
 from rjax.cache import init_cache
 from rjax.tensor_parallel import abstract_cache
 from rjax.config import ModelConfig
-from rjax.model import Params
+from rjax.params import Params
 from rjax.plan import TUNING
 from rjax.sampling import SamplingParams
 

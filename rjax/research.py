@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from gguf_blocks.qtensor import QTensor
 from rjax.cache import init_cache
 from rjax.config import ModelConfig
-from rjax.model import Params, embed, layers_forward, logits_from_hidden
+from rjax.model import embed, layers_forward, logits_from_hidden
+from rjax.params import Params
 from rjax.plan import plan_for
 
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from gguf_blocks.qtensor import QTensor
 from rjax.config import ModelConfig
-from rjax.model import Params
+from rjax.params import Params
 
 # ---------------------------------------------------------------------------------------------
 # bytes: weights, KV cache, roofline

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -322,3 +323,22 @@ def mask_logits(logits, mask):
     idx = jnp.arange(logits.shape[-1], dtype=jnp.int32)
     bits = (mask[:, idx // 32] >> (idx % 32)[None]) & 1
     return jnp.where(bits != 0, logits, -jnp.inf)
+
+
+# Top log-probabilities a request may ask for per token (OpenAI's top_logprobs limit).
+MAX_TOP_LOGPROBS = 20
+
+
+class TopLogprobs(NamedTuple):
+    """Log-probabilities under the model's raw distribution (log_softmax of the logits)."""
+
+    chosen: jax.Array     # [...] the sampled token's
+    top_ids: jax.Array    # [..., MAX_TOP_LOGPROBS] int32, most likely first
+    top: jax.Array        # [..., MAX_TOP_LOGPROBS]
+
+
+def top_logprobs(logits, tokens) -> TopLogprobs:
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    top, ids = jax.lax.top_k(logp, min(MAX_TOP_LOGPROBS, logp.shape[-1]))
+    return TopLogprobs(chosen, ids.astype(jnp.int32), top)

@@ -31,7 +31,8 @@ from rjax.config import ModelConfig
 from rjax.engine import prompt_bucket
 from rjax.generation import activation_dtype, check_text
 from rjax.loaders import load
-from rjax.model import Params, hidden_states, logits_from_hidden
+from rjax.model import hidden_states, logits_from_hidden
+from rjax.params import Params
 
 # Largest [rows, vocab] float32 logits block materialized at once (64 MiB): long batches are
 # scored a block of positions at a time so the full [B, T, vocab] logits never exist.

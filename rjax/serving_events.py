@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Hashable
 
-from rjax.slots import TopLogprobs
+from rjax.sampling import TopLogprobs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,21 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
 from rjax import engine
 from rjax.config import ModelConfig
 from rjax.engine import DecodeState
-from rjax.model import Params
-from rjax.paged_cache import NO_PAGE, PagedKVCache
-from rjax.sampling import PROMPT_BIT, LogitAdjust, SamplingParams, adjust_logits, mask_logits, sample
-
-# Top log-probabilities a request may ask for per token (OpenAI's top_logprobs limit).
-MAX_TOP_LOGPROBS = 20
-
+from rjax.paged_cache import PagedKVCache, put_row_view, row_view
+from rjax.params import Params
+from rjax.sampling import (MAX_TOP_LOGPROBS, PROMPT_BIT, LogitAdjust, SamplingParams, TopLogprobs, adjust_logits,
+                           mask_logits, sample, top_logprobs)
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -102,21 +97,6 @@ def sample_rows(logits, keys, sp: SamplingParams, greedy_only: bool = False, fil
         return jax.vmap(one)(logits, subs, sp.temperature, sp.top_k, sp.top_p)
 
     return jnp.where(sp.temperature > 0, draw(), greedy).astype(jnp.int32), keys
-
-
-class TopLogprobs(NamedTuple):
-    """Log-probabilities under the model's raw distribution (log_softmax of the logits)."""
-
-    chosen: jax.Array     # [...] the sampled token's
-    top_ids: jax.Array    # [..., MAX_TOP_LOGPROBS] int32, most likely first
-    top: jax.Array        # [..., MAX_TOP_LOGPROBS]
-
-
-def top_logprobs(logits, tokens) -> TopLogprobs:
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-    top, ids = jax.lax.top_k(logp, min(MAX_TOP_LOGPROBS, logp.shape[-1]))
-    return TopLogprobs(chosen, ids.astype(jnp.int32), top)
 
 
 def _is_stop(tokens, stop_ids):
@@ -200,7 +180,7 @@ def _decode_steps(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, n_s
     return out, lp, dataclasses.replace(slots, state=state, history=history if adjust else slots.history), cache
 
 
-def _take_rows(slots: SlotBatch, cache: PagedKVCache, rows, adjust: bool = False):
+def take_rows(slots: SlotBatch, cache: PagedKVCache, rows, adjust: bool = False):
     """The slots `rows` [R] (padding: n_slots) as a batch of R: their decode state, and a view of
     the paged cache with their block tables and lengths over the same page pool (no K/V copy).
     A padding row is done, owns no page and holds nothing. The histories ([R, vocab]) and masks
@@ -212,27 +192,10 @@ def _take_rows(slots: SlotBatch, cache: PagedKVCache, rows, adjust: bool = False
     sub = dataclasses.replace(sub, history=slots.history[idx] if adjust else slots.history,
                               mask=slots.mask[idx] if adjust else slots.mask)
     sub = dataclasses.replace(sub, state=dataclasses.replace(sub.state, done=sub.state.done | pad))
-    return sub, _cache_rows(cache, rows)
+    return sub, row_view(cache, rows)
 
 
-def _cache_rows(cache: PagedKVCache, rows):
-    """The view of `_take_rows` of one paged cache: rows [R]'s block tables and lengths over the
-    same pool; a padding row (>= n_slots) owns no page and holds nothing."""
-    n = cache.block_tables.shape[0]
-    pad = rows >= n
-    idx = jnp.minimum(rows, n - 1)
-    return dataclasses.replace(cache, block_tables=jnp.where(pad[:, None], NO_PAGE, cache.block_tables[idx]),
-                               lengths=jnp.where(pad, 0, cache.lengths[idx]))
-
-
-def _put_cache_rows(cache: PagedKVCache, rows, view: PagedKVCache) -> PagedKVCache:
-    """Back from a `_cache_rows` view: its pool is the cache's, written in place; only the rows'
-    lengths go back (padding rows dropped)."""
-    return dataclasses.replace(view, block_tables=cache.block_tables,
-                               lengths=cache.lengths.at[rows].set(view.lengths, mode="drop"))
-
-
-def _put_rows(full, rows, part):
+def put_rows(full, rows, part):
     """full[rows] = part along the leading axis; padding rows (>= the row count) are dropped."""
     return jax.tree.map(lambda f, p: f.at[rows].set(p, mode="drop"), full, part)
 
@@ -264,15 +227,15 @@ def decode_dispatch(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, n
         return _decode_steps(cfg, params, cache, slots, n_steps, logprobs, greedy, filters, adjust)
     if not isinstance(cache, PagedKVCache):
         raise ValueError("decode_dispatch runs a subset of rows only over a paged cache")
-    sub, view = _take_rows(slots, cache, rows, adjust)
+    sub, view = take_rows(slots, cache, rows, adjust)
     out, lp, sub, view = _decode_steps(cfg, params, view, sub, n_steps, logprobs, greedy, filters, adjust)
     B = slots.state.last_token.shape[0]
     out = jnp.full((B, n_steps), -1, jnp.int32).at[rows].set(out, mode="drop")
     if logprobs:
-        lp = _put_rows(jax.tree.map(lambda a: jnp.zeros((B,) + a.shape[1:], a.dtype), lp), rows, lp)
-    cache = _put_cache_rows(cache, rows, view)
+        lp = put_rows(jax.tree.map(lambda a: jnp.zeros((B,) + a.shape[1:], a.dtype), lp), rows, lp)
+    cache = put_row_view(cache, rows, view)
     history = slots.history.at[rows].set(sub.history, mode="drop") if adjust else slots.history
-    slots = dataclasses.replace(slots, state=_put_rows(slots.state, rows, sub.state), history=history)
+    slots = dataclasses.replace(slots, state=put_rows(slots.state, rows, sub.state), history=history)
     return out, lp, slots, cache
 
 

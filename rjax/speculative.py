@@ -36,9 +36,11 @@ import numpy as np
 from rjax import engine
 from rjax.cache import KVCache, init_cache
 from rjax.config import ModelConfig
-from rjax.model import Params, forward
+from rjax.model import forward
+from rjax.paged_cache import put_row_view, row_view
+from rjax.params import Params
 from rjax.sampling import SamplingParams, filtered_logits
-from rjax.slots import _cache_rows, _put_cache_rows, _put_rows, _take_rows
+from rjax.slots import put_rows, take_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -551,12 +553,12 @@ def speculative_dispatch(cfg: ModelConfig, params: Params, cache, slots, drafter
     [n_slots]; slots; cache; draft, advanced)."""
     if rows is None:
         return _dispatch_rows(cfg, params, cache, slots, drafter, draft_params, draft, k, n_rounds, greedy)
-    sub, view = _take_rows(slots, cache, rows)
+    sub, view = take_rows(slots, cache, rows)
     model = isinstance(drafter, ModelDrafter)
     if model:
         dcache, pending = draft
         n = pending.shape[0]
-        draft = (_cache_rows(dcache, rows), jnp.where(rows < n, pending[jnp.minimum(rows, n - 1)], -1))
+        draft = (row_view(dcache, rows), jnp.where(rows < n, pending[jnp.minimum(rows, n - 1)], -1))
     out, drafted, accepted, sub, view, sub_draft = _dispatch_rows(cfg, params, view, sub, drafter, draft_params,
                                                                   draft, k, n_rounds, greedy)
     n = slots.state.last_token.shape[0]
@@ -565,10 +567,10 @@ def speculative_dispatch(cfg: ModelConfig, params: Params, cache, slots, drafter
         return jnp.zeros((n,) + x.shape[1:], x.dtype).at[rows].set(x, mode="drop")
 
     out = jnp.full((n, out.shape[1]), -1, jnp.int32).at[rows].set(out, mode="drop")
-    cache = _put_cache_rows(cache, rows, view)
-    slots = dataclasses.replace(slots, state=_put_rows(slots.state, rows, sub.state))
+    cache = put_row_view(cache, rows, view)
+    slots = dataclasses.replace(slots, state=put_rows(slots.state, rows, sub.state))
     if model:
-        sub_draft = (_put_cache_rows(dcache, rows, sub_draft[0]), pending.at[rows].set(sub_draft[1], mode="drop"))
+        sub_draft = (put_row_view(dcache, rows, sub_draft[0]), pending.at[rows].set(sub_draft[1], mode="drop"))
     return out, scatter(drafted), scatter(accepted), slots, cache, sub_draft
 
 

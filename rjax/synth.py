@@ -42,7 +42,6 @@ import functools
 import logging
 import math
 import os
-import sys
 from pathlib import Path
 
 import gguf
@@ -491,9 +490,3 @@ def register_cli(subparsers) -> None:
                         "model if cached, else the built-in byte-level tokenizer)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_synth)
-
-
-if __name__ == "__main__":
-    from rjax.cli import main
-
-    sys.exit(main(["synth", *sys.argv[1:]]))

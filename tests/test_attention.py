@@ -288,8 +288,8 @@ def test_decode_kernel_lowers_to_triton_for_h100(T, splits):
 
 def test_decode_kernel_takes_a_verification():
     """Up to 8 tokens always; 9-16 while the tile's query rows hold at most 64 x 128 values."""
-    from pallas_kernels.attention import _takes_decode
+    from pallas_kernels.attention import takes_decode
 
-    assert _takes_decode(8, 64, 4, 256) and _takes_decode(16, 32, 8, 128) and _takes_decode(9, 9, 3, 64)
-    assert not _takes_decode(9, 32, 4, 128) and not _takes_decode(17, 8, 8, 64)
-    assert not _takes_decode(16, 14, 2, 128) and not _takes_decode(9, 4, 1, 256)
+    assert takes_decode(8, 64, 4, 256) and takes_decode(16, 32, 8, 128) and takes_decode(9, 9, 3, 64)
+    assert not takes_decode(9, 32, 4, 128) and not takes_decode(17, 8, 8, 64)
+    assert not takes_decode(16, 14, 2, 128) and not takes_decode(9, 4, 1, 256)

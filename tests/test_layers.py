@@ -1,42 +1,177 @@
-"""The layers import downwards only: gguf_blocks (GGUF block formats, the QTensor leaf) imports
-neither the kernels nor the engine; pallas_kernels imports gguf_blocks but nothing of rjax; and
-no module of either names rjax anywhere, in a function body included (no hidden cycle)."""
+"""The import structure of rjax, gguf_blocks and pallas_kernels: every module belongs to one
+layer of `LAYERS`, and imports only modules of its own layer or of the layers below it; the
+kernels are reached only from the math layer, which decides which kernel runs; and no modules
+import each other in a circle. Imports are read from the source with `ast`, at module level
+and in function bodies alike, so this test imports nothing of the code it checks."""
 from __future__ import annotations
 
 import ast
-import json
-import pkgutil
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("gguf_blocks", "pallas_kernels", "rjax")
+
+# Lowest first. A name stands for that module; a name ending in ".*" for every module of a package.
+LAYERS: dict[str, tuple[str, ...]] = {
+    # GGUF block formats and the QTensor leaf that kernels and engine share.
+    "blocks": ("gguf_blocks.*",),
+    # Pallas GPU kernels beside the pure-JAX references that define them.
+    "kernels": ("pallas_kernels.*",),
+    # Pure functions over static configs and pytrees: what is computed, and by which kernel.
+    "math": ("rjax.config", "rjax.params", "rjax.tensor_parallel", "rjax.plan", "rjax.ops", "rjax.cache",
+             "rjax.paged_cache", "rjax.model", "rjax.sampling", "rjax.layout", "rjax.research"),
+    # Model names and files -> config, params and tokenizer.
+    "loading": ("rjax.loaders", "rjax.loaders.errors", "rjax.loaders.fields", "rjax.loaders.gguf_header",
+                "rjax.loaders.gguf", "rjax.loaders.hf_config", "rjax.loaders.hf_weights", "rjax.loaders.safetensors",
+                "rjax.tokenizer", "rjax.tokenizer.chat_template", "rjax.tokenizer.core", "rjax.tokenizer.gguf_vocab",
+                "rjax.tokenizer.stream", "rjax.catalog", "rjax.hub", "rjax.store", "rjax.pypi", "rjax.xla_cache",
+                "rjax.synth"),
+    # The jitted device programs (prefill, decode loops, slot batches, speculative rounds), their
+    # compilation, and what they need of the device's memory and bandwidth.
+    "engine": ("rjax.engine", "rjax.slots", "rjax.speculative", "rjax.precompile", "rjax.memory", "rjax.roofline"),
+    # Host-side runtime over the programs: requests checked, scheduled, streamed; the public facade.
+    "runtime": ("rjax", "rjax.checks", "rjax.generation", "rjax.chat", "rjax.scoring", "rjax.grammar",
+                "rjax.pages", "rjax.serving", "rjax.serving_events", "rjax.serving_limits"),
+    # What a user runs: the `rjax` command and the HTTP server.
+    "interface": ("rjax.cli", "rjax.chat_repl", "rjax.info", "rjax.bench", "rjax.bench_report", "rjax.server.*"),
+}
+# A layer that only the layer named may import: the plan, ops and caches choose the kernels, so
+# nothing above them names a kernel.
+PRIVATE_TO = {"kernels": "math"}
 
 
-def _modules(package: str) -> list[str]:
-    pkg = __import__(package)
-    return [package] + [m.name for m in pkgutil.walk_packages(pkg.__path__, package + ".")]
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-@pytest.mark.parametrize("package, forbidden", [("gguf_blocks", ("rjax", "pallas_kernels")),
-                                                ("pallas_kernels", ("rjax",))])
-def test_importing_a_lower_layer_loads_nothing_above_it(package, forbidden):
-    code = (f"import importlib, json, sys\n"
-            f"for m in {_modules(package)!r}: importlib.import_module(m)\n"
-            f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {list(forbidden)!r})))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout) == []
+def _sources() -> dict[str, Path]:
+    return {_module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
 
 
-@pytest.mark.parametrize("package, forbidden", [("gguf_blocks", ("rjax", "pallas_kernels")),
-                                                ("pallas_kernels", ("rjax",))])
-def test_no_import_of_a_higher_layer_anywhere_in_the_source(package, forbidden):
+SOURCES = _sources()
+
+
+def _layer_of(module: str) -> str | None:
+    found = [layer for layer, names in LAYERS.items()
+             if module in names or any(n.endswith(".*") and (module + ".").startswith(n[:-1]) for n in names)]
+    assert len(found) <= 1, f"{module} is in more than one layer: {found}"
+    return found[0] if found else None
+
+
+def _resolve(name: str) -> str | None:
+    """The module a dotted name refers to: itself, or the module that defines it (a name in it)."""
+    while name and name not in SOURCES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str) -> list[tuple[str, int]]:
+    """(imported module of these packages, line) for every import statement anywhere in `module`."""
+    path = SOURCES[module]
     found = []
-    for path in sorted((ROOT / package).rglob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+            # `from a import b`: the module a.b where there is one, else a name defined in a.
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in SOURCES else base for a in node.names]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] in PACKAGES and (target := _resolve(name)) not in (None, module):
+                found.append((target, node.lineno))
+    return found
+
+
+GRAPH = {m: _imports(m) for m in SOURCES}
+ORDER = list(LAYERS)
+
+
+def test_every_module_has_one_layer():
+    assert [m for m in SOURCES if _layer_of(m) is None] == [], "modules without a layer: add them to LAYERS"
+    stale = [n for names in LAYERS.values() for n in names if not n.endswith(".*") and n not in SOURCES]
+    assert stale == [], "LAYERS names modules that do not exist"
+
+
+def test_imports_go_down_the_layers_only():
+    wrong = []
+    for module, imports in GRAPH.items():
+        mine = _layer_of(module)
+        for target, line in imports:
+            theirs = _layer_of(target)
+            if ORDER.index(theirs) > ORDER.index(mine) or mine not in (theirs, PRIVATE_TO.get(theirs, mine)):
+                wrong.append(f"{SOURCES[module].relative_to(ROOT)}:{line} ({mine}) imports {target} ({theirs})")
+    assert wrong == [], "\n".join(wrong)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_reading_of_imports_finds_them():
+    """The checks above see every form of import: `from a import b`, `import a.b`, relative, and
+    in a function body; and a circle is found as one."""
+    edges = {m: {t for t, _ in imports} for m, imports in GRAPH.items()}
+    assert {"rjax.ops", "rjax.params", "rjax.plan"} <= edges["rjax.model"]
+    assert "rjax.tokenizer" in edges["rjax.loaders"]                          # in `load`'s body
+    assert "pallas_kernels.attention.decode" in edges["pallas_kernels.attention"]  # `from .decode import`
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles():
+    cycles = _cycles({m: {t for t, _ in imports} for m, imports in GRAPH.items()})
+    assert cycles == [], "modules that import each other: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_only_the_facade_imports_by_name():
+    """`rjax/__init__.py` imports its exports on first use by name; a module anywhere else that
+    imported by a computed name would hide an import from the checks above."""
+    dynamic = []
+    for module, path in SOURCES.items():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
-            found += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names if n.split(".")[0] in forbidden]
-    assert found == []
+            if isinstance(node, ast.Call) and module != "rjax" and (
+                    (isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                    or (isinstance(node.func, ast.Name) and node.func.id == "__import__")):
+                dynamic.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert dynamic == []
+
+
+def test_the_facade_exports_only_from_the_layers_below_the_interface():
+    tree = ast.parse(SOURCES["rjax"].read_text(encoding="utf-8"))
+    exports = next(node.value for node in tree.body if isinstance(node, ast.Assign)
+                   and [getattr(t, "id", None) for t in node.targets] == ["_EXPORTS"])
+    modules = ast.literal_eval(exports).keys()
+    assert [m for m in modules if ORDER.index(_layer_of(m)) > ORDER.index("runtime")
+            or _layer_of(m) == "kernels"] == []

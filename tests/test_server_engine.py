@@ -14,7 +14,7 @@ import rjax
 from rjax import serving, slots
 from rjax.server.text import ChoiceText
 from rjax.serving import ServingConfig, ServingEngine
-from rjax.slots import MAX_TOP_LOGPROBS
+from rjax.sampling import MAX_TOP_LOGPROBS
 
 CONFIG = ServingConfig(n_slots=4, max_len=64, page_size=8, steps_per_dispatch=4, prefill_buckets=(4,))
 

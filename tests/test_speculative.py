@@ -14,13 +14,14 @@ import pytest
 from gguf_blocks.requantize import requantize_tree
 import rjax
 from rjax.catalog import CatalogError
-from pallas_kernels.attention import decode_positions
 from rjax import engine
 from rjax.generation import default_draft_tokens
 from rjax.cache import init_cache
 from rjax.sampling import SamplingParams
 from rjax.config import ModelConfig
-from rjax.model import LayerParams, Params, forward
+from rjax.model import forward
+from rjax.params import LayerParams, Params
+from rjax.plan import decode_positions
 from rjax.sampling import sample
 from rjax.speculative import (ModelDrafter, NgramDrafter, SpecState, SpeculativeStats, accept, speculative_ids,
                               speculative_loop, speculative_rounds)
@@ -202,7 +203,7 @@ def test_generate_and_its_checks(tiny_path):
     cfg = model.config
     k = default_draft_tokens(cfg, NgramDrafter())
     assert wide.tokens == plain.tokens and set(wide.speculative["k_used"]) == {k}
-    assert k + 1 == min(16, decode_positions(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim))
+    assert k + 1 == min(16, decode_positions(cfg))
     assert default_draft_tokens(cfg, ModelDrafter(cfg)) == 4
     with pytest.raises(CatalogError, match="medusa"):
         rjax.generate(model, "x", raw=True, speculative="medusa")

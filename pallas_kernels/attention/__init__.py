@@ -26,6 +26,7 @@ from .decode import (decode_attention, decode_rope_attention, paged_decode_atten
                      token_rows)
 from .prefill import paged_prefill_attention, prefill_attention
 from .prefill_mgpu import mgpu_prefill_attention, supports as mgpu_prefill_supports
+from pallas_kernels.kv_append import rope_append_reference
 from pallas_kernels.kv_quant import dequantize, kind_of, quantize_fp8, quantize_int8
 from .reference import attention_reference, paged_attention_reference
 
@@ -34,7 +35,7 @@ __all__ = [
     "prefill_attention", "mgpu_prefill_attention", "paged_prefill_attention", "decode_attention",
     "paged_decode_attention", "decode_rope_attention", "rope_attention", "paged_decode_rope_attention",
     "paged_rope_attention",
-    "MAX_DECODE_TOKENS", "decode_positions", "kind_of", "quantize_int8", "quantize_fp8", "dequantize",
+    "MAX_DECODE_TOKENS", "takes_decode", "kind_of", "quantize_int8", "quantize_fp8", "dequantize",
 ]
 
 # Query tokens per sequence up to which the decode kernel is used: always up to 8, and up to 16
@@ -45,15 +46,11 @@ MAX_DECODE_TOKENS = 16
 _DECODE_TILE = 64 * 128
 
 
-def _takes_decode(T: int, q_heads: int, kv_heads: int, head_dim: int) -> bool:
+def takes_decode(T: int, q_heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether T query positions per sequence over these heads go to the decode kernel (else to
+    the prefill kernels)."""
     Tp, Gp = token_rows(T, q_heads // kv_heads)
     return T <= 8 or (T <= MAX_DECODE_TOKENS and Tp * Gp * head_dim <= _DECODE_TILE)
-
-
-def decode_positions(q_heads: int, kv_heads: int, head_dim: int) -> int:
-    """The most query positions per sequence the decode kernel takes for these heads (more go
-    to the prefill kernels): 8, or up to 16 while its tile holds them."""
-    return max(T for T in range(1, MAX_DECODE_TOKENS + 1) if _takes_decode(T, q_heads, kv_heads, head_dim))
 
 
 _IMPLEMENTATIONS = (None, "reference", "pallas", "interpret")
@@ -74,7 +71,7 @@ def attention(q, k, v, q_pos, kv_len, *, scale: float, window: int | None = None
     scales = dict(k_scale=k_scale, v_scale=v_scale)
     if impl == "reference":
         return attention_reference(q, k, v, q_pos, kv_len, scale=scale, window=window, **scales)
-    if _takes_decode(q.shape[1], q.shape[2], k.shape[1], q.shape[3]):
+    if takes_decode(q.shape[1], q.shape[2], k.shape[1], q.shape[3]):
         kernel = decode_attention
     elif k_scale is None and mgpu_prefill_supports(q, k):
         kernel = mgpu_prefill_attention
@@ -100,8 +97,6 @@ def rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, *, n_heads: int
     impl = _resolve(implementation)
     kw = dict(n_heads=n_heads, pairing=pairing, dtype=dtype, qk_norm=qk_norm, eps=eps)
     if impl == "reference":
-        from pallas_kernels.kv_append import rope_append_reference
-
         B = parts.shape[1]
         q, k_cache, v_cache, k_scale, v_scale = rope_append_reference(
             parts[:, :, None], bias, pos[:, None], k_cache, v_cache, inv_freq, jnp.arange(B), **kw, k_scale=k_scale,
@@ -124,8 +119,6 @@ def paged_rope_attention(parts, bias, pos, k_pages, v_pages, block_tables, inv_f
     impl = _resolve(implementation)
     kw = dict(n_heads=n_heads, pairing=pairing, dtype=dtype, qk_norm=qk_norm, eps=eps)
     if impl == "reference":
-        from pallas_kernels.kv_append import rope_append_reference
-
         ps, max_pages = k_pages.shape[2], block_tables.shape[1]
         col = jnp.where(pos >= 0, pos // ps, max_pages)
         page = jnp.take_along_axis(block_tables, col[:, None], axis=1, mode="fill", fill_value=-1)[:, 0]
@@ -149,7 +142,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, q_pos, kv_len, *, scale: 
     if impl == "reference":
         return paged_attention_reference(q, k_pages, v_pages, block_tables, q_pos, kv_len, scale=scale,
                                          window=window, **scales)
-    decode = _takes_decode(q.shape[1], q.shape[2], k_pages.shape[1], q.shape[3])
+    decode = takes_decode(q.shape[1], q.shape[2], k_pages.shape[1], q.shape[3])
     kernel = paged_decode_attention if decode else paged_prefill_attention
     return kernel(q, k_pages, v_pages, block_tables, q_pos, kv_len, scale=scale, window=window,
                   interpret=impl == "interpret", **(scales if k_scale is not None else {}))

@@ -20,6 +20,8 @@ from typing import Any
 
 import jax
 
+from .add_norm import add_rms_norm
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +45,6 @@ class PendingNorm:
 
     def materialize(self, implementation: str | None = None) -> tuple[jax.Array, jax.Array]:
         """(residual + sum(parts), the normed rows in `dtype`), by the add + norm kernel."""
-        from pallas_kernels.rms_norm import add_rms_norm  # the package imports this module
-
         return add_rms_norm(self.residual, self.parts, self.weight, self.eps, self.dtype,
                             implementation=implementation)
 

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 
 from rjax.loaders.errors import ModelFileError
 
-if TYPE_CHECKING:  # the tokenizer imports this package's errors; it need not pull in the model
+if TYPE_CHECKING:  # the tokenizer and `rjax info` import this package without jax
     from rjax.config import ModelConfig
-    from rjax.model import Params
+    from rjax.params import Params
 
 __all__ = ["Model", "ModelFileError", "for_backend", "load"]
 

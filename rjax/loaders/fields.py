@@ -7,7 +7,7 @@ a GGUF and a Hugging Face checkpoint of one model give the same params.
 from __future__ import annotations
 
 from rjax.config import ModelConfig
-from rjax.model import LayerParams, Params
+from rjax.params import LayerParams, Params
 
 # Applied elementwise, so never quantized.
 NORM_FIELDS = frozenset({"attn_norm", "ffn_norm", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm",

@@ -27,7 +27,7 @@ from rjax.loaders.fields import BIAS_FIELDS, NORM_FIELDS, assemble_params, expec
 # the header lives apart, without jax, so that `rjax info` reads it without starting the engine
 from rjax.loaders.gguf_header import (GGUF_MAGIC, config_from_metadata, config_from_reader,  # noqa: F401
                                       metadata, open_gguf)
-from rjax.model import Params
+from rjax.params import Params
 from gguf_blocks import formats, reference
 from gguf_blocks.qtensor import QTensor
 

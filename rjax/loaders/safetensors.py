@@ -36,7 +36,7 @@ from rjax.loaders.hf_config import (CONFIG_FILE, SUPPORTED_MODEL_TYPES, checkpoi
                                     read_hf_config)
 from rjax.loaders.hf_weights import (INDEX_FILE, SINGLE_FILE, open_safetensors, read_headers, tensor_plan,
                                      weight_files)
-from rjax.model import Params
+from rjax.params import Params
 from gguf_blocks.qtensor import QTensor
 from gguf_blocks.quantize import quantize as quantize_blocks  # load_hf_dir's `quantize` argument is a type name
 

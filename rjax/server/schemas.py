@@ -15,8 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from rjax.sampling import MAX_LOGIT_BIAS
-from rjax.slots import MAX_TOP_LOGPROBS
+from rjax.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 
 MAX_STOP_STRINGS = 4   # OpenAI's limit
 MAX_N = 16             # choices per request: each takes a slot of its own

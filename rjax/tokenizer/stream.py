@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:  # core imports this module for `Tokenizer.stream_decoder`
-    from rjax.tokenizer.core import Tokenizer
+
+class Detokenizer(Protocol):
+    """What the stream decoder reads of a `Tokenizer` (which builds one: `Tokenizer.stream_decoder`)."""
+
+    special_ids: frozenset[int]
+    byte_fallback_ids: frozenset[int]
+
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str: ...
 
 
 class StreamDecoder:
@@ -21,7 +27,7 @@ class StreamDecoder:
     until a token that is not a byte ends it.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True):
+    def __init__(self, tokenizer: Detokenizer, skip_special: bool = True):
         self._tokenizer = tokenizer
         self._skip_special = skip_special
         self._ids: list[int] = []
