@@ -30,6 +30,12 @@ Limits (`rjax.serving_limits`), and what happens beyond them:
   pages a request may need at most, so a running sequence never runs out of pages and no
   sequence is ever evicted);
 - a cancelled request ends with finish reason "cancelled".
+
+Faults: host-side work of one request that raises (its sampling set-up, its constraint's mask or
+advance) ends that request alone with finish reason "error" (`Completion.error` says what
+failed); the others go on. A device program that fails (`run_program` raises: out of memory,
+say) fails the requests in it; if the failed call took the cache or slot state with it, every
+request holding a slot fails and the engine goes on over a fresh cache. Queued requests wait on.
 """
 from __future__ import annotations
 
@@ -66,6 +72,25 @@ log = logging.getLogger("rjax.serving")
 
 # `precompile_first` builds the prefill program for one prompt of up to this many tokens first.
 FIRST_PROMPT_TOKENS = 128
+
+
+def run_program(fn, *args):
+    """Call one device program of a step and wait for its results, so that a device error
+    (XLA's RESOURCE_EXHAUSTED, say), raised by the call or while the program runs, surfaces here
+    and not later where some result is read."""
+    return jax.block_until_ready(fn(*args))
+
+
+class DispatchError(RuntimeError):
+    """A step's device program failed; `requests` were in it."""
+
+    def __init__(self, program: str, requests, cause: BaseException):
+        super().__init__(f"the device failed running {program}: {type(cause).__name__}: {cause}")
+        self.program, self.requests, self.cause = program, list(requests), cause
+
+
+def _fault(what: str, e: BaseException) -> str:
+    return f"this request's {what} failed: {type(e).__name__}: {e}"
 
 
 def _put(*host_arrays):
@@ -145,26 +170,17 @@ class ServingEngine:
         self.default_stop_ids = check_stop_ids(cfg, config, stop_ids)
         check_memory(cfg, params, config, dcfg, available_bytes=available_bytes, budget_bytes=budget_bytes,
                      reserve_bytes=reserve_bytes)
-        self.cache = self._new_cache(cfg, params)
-        self.pages: PageAllocator | None = None
-        if config.paged:
-            self.pages = PageAllocator(config.pool_pages, config.n_slots, config.max_pages, config.page_size,
-                                       prefix_cache=config.prefix_cache)
         self.drafter = {None: None, "ngram": NgramDrafter(), "model": ModelDrafter(dcfg) if dcfg else None}[
             config.speculative]
-        # The draft model's cache: its own pool (paged: with the target's block tables, set
-        # together, so a page shared by prefix holds the draft's K/V of the same tokens), and
-        # each slot's pending token (rjax.speculative), both carried between dispatches.
-        self.draft_params = self.draft_cache = self.pending = None
-        if dcfg is not None:
-            self.draft_params = draft[1]
-            self.draft_cache = self._new_cache(dcfg, draft[1])
-            self.pending = jnp.full((config.n_slots,), -1, jnp.int32)
+        self.draft_params = draft[1] if dcfg is not None else None
+        self.cache = self.draft_cache = None
+        self._allocate()
         self._seeds = np.random.default_rng(seed)  # seeds of the requests that bring none
-        self.slots = init_slots(config.n_slots, config.max_stop_ids, cfg.vocab_size)
         self._queue: collections.deque[_Request] = collections.deque()
         self._cancels: collections.deque = collections.deque()  # request ids; deque appends are thread-safe
-        self._free = list(range(config.n_slots))  # a heap: the lowest free slot is taken first
+        self._outbox: list[StreamEvent] = []      # events of requests that failed mid-step, for step to return
+        self.failed_steps = 0                     # device programs of steps that failed
+        self.last_failure: str | None = None
         self._prefilling: list[_Request] = []   # holding a slot, prompt not yet all in the cache (in order)
         self._running: dict[int, _Request] = {}                # slot -> request (decoding)
         # Pages that admitted prompts are computing, by content hash: a prompt that would compute
@@ -200,6 +216,23 @@ class ServingEngine:
             raise ValueError(f"draft: the draft model's context of {dcfg.context_length} tokens is shorter than "
                              f"ServingConfig.max_len {config.max_len}")
         return dcfg
+
+    def _allocate(self) -> None:
+        """A fresh cache, slot state and page pool, every slot free (the old buffers are dropped
+        first). The draft model's cache is its own pool (paged: with the target's block tables,
+        set together, so a page shared by prefix holds the draft's K/V of the same tokens), and
+        each slot's pending token (rjax.speculative), both carried between dispatches."""
+        c = self.config
+        self.cache = self.draft_cache = self.pending = None
+        self.cache = self._new_cache(self.cfg, self.params)
+        self.pages: PageAllocator | None = None
+        if c.paged:
+            self.pages = PageAllocator(c.pool_pages, c.n_slots, c.max_pages, c.page_size, prefix_cache=c.prefix_cache)
+        if self.draft_params is not None:
+            self.draft_cache = self._new_cache(self.drafter.cfg, self.draft_params)
+            self.pending = jnp.full((c.n_slots,), -1, jnp.int32)
+        self.slots = init_slots(c.n_slots, c.max_stop_ids, self.cfg.vocab_size)
+        self._free = list(range(c.n_slots))  # a heap: the lowest free slot is taken first
 
     def _new_cache(self, cfg: ModelConfig, params: Params):
         """An empty cache for `cfg` of this engine's kind, slots, pages and dtypes."""
@@ -437,10 +470,82 @@ class ServingEngine:
         """Apply cancellations, admit and prefill what fits, then one decode dispatch.
         -> the events it produced."""
         events = self._apply_cancels()
-        events += self._prefill_new()
+        try:
+            events += self._prefill_new()
+        except DispatchError as e:
+            events += self._dispatch_failed(e)
         if self._running:
-            events += self._decode()
+            try:
+                events += self._decode()
+            except DispatchError as e:
+                events += self._dispatch_failed(e)
+        events, self._outbox = events + self._outbox, []
         return events
+
+    def _run(self, program: str, requests, fn, *args):
+        """`run_program`, its failure a DispatchError naming the program and its requests."""
+        try:
+            return run_program(fn, *args)
+        except Exception as e:
+            raise DispatchError(program, requests, e) from e
+
+    def _dispatch_failed(self, e: DispatchError) -> list[StreamEvent]:
+        """The requests of a failed device program fail, their slots and pages freed. If the
+        failed call took the cache or slot state with it (donated to it, or results it never
+        computed), so does every request holding a slot, and the engine starts over a fresh
+        cache; queued requests wait on either way."""
+        self.failed_steps += 1
+        self.last_failure = str(e)
+        lost = not self._device_state_ok()
+        failed = {id(r): r for r in e.requests if r.request_id in self._live_ids}
+        if lost:
+            failed |= {id(r): r for r in self._prefilling + list(self._running.values())}
+        failed = list(failed.values())
+        log.error("%s; %s; failed request(s): %s", e, "the cache and slot state were lost with it and are allocated "
+                  "afresh" if lost else "the cache is intact", ", ".join(repr(r.request_id) for r in failed) or "none")
+        now = time.perf_counter()
+        events = [self._event(r, [], True, now, reason="error", error=f"{e} (this request was in it)")
+                  for r in failed]
+        if lost:
+            for r in failed:
+                self._live_ids.discard(r.request_id)
+            self._prefilling, self._running = [], {}
+            self._computing.clear()
+            self._allocate()
+        else:
+            self._stop_slots(failed)
+            self._release(failed)
+        return events
+
+    def _device_state_ok(self) -> bool:
+        """Whether the cache and slot state are still whole: not donated to a call that failed,
+        and not the results of one."""
+        leaves = jax.tree.leaves((self.cache, self.slots, self.draft_cache, self.pending))
+        if any(x.is_deleted() for x in leaves):
+            return False
+        try:
+            jax.block_until_ready(leaves)
+        except Exception:
+            return False
+        return True
+
+    def _fail(self, faults: list[tuple[_Request, str]]) -> None:
+        """End requests holding a slot whose own host-side work raised, each alone with finish
+        reason "error" (its events go out with the step's), freeing their slots and pages."""
+        if not faults:
+            return
+        now = time.perf_counter()
+        for r, what in faults:
+            log.error("request %r failed: %s", r.request_id, what)
+        held = [r for r, _ in faults]
+        self._stop_slots(held)
+        self._outbox += [self._event(r, [], True, now, reason="error", error=what) for r, what in faults]
+        self._release(held)
+
+    def _stop_slots(self, held: list[_Request]) -> None:
+        """Mark the decoding slots of `held` done on the device, so no dispatch writes them."""
+        if any(r.slot in self._running for r in held):
+            self.slots = stop_slots(self.slots, _put(self._slot_rows([r.slot for r in held])))
 
     def _apply_cancels(self) -> list[StreamEvent]:
         ids = set()
@@ -454,8 +559,7 @@ class ServingEngine:
             self._queue.remove(r)
             self._live_ids.discard(r.request_id)
         held = [r for r in self._prefilling + list(self._running.values()) if r.request_id in ids]
-        if any(r.slot in self._running for r in held):
-            self.slots = stop_slots(self.slots, _put(self._slot_rows([r.slot for r in held])))
+        self._stop_slots(held)
         now = time.perf_counter()
         events = [self._event(r, [], True, now, reason="cancelled") for r in queued + held]
         self._release(held)
@@ -544,6 +648,22 @@ class ServingEngine:
         A request whose last chunk this is samples its first token and starts decoding."""
         self._admit()
         batch = self._chunks()
+        # Each request's host-side set-up, alone: one that raises fails by itself.
+        setup, faults = {}, []
+        for r, n in batch:
+            try:
+                adjust_rows = LogitAdjust.host([r.adjust])
+            except Exception as e:
+                faults.append((r, _fault("sampling set-up", e)))
+                continue
+            try:
+                last_chunk = r.prefilled + n == len(r.prompt)
+                setup[id(r)] = adjust_rows, r.constraint.mask() if last_chunk and r.constraint is not None else None
+            except Exception as e:
+                faults.append((r, _fault("constraint", e)))
+        if faults:
+            self._fail(faults)
+            batch = [(r, n) for r, n in batch if id(r) in setup]
         if not batch:
             return []
         c = self.config
@@ -571,18 +691,19 @@ class ServingEngine:
         budget = np.asarray([r.max_new_tokens for r in reqs + pad], np.int32)
         seeds = np.asarray([[r.seed & 0xFFFFFFFF, r.seed >> 32] for r in reqs + pad], np.uint32)
         index = np.asarray([r.sample_index for r in reqs + pad], np.uint32)
-        adjust = LogitAdjust(*_put(*LogitAdjust.host([r.adjust for r in reqs + pad])))
+        adjust = LogitAdjust(*_put(*(np.concatenate(field) for field in zip(*(setup[id(r)][0] for r in reqs + pad)))))
         masks = np.full((P, self.slots.mask.shape[1]), -1, np.int32)
-        for i, (r, done_) in enumerate(zip(reqs, last)):
-            if done_ and r.constraint is not None:
-                masks[i] = r.constraint.mask()
+        for i, r in enumerate(reqs):
+            if setup[id(r)][1] is not None:
+                masks[i] = setup[id(r)][1]
         tokens, lengths, rows = _put(tokens, lengths, rows)
-        first, lp, self.slots, self.cache = prefill_into_slots(
-            self.cfg, self.params, self.cache, self.slots, tokens, lengths, rows, *_put(valid, seeds, index), sp,
-            *_put(budget, stops), adjust, _put(masks))
+        first, lp, self.slots, self.cache = self._run(
+            f"prefill P={P} T={T}", reqs, prefill_into_slots, self.cfg, self.params, self.cache, self.slots, tokens,
+            lengths, rows, *_put(valid, seeds, index), sp, *_put(budget, stops), adjust, _put(masks))
         if self.draft_cache is not None:  # the draft model writes every position the target writes
-            self.draft_cache, self.pending = draft_prefill(self.drafter.cfg, self.draft_params, self.draft_cache,
-                                                           self.pending, tokens, lengths, rows)
+            self.draft_cache, self.pending = self._run(
+                f"draft prefill P={P} T={T}", reqs, draft_prefill, self.drafter.cfg, self.draft_params,
+                self.draft_cache, self.pending, tokens, lengths, rows)
         for r, n in batch:
             r.prefilled += n
             r.draft_length, r.pending = r.prefilled, False
@@ -596,16 +717,23 @@ class ServingEngine:
         # Only what a request asked for crosses to the host.
         lp = jax.tree.map(np.asarray, lp) if any(r.logprobs for _, r in started) else None
         now = time.perf_counter()
-        events = []
+        events, finished, faults = [], [], []
         for i, r in started:
             r.first_token_s = now
             r.length = len(r.prompt)
             self._running[r.slot] = r
             entries = [token_logprob(lp, i, None, int(first[i]))] if r.logprobs else None
             if r.constraint is not None:
-                r.constraint.advance(int(first[i]))
+                try:
+                    r.constraint.advance(int(first[i]))
+                except Exception as e:
+                    faults.append((r, _fault("constraint", e)))
+                    continue
             events.append(self._add_tokens(r, [int(first[i])], entries, bool(done[r.slot]), now))
-        self._release([r for _, r in started if done[r.slot]])
+            if done[r.slot]:
+                finished.append(r)
+        self._release(finished)
+        self._fail(faults)
         return events
 
     def _prefill_shape(self, P: int, T: int) -> tuple[int, int]:
@@ -642,6 +770,16 @@ class ServingEngine:
         c = self.config
         if c.speculative and not any(r.logprobs or r.adjust or r.constraint for r in self._running.values()):
             return self._decode_speculative()
+        masks, faults = {}, []   # each constrained slot's next mask; a constraint that raises fails alone
+        for s, r in self._running.items():
+            if r.constraint is not None:
+                try:
+                    masks[s] = r.constraint.mask()
+                except Exception as e:
+                    faults.append((r, _fault("constraint", e)))
+        self._fail(faults)
+        if not self._running:
+            return []
         if self.pages is not None:
             grown = [s for s, r in self._running.items()
                      if self.pages.grow(s, min(r.length + c.steps_per_dispatch, r.length_limit))]
@@ -657,26 +795,32 @@ class ServingEngine:
             running = sorted(self._running)
             rows = _put(np.array(running + [c.n_slots] * (B - len(running)), np.int32))
         if constrained:
-            self._set_masks(constrained)
-        out, lp, self.slots, self.cache = decode_dispatch(self.cfg, self.params, self.cache, self.slots, n, lp_call,
-                                                          rows, greedy, filters, adjust)
+            self._set_masks(masks)
+        out, lp, self.slots, self.cache = self._run(
+            f"decode B={B} N={n}{' logprobs' if lp_call else ''}", list(self._running.values()), decode_dispatch,
+            self.cfg, self.params, self.cache, self.slots, n, lp_call, rows, greedy, filters, adjust)
         out = np.asarray(out)
         done = np.asarray(self.slots.state.done)
         lp = jax.tree.map(np.asarray, lp) if want_lp else None
         now = time.perf_counter()
-        events, finished = [], []
+        events, finished, faults = [], [], []
         for s, r in list(self._running.items()):
             steps = [i for i, t in enumerate(out[s]) if t >= 0]
             new = [int(out[s, i]) for i in steps]
             r.length += len(new)
             if r.constraint is not None:
-                for t in new:
-                    r.constraint.advance(t)
+                try:
+                    for t in new:
+                        r.constraint.advance(t)
+                except Exception as e:
+                    faults.append((r, _fault("constraint", e)))
+                    continue
             entries = [token_logprob(lp, s, i, int(out[s, i])) for i in steps] if r.logprobs else None
             events.append(self._add_tokens(r, new, entries, bool(done[s]), now))
             if done[s]:
                 finished.append(r)
         self._release(finished)
+        self._fail(faults)
         return events
 
     def _decode_program(self, B: int, n: int, lp: bool, greedy: bool, filters: bool, adjust: bool) -> tuple:
@@ -707,14 +851,14 @@ class ServingEngine:
             return True, True, False
         return False, any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1) for r in self._running.values()), False
 
-    def _set_masks(self, constrained: dict) -> None:
-        """Each constrained slot's mask of its next token, onto the device."""
+    def _set_masks(self, masks: dict) -> None:
+        """Each constrained slot's mask of its next token ({slot: mask}), onto the device."""
         c = self.config
-        rows = self._slot_rows(list(constrained))
-        masks = np.full((c.n_slots, self.slots.mask.shape[1]), -1, np.int32)
-        for i, r in enumerate(constrained.values()):
-            masks[i] = r.constraint.mask()
-        self.slots = set_masks(self.slots, *_put(rows, masks))
+        rows = self._slot_rows(list(masks))
+        host = np.full((c.n_slots, self.slots.mask.shape[1]), -1, np.int32)
+        for i, mask in enumerate(masks.values()):
+            host[i] = mask
+        self.slots = set_masks(self.slots, *_put(rows, host))
 
     def _decode_speculative(self) -> list[StreamEvent]:
         """`_decode` by speculative rounds: every running slot drafts from its own tokens (held
@@ -748,7 +892,8 @@ class ServingEngine:
                     hist[i, : len(seq)] = seq
                     n_hist[i] = len(seq)
             draft = _put(hist, n_hist)
-        out, drafted, accepted, self.slots, self.cache, draft = speculative_dispatch(
+        out, drafted, accepted, self.slots, self.cache, draft = self._run(
+            f"speculative B={B} K={K} N={c.steps_per_dispatch}", list(self._running.values()), speculative_dispatch,
             self.cfg, self.params, self.cache, self.slots, self.drafter, self.draft_params, draft, K,
             c.steps_per_dispatch, rows, self._all_greedy())
         out, drafted, accepted = np.asarray(out), np.asarray(drafted), np.asarray(accepted)
@@ -796,8 +941,9 @@ class ServingEngine:
             rows = np.full(P, behind[0].slot, np.int32)
             for i, (r, chunk) in enumerate(zip(behind, chunks)):
                 tokens[i, : len(chunk)], lengths[i], rows[i] = chunk, len(chunk), r.slot
-            self.draft_cache, self.pending = draft_prefill(self.drafter.cfg, self.draft_params, self.draft_cache,
-                                                           self.pending, *_put(tokens, lengths, rows))
+            self.draft_cache, self.pending = self._run(
+                f"draft catch-up P={P} T={T}", behind, draft_prefill, self.drafter.cfg, self.draft_params,
+                self.draft_cache, self.pending, *_put(tokens, lengths, rows))
             for r, chunk in zip(behind, chunks):
                 r.draft_length, r.pending = r.draft_length + len(chunk), False
 
@@ -814,7 +960,8 @@ class ServingEngine:
         return self._event(r, new, finished, now, entries)
 
     def _event(self, r: _Request, new: list[int], finished: bool, now: float,
-               entries: list[TokenLogprob] | None = None, reason: str | None = None) -> StreamEvent:
+               entries: list[TokenLogprob] | None = None, reason: str | None = None,
+               error: str | None = None) -> StreamEvent:
         if r.logprobs and entries is None:
             entries = []
         if not finished:
@@ -828,7 +975,8 @@ class ServingEngine:
         self._accepted += r.accepted
         return StreamEvent(r.request_id, new, True,
                            Completion(r.request_id, r.prompt, list(r.tokens), reason, ttft, rate,
-                                      list(r.token_logprobs) if r.logprobs else None, r.drafted, r.accepted),
+                                      list(r.token_logprobs) if r.logprobs else None, r.drafted, r.accepted,
+                                      error),
                            logprobs=entries)
 
     def _release(self, finished: list[_Request]) -> None:

@@ -25,7 +25,7 @@ class Completion:
     request_id: Hashable
     prompt: list[int]
     tokens: list[int]
-    finish_reason: str        # "stop" (a stop id), "length" (max_new_tokens) or "cancelled"
+    finish_reason: str        # "stop" (a stop id), "length" (max_new_tokens), "cancelled" or "error"
     ttft_s: float             # from submit to the first token on the host (0 if it never had one)
     decode_tokens_per_s: float
     logprobs: list[TokenLogprob] | None = None  # one per token, for a request submitted with logprobs
@@ -33,6 +33,7 @@ class Completion:
     # and, of those, accepted.
     drafted: int = 0
     accepted: int = 0
+    error: str | None = None  # finish reason "error": what failed (the request's own fault, or its step's)
 
 
 @dataclasses.dataclass(frozen=True)

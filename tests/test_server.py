@@ -19,6 +19,7 @@ import time
 from types import SimpleNamespace
 
 import httpx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import openai
@@ -42,15 +43,16 @@ API_KEY = "sekret"
 
 
 class GatedEngine(ServingEngine):
-    """Steps only while `gate` is set, and raises once from `step` after `fail_next` is set:
-    lets a test hold the engine still (a full queue, a client leaving mid-generation) or
-    break it. A request whose prompt is POISON raises inside `submit`."""
+    """Steps only while `gate` is set (a step with `pause_after` set clears it when done), and
+    raises once from `step` after `fail_next` is set: lets a test hold the engine still (a full
+    queue, a client leaving mid-generation) or break it. A request whose prompt is POISON
+    raises inside `submit`."""
 
     POISON = [7, 7, 7, 7, 7]
 
-    def __init__(self, *args, gate: threading.Event, fail_next: threading.Event, **kw):
+    def __init__(self, *args, gate: threading.Event, fail_next: threading.Event, pause_after: threading.Event, **kw):
         super().__init__(*args, **kw)
-        self.gate, self.fail_next = gate, fail_next
+        self.gate, self.fail_next, self.pause_after = gate, fail_next, pause_after
 
     def submit(self, prompt, *args, **kw):
         if list(prompt) == self.POISON:
@@ -62,7 +64,11 @@ class GatedEngine(ServingEngine):
         if self.fail_next.is_set():
             self.fail_next.clear()
             raise RuntimeError("injected failure")
-        return super().step()
+        events = super().step()
+        if self.pause_after.is_set():
+            self.pause_after.clear()
+            self.gate.clear()
+        return events
 
 
 @contextlib.contextmanager
@@ -95,14 +101,14 @@ def _wait(predicate, what: str, timeout: float = 60.0):
 
 @contextlib.contextmanager
 def _server(model, *, tokenizer, api_key=None, max_queued=16, precompile=True, setup_gate=None, config=CONFIG):
-    gate, fail_next = threading.Event(), threading.Event()
+    gate, fail_next, pause_after = threading.Event(), threading.Event(), threading.Event()
     gate.set()
     engines: list[GatedEngine] = []
     stop_ids = sorted(tokenizer.eos_ids)
 
     def make_engine():
         engines.append(GatedEngine(model.config, model.params, config, stop_ids=stop_ids, gate=gate,
-                                   fail_next=fail_next))
+                                   fail_next=fail_next, pause_after=pause_after))
         return engines[-1]
 
     def setup():
@@ -114,7 +120,8 @@ def _server(model, *, tokenizer, api_key=None, max_queued=16, precompile=True, s
     loop = EngineLoop(setup, max_queued=max_queued, metrics=metrics)
     app = create_app(loop, metrics, ServerSettings(api_key=api_key))
     with _uvicorn(app) as url:
-        yield SimpleNamespace(url=url, app=app, loop=loop, gate=gate, fail_next=fail_next, engines=engines, metrics=metrics,
+        yield SimpleNamespace(url=url, app=app, loop=loop, gate=gate, fail_next=fail_next, pause_after=pause_after,
+                              engines=engines, metrics=metrics,
                               tok=tokenizer, model=model, api_key=api_key)
 
 
@@ -676,6 +683,188 @@ def test_a_request_that_fails_inside_the_engine_fails_alone(srv, model):
     assert events[-1]["choices"][0]["finish_reason"] == "length"
     assert c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0).choices[0].text == ref
     _idle(srv)
+
+
+class _FaultyConstraint:
+    """A real constraint whose `method` raises at its `at`-th call."""
+
+    def __init__(self, real, method: str, at: int):
+        self.real, self.method, self.at, self.calls = real, method, at, 0
+
+    def _call(self, method: str):
+        if method == self.method:
+            self.calls += 1
+            if self.calls == self.at:
+                raise ValueError(f"injected fault in {method} call {self.at}")
+
+    def mask(self):
+        self._call("mask")
+        return self.real.mask()
+
+    def advance(self, token):
+        self._call("advance")
+        self.real.advance(token)
+
+
+# guided_regex -> (the constraint method that raises, at which call): the first mask and advance
+# come with the prefill, the second with a decode dispatch.
+FAULTY_REGEXES = {"[a-z]{5}": ("mask", 1), "[a-z]{6}": ("mask", 2), "[a-z]{7}": ("advance", 1),
+                  "[a-z]{8}": ("advance", 2)}
+
+
+BESIDE_TOKENS = 24
+
+
+def _beside(srv, faulty: list[tuple[str, dict]], held=lambda: None):
+    """Run `faulty` requests ((path, body), in threads) while a greedy stream of PROMPTS[1] of
+    BESIDE_TOKENS is decoding: the engine is held after the stream's first step until all of
+    them wait in its inbox, so they meet the stream in its next steps; `held()` is called while
+    it is held. -> (the faulty responses, the stream's events)."""
+    out = [None] * len(faulty)
+    srv.pause_after.set()
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{srv.url}/v1/completions", json=dict(
+                model=MODEL, prompt=PROMPTS[1], max_tokens=BESIDE_TOKENS, temperature=0, stream=True)) as beside:
+            lines = beside.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert not srv.gate.is_set()
+            held()
+            waiting = srv.loop.n_waiting
+            threads = [threading.Thread(target=lambda i=i, path=path, body=body: out.__setitem__(i, httpx.post(
+                f"{srv.url}{path}", json=body, timeout=60))) for i, (path, body) in enumerate(faulty)]
+            try:
+                for t in threads:
+                    t.start()
+                _wait(lambda: srv.loop.n_waiting == waiting + len(faulty), "the requests to reach the inbox")
+            finally:
+                srv.gate.set()
+            for t in threads:
+                t.join(60)
+            rest = [line for line in lines if line.startswith("data: ")]
+    return out, _sse_events("\n".join([first] + rest))
+
+
+def test_faults_inside_one_request_fail_it_alone(srv, model, monkeypatch):
+    """Faults injected into single requests, in the engine (their constraint's mask or advance,
+    in the prefill and in a decode dispatch; their sampling set-up) and in the handler
+    (detokenizing, streamed and not): each such request gets a 500 (or a stream's error event)
+    naming what failed; a greedy stream decoding beside them gets the reference text, and the
+    engine ends idle, every slot and page back."""
+    import rjax.grammar
+    import rjax.serving
+    from rjax.server.text import ChoiceText
+
+    real_constraint, real_host, real_add = rjax.grammar.Grammars.constraint, rjax.serving.LogitAdjust.host, \
+        ChoiceText.add
+
+    def constraint(self, kind, spec):
+        c = real_constraint(self, kind, spec)
+        return _FaultyConstraint(c, *FAULTY_REGEXES[spec]) if spec in FAULTY_REGEXES else c
+
+    def host(rows):
+        if any(13.0 in (r.get("logit_bias") or {}).values() for r in rows):
+            raise ValueError("injected fault in the sampling set-up")
+        return real_host(rows)
+
+    def add(self, tokens, logprobs=None):
+        if "@@" in self._stops:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected fault in detokenizing")
+        return real_add(self, tokens, logprobs)
+
+    monkeypatch.setattr(rjax.grammar.Grammars, "constraint", constraint)
+    monkeypatch.setattr(rjax.serving.LogitAdjust, "host", staticmethod(host))
+    monkeypatch.setattr(ChoiceText, "add", add)
+    errors_before = srv.metrics.requests_finished.labels("error")._value.get()
+    ref = rjax.generate(model, PROMPTS[1], raw=True, max_new_tokens=BESIDE_TOKENS).text
+    body = dict(model=MODEL, prompt="x", max_tokens=6, temperature=0)
+    faulty = [("/v1/completions", dict(body, guided_regex=regex)) for regex in FAULTY_REGEXES]
+    faulty += [("/v1/completions", dict(body, logit_bias={"5": 13})),
+               ("/v1/completions", dict(body, stop=["@@"])), ("/v1/completions", dict(body, stop=["@@"], stream=True))]
+    out, events = _beside(srv, faulty)
+    for regex, r in zip(FAULTY_REGEXES, out):
+        method, at = FAULTY_REGEXES[regex]
+        e = _error(r, 500)
+        assert e["type"] == "server_error" and e["message"] == (
+            f"this request's constraint failed: ValueError: injected fault in {method} call {at}"), e
+    e = _error(out[4], 500)
+    assert e["message"] == "this request's sampling set-up failed: ValueError: injected fault in the sampling set-up"
+    e = _error(out[5], 500)
+    assert e["message"].startswith("detokenizing this request's tokens failed: UnicodeDecodeError"), e
+    assert out[6].status_code == 200
+    last = _sse_events(out[6].text)[-1]
+    assert last["error"]["message"].startswith("detokenizing this request's tokens failed: UnicodeDecodeError")
+    assert "".join(ev["choices"][0]["text"] for ev in events) == ref
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    _idle(srv)
+    # Faults in the engine end their requests there (finish reason "error"); detokenizing
+    # faults cancel theirs.
+    assert srv.metrics.requests_finished.labels("error")._value.get() == errors_before + 5
+    monkeypatch.undo()
+    c = _client(srv)
+    assert c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=BESIDE_TOKENS,
+                                temperature=0).choices[0].text == ref
+    _idle(srv)
+
+
+def _oom(monkeypatch, program, after: bool):
+    """Make the next call of device program `program` (a function of rjax.slots) fail as XLA does
+    when out of memory: before it runs (the cache intact), or `after` it ran (its donated
+    cache consumed, its results lost)."""
+    import rjax.serving
+
+    real, armed = rjax.serving.run_program, [True]
+
+    def run_program(fn, *args):
+        if fn is not program or not armed[0]:
+            return real(fn, *args)
+        armed[0] = False
+        if after:
+            real(fn, *args)
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB.")
+
+    monkeypatch.setattr(rjax.serving, "run_program", run_program)
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["cache-intact", "cache-lost"])
+def test_a_device_error_fails_its_step_and_the_server_goes_on(srv, model, monkeypatch, caplog, after):
+    """An out-of-memory error injected into the prefill dispatch of one request, while a stream
+    decodes beside it: the request gets a 500 naming the program and the error, the log names
+    the program and the failed request ids once; with the cache intact the stream goes on to the
+    reference text, and with the cache consumed by the failed call it fails too (its error
+    event names the program). Either way the same engine goes on over every slot and page, serves
+    the reference text, and /health and /metrics count the failed step."""
+    from rjax.slots import prefill_into_slots
+
+    c = _client(srv)
+    ref = rjax.generate(model, PROMPTS[1], raw=True, max_new_tokens=BESIDE_TOKENS).text
+    n_engines, failed_before = len(srv.engines), srv.loop.failed_steps
+    with caplog.at_level("ERROR", logger="rjax.serving"):
+        out, events = _beside(srv, [("/v1/completions", dict(model=MODEL, prompt="hi", max_tokens=4))],
+                              held=lambda: _oom(monkeypatch, prefill_into_slots, after))
+    e = _error(out[0], 500)
+    assert e["type"] == "server_error" and re.fullmatch(
+        r"the device failed running prefill P=\d+ T=\d+: JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory while "
+        r"trying to allocate 1.00GiB. \(this request was in it\)", e["message"]), e
+    logged = [r.getMessage() for r in caplog.records if "the device failed running" in r.getMessage()]
+    assert len(logged) == 1, logged
+    ids = re.search(r"failed request\(s\): (.*)$", logged[0]).group(1).split(", ")
+    if after:
+        assert "were lost with it and are allocated afresh" in logged[0] and len(ids) == 2, logged
+        assert events[-1]["error"]["message"].startswith("the device failed running prefill P="), events[-1]
+    else:
+        assert "the cache is intact" in logged[0] and len(ids) == 1, logged
+        assert "".join(ev["choices"][0]["text"] for ev in events) == ref
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+    monkeypatch.undo()
+    assert c.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=BESIDE_TOKENS,
+                                temperature=0).choices[0].text == ref
+    _idle(srv)
+    assert len(srv.engines) == n_engines  # the engine went on: not rebuilt
+    health = httpx.get(f"{srv.url}/health").json()
+    assert health["status"] == "ok" and health["failed_steps"] == failed_before + 1
+    assert health["last_failure"].startswith("the device failed running prefill P=")
+    scraped = httpx.get(f"{srv.url}/metrics").text
+    assert re.search(rf"^rjax_failed_steps_total {failed_before + 1}\.0$", scraped, re.M), scraped
 
 
 def test_draining_refuses_new_requests_while_running_ones_finish(srv, model):

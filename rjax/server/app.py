@@ -16,8 +16,10 @@ import contextlib
 import dataclasses
 import hmac
 import json
+import logging
 import threading
 import time
+import traceback
 import uuid
 from typing import Any, AsyncIterator, Sequence
 
@@ -37,6 +39,8 @@ from rjax.server.text import ChoiceText, Piece
 from rjax.server.tools import ToolStream, call_grammar, parse_tool_calls, render_messages, tool_format
 from rjax.serving import TokenLogprob
 from rjax.tokenizer import ChatTemplateError
+
+log = logging.getLogger("rjax.server")
 
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
@@ -244,7 +248,10 @@ def create_app(loop: EngineLoop, metrics: Metrics | None = None,
         if not loop.ready.is_set():
             return JSONResponse({"status": "loading"}, status_code=503,
                                 headers={"Retry-After": str(settings.retry_after_s)})
-        return {"status": "ok", "compiling": loop.compiling}
+        health = {"status": "ok", "compiling": loop.compiling, "failed_steps": loop.failed_steps}
+        if loop.last_failure is not None:
+            health["last_failure"] = loop.last_failure
+        return health
 
     @app.get("/metrics")
     async def prometheus():
@@ -494,7 +501,13 @@ class _Generation:
                 if isinstance(item, EngineFailure):
                     raise APIError(500, item.message, type="server_error")
                 i, text = self._index[item.request_id], self.texts[self._index[item.request_id]]
-                piece = text.add(item.tokens, item.logprobs)
+                try:
+                    piece = text.add(item.tokens, item.logprobs)
+                    tail = text.finish() if item.finished and not text.stopped else None
+                except Exception as e:  # this request alone fails
+                    log.error("detokenizing request %s failed: %s", item.request_id, traceback.format_exc())
+                    raise APIError(500, f"detokenizing this request's tokens failed: {type(e).__name__}: {e}",
+                                   type="server_error") from None
                 if text.stopped:
                     self._open.discard(item.request_id)
                     if not item.finished:
@@ -502,7 +515,6 @@ class _Generation:
                     yield i, piece, "stop"
                 elif item.finished:
                     self._open.discard(item.request_id)
-                    tail = text.finish()
                     yield i, Piece(piece.text + tail.text, piece.logprobs + tail.logprobs), \
                         "stop" if text.stopped else _FINISH[item.completion.finish_reason]
                 else:
@@ -547,6 +559,10 @@ def _sse(request: Request, gen: _Generation, chunks: AsyncIterator[dict]) -> Str
                     yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
             except APIError as e:  # the status line has gone: the error is the last event
                 yield f"data: {json.dumps(e.body(), ensure_ascii=False)}\n\n"
+            except Exception as e:  # as the app's handler of unexpected errors would answer
+                log.error("stream failed: %s", traceback.format_exc())
+                error = APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
+                yield f"data: {json.dumps(error.body(), ensure_ascii=False)}\n\n"
             finally:
                 gen.abort()
             yield "data: [DONE]\n\n"

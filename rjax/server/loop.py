@@ -3,8 +3,11 @@ only through a thread-safe inbox (submit, cancel) and per-request sinks (events 
 
 The loop never waits on a client: a sink only hands the event to the handler's own event loop
 (an unbounded queue there), and a sink that fails (its event loop is gone) cancels its request.
-A failure inside a step fails the requests in flight with an error event, and the loop goes on
-with a fresh engine (the failed step may have consumed the donated cache).
+A request that fails inside the engine (its own fault, or a device program of its step that
+failed: `rjax.serving`) gets an EngineFailure naming what failed, and the rest go on. Any other
+failure of a step fails every request in flight, and the loop goes on with a fresh engine (the
+failed step may have consumed the donated cache). Both count as failed steps (`failed_steps`,
+`last_failure`, the rjax_failed_steps counter).
 """
 from __future__ import annotations
 
@@ -95,6 +98,8 @@ class EngineLoop:
         if metrics is not None:
             metrics.programs_compiling.set_function(lambda: len(self.compiling))
         self.n_cancel_requests = 0            # sequences handlers asked to cancel (a count for probes)
+        self.failed_steps = 0                 # engine steps that failed (a device program, or the whole step)
+        self.last_failure: str | None = None
 
     # -- any thread -----------------------------------------------------------------------------
 
@@ -181,17 +186,28 @@ class EngineLoop:
             if not self.engine.has_work:
                 self._wake.wait(self._idle_wait_s)
                 continue
+            failed = self.engine.failed_steps
             try:
                 events = self.engine.step()
             except Exception as e:
                 log.error("engine step failed: %s", traceback.format_exc())
-                self._fail_all(f"the engine failed while running this request: {type(e).__name__}: {e}")
+                message = f"the engine failed while running this request: {type(e).__name__}: {e}"
+                self._count_failed(1, message)
+                self._fail_all(message)
                 continue
+            if self.engine.failed_steps != failed:
+                self._count_failed(self.engine.failed_steps - failed, self.engine.last_failure)
+            self._count_queued()  # before the events go out: a client that hears one sees the count
             now = time.perf_counter()
             for event in events:
                 self._deliver(event, now)
-            self._count_queued()
             self._update_gauges()
+
+    def _count_failed(self, n: int, message: str) -> None:
+        self.failed_steps += n
+        self.last_failure = message
+        if self.metrics is not None:
+            self.metrics.failed_steps.inc(n)
 
     def _refuse_inbox(self) -> None:
         """Fail what arrived after the loop stopped, so that no handler waits forever."""
@@ -253,6 +269,9 @@ class EngineLoop:
                 m.requests_finished.labels(event.completion.finish_reason).inc()
                 m.speculative_drafted.inc(event.completion.drafted)
                 m.speculative_accepted.inc(event.completion.accepted)
+            if event.completion.finish_reason == "error":
+                self._send(live.sink, EngineFailure(event.request_id, event.completion.error))
+                return
         if not self._send(live.sink, event) and not event.finished:
             self.engine.cancel(event.request_id)  # nobody listens any more
 

@@ -32,6 +32,8 @@ class Metrics:
                                             "decoding), of finished sequences", registry=r)
         self.programs_compiling = Gauge("rjax_programs_compiling", "Programs still compiling in the background "
                                         "(a request that needs one waits for it or runs in a larger one)", registry=r)
+        self.failed_steps = Counter("rjax_failed_steps", "Engine steps whose device program (or the whole step) "
+                                    "failed: their requests failed, the server went on", registry=r)
         self.free_slots = Gauge("rjax_free_slots", "Slots free for a new sequence", registry=r)
         self.kv_pages_cached = Gauge("rjax_kv_pages_cached", "KV-cache pages kept for the prefix cache, held by "
                                      "no sequence", registry=r)
