@@ -504,7 +504,9 @@ class ServingEngine:
         log.error("%s; %s; failed request(s): %s", e, "the cache and slot state were lost with it and are allocated "
                   "afresh" if lost else "the cache is intact", ", ".join(repr(r.request_id) for r in failed) or "none")
         now = time.perf_counter()
-        events = [self._event(r, [], True, now, reason="error", error=f"{e} (this request was in it)")
+        in_it = {id(r) for r in e.requests}
+        events = [self._event(r, [], True, now, reason="error", error=f"{e} (this request was in it)"
+                              if id(r) in in_it else f"{e}, and with it the KV cache of this request")
                   for r in failed]
         if lost:
             for r in failed:

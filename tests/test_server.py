@@ -851,6 +851,7 @@ def test_a_device_error_fails_its_step_and_the_server_goes_on(srv, model, monkey
     if after:
         assert "were lost with it and are allocated afresh" in logged[0] and len(ids) == 2, logged
         assert events[-1]["error"]["message"].startswith("the device failed running prefill P="), events[-1]
+        assert events[-1]["error"]["message"].endswith(", and with it the KV cache of this request"), events[-1]
     else:
         assert "the cache is intact" in logged[0] and len(ids) == 1, logged
         assert "".join(ev["choices"][0]["text"] for ev in events) == ref
