@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     proc = start(cmd, url, a.start_timeout)
     say(f"healthy after {time.perf_counter() - t0:.0f} s, RSS {rss_bytes(proc.pid) / 2**20:.0f} MiB")
-    series, outcomes, done = [], {}, 0
+    series, outcomes, done, interrupted = [], {}, 0, False
     try:
         while done < a.warmup + a.requests:
             n = min(a.every, a.warmup + a.requests - done) if done >= a.warmup else a.warmup - done
@@ -130,8 +130,12 @@ def main(argv=None) -> int:
             series.append(dict(requests=done, rss_mib=round(rss_bytes(proc.pid) / 2**20, 1),
                                compiling=len(health.get("compiling", [])), s=round(time.perf_counter() - t0)))
             say(f"{done} requests: RSS {series[-1]['rss_mib']} MiB ({series[-1]['compiling']} programs compiling)")
+    except KeyboardInterrupt:  # report the series so far
+        interrupted = True
     finally:
         stop(proc)
+    if not series:
+        return 1
     base = series[0]["rss_mib"]
     worst = max(abs(s["rss_mib"] - base) / base for s in series)
     verdict = (f"{'within' if worst <= a.tolerance else 'NOT within'} {a.tolerance:.0%} of the post-warm-up level "
@@ -140,7 +144,7 @@ def main(argv=None) -> int:
     for s in series:
         print(f"{s['requests']:>9} {s['rss_mib']:>9.1f} {(s['rss_mib'] - base) / base:>+8.1%} {s['compiling']:>9}")
     result = dict(args=vars(a), outcomes=outcomes, series=series, post_warmup_mib=base, largest_departure=worst,
-                  verdict=verdict)
+                  verdict=verdict, interrupted_after=done if interrupted else None)
     print(json.dumps(result))
     print(verdict)
     if a.out:
