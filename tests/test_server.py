@@ -951,7 +951,7 @@ def test_default_model_16_concurrent_streams_and_logprobs(smollm2):
     questions = [f"In one sentence, what is {i} times {i + 3}?" for i in range(16)]
     with _server(smollm2, tokenizer=tok, config=config, max_queued=64, precompile=False) as s:
         _wait(lambda: httpx.get(f"{s.url}/health").status_code == 200, "the model to compile", timeout=900)
-        client = openai.AsyncOpenAI(base_url=f"{s.url}/v1", api_key="none")
+        client = openai.AsyncOpenAI(base_url=f"{s.url}/v1", api_key="none", timeout=900)
 
         async def one(q):
             stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}],
