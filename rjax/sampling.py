@@ -109,13 +109,11 @@ def _search(holds, bits: int, batch: int, rolled: bool | None = None):
     # The same passes either way. A GPU runs them unrolled: a loop would bring the decode step's
     # control back to the host. On the CPU a loop compiles one pass instead of up to eight, which
     # is most of the compile time a sampled program spends on its filters.
+    # Chosen while tracing, by the backend the engine runs on: a platform_dependent switch would
+    # leave a conditional in every decode program's text.
+    rolled = jax.default_backend() == "cpu" if rolled is None else rolled
     lo = jnp.zeros((batch, 1), jnp.uint32)
-    loop = lambda lo: jax.lax.fori_loop(0, rounds, one, lo)  # noqa: E731
-    if rolled is None:
-        lo = jax.lax.platform_dependent(lo, default=unrolled, cpu=loop)
-    else:
-        lo = loop(lo) if rolled else unrolled(lo)
-    return lo[:, 0]
+    return (jax.lax.fori_loop(0, rounds, one, lo) if rolled else unrolled(lo))[:, 0]
 
 
 def _nth_index(mask, n):
