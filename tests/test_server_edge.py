@@ -14,7 +14,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 
-from rjax.server.app import APIError, ServerSettings, _Edge
+from rjax.server.app import LOOPBACK_NAMES, APIError, ServerSettings, _Edge, allowed_hosts
 from rjax.server.edge import guarded_protocol
 
 KEY = "sekret"
@@ -68,6 +68,37 @@ def test_the_api_key_covers_every_route_but_health(metrics_public):
             else:
                 _error(r, 401, "invalid_api_key")
             assert (await c.get("/metrics", headers=auth)).status_code == 200
+
+    asyncio.run(run())
+
+
+def test_the_names_a_server_answers_to_follow_its_address_and_the_option():
+    assert allowed_hosts("127.0.0.1", None) == allowed_hosts("localhost", None) == allowed_hosts("[::1]", None) \
+        == LOOPBACK_NAMES
+    assert allowed_hosts("0.0.0.0", None) is None and allowed_hosts("10.1.2.3", None) is None
+    assert allowed_hosts("127.0.0.1", "*") is None
+    assert allowed_hosts("0.0.0.0", " API.example.com., *.corp.net ") == ("api.example.com", "*.corp.net")
+    with pytest.raises(ValueError, match="--allowed-hosts ' , ' names no host"):
+        allowed_hosts("127.0.0.1", " , ")
+
+
+def test_a_host_the_server_does_not_answer_to_gets_400_on_every_route():
+    """A page whose name was rebound to 127.0.0.1 sends its own name as Host: refused, /health
+    included; loopback names with or without a port, and wildcard subdomains, pass."""
+    app, _ = _stand_in(ServerSettings(allowed_hosts=LOOPBACK_NAMES + ("*.example.com",)))
+
+    async def run():
+        async with _client(app) as c:
+            for host in ("localhost:8000", "LOCALHOST", "127.0.0.1", "127.0.0.1:8000", "[::1]:8000", "localhost.",
+                         "api.example.com", "a.b.example.com:443"):
+                assert (await c.get("/health", headers={"Host": host})).status_code == 200, host
+            for host in ("evil.test", "evil.test:8000", "127.0.0.1.nip.io", "example.com", "notexample.com",
+                         "localhost.evil.test", ""):
+                for path in ("/health", "/v1/completions"):
+                    r = await (c.get(path, headers={"Host": host}) if path == "/health" else
+                               c.post(path, content=b"{}", headers={"Host": host}))
+                    message = _error(r, 400, "invalid_host")
+                    assert "--allowed-hosts" in message and "localhost" in message, message
 
     asyncio.run(run())
 

@@ -54,6 +54,37 @@ class ServerSettings:
     metrics_public: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body gets 413 before it is parsed
     retry_after_s: int = 1       # the Retry-After of a 429 (queue full) or 503 (still loading, draining)
+    # the Host header names a request may carry ("*.example.com" takes subdomains), None: any. A
+    # server on a loopback address answers to loopback names only (`allowed_hosts`), so that a web
+    # page that rebinds its own name to 127.0.0.1 cannot reach it from the user's browser.
+    allowed_hosts: tuple[str, ...] | None = None
+
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def allowed_hosts(bind_host: str, option: str | None) -> tuple[str, ...] | None:
+    """The Host names a server bound to `bind_host` answers to: `option` (comma-separated, "*"
+    for any) when given, else the loopback names on a loopback address and any name otherwise."""
+    if option is not None:
+        names = tuple(n.strip().lower().rstrip(".") for n in option.split(",") if n.strip())
+        if not names:
+            raise ValueError(f"--allowed-hosts {option!r} names no host: give names, or '*' for any")
+        return None if "*" in names else names
+    return LOOPBACK_NAMES if bind_host.lower().strip("[]") in LOOPBACK_NAMES else None
+
+
+def _host_name(header: bytes) -> str:
+    """The name in a Host header, without its port: "[::1]:8000" -> "::1"."""
+    host = header.decode("latin-1").strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
+def _host_allowed(name: str, allowed: tuple[str, ...]) -> bool:
+    name = name.rstrip(".")
+    return any(name == a or (a.startswith("*.") and name.endswith(a[1:])) for a in allowed)
 
 
 class APIError(Exception):
@@ -103,7 +134,7 @@ class _CountRequests:
 
 class _Edge:
     """What every request meets before a route (a plain ASGI middleware): 503 once the server
-    drains for shutdown, 401 without the API key, 413 for a body past the limit, which is read
+    drains for shutdown, 400 for a Host the server does not answer to, 401 without the API key, 413 for a body past the limit, which is read
     here (and handed on whole) so that no route parses an oversized body."""
 
     def __init__(self, app, settings: ServerSettings, draining):
@@ -117,6 +148,12 @@ class _Edge:
             return await APIError(503, "the server is shutting down", type="server_error", code="shutting_down",
                                   headers={"Retry-After": str(s.retry_after_s), "Connection": "close"}
                                   ).response()(scope, receive, send)
+        if s.allowed_hosts is not None:
+            name = _host_name(dict(scope["headers"]).get(b"host", b""))
+            if not _host_allowed(name, s.allowed_hosts):
+                return await APIError(400, f"Host {name!r} is not a name this server answers to ("
+                                      f"{', '.join(s.allowed_hosts)}); start it with --allowed-hosts to add names.",
+                                      code="invalid_host").response()(scope, receive, send)
         if s.api_key is not None and path != "/health" and not (s.metrics_public and path == "/metrics"):
             refusal = _authorization_error(dict(scope["headers"]).get(b"authorization", b""), s.api_key)
             if refusal is not None:

@@ -80,7 +80,7 @@ def cmd_serve(a) -> int:
     try:
         import uvicorn
 
-        from rjax.server.app import DEFAULT_MAX_BODY_BYTES, ServerSettings, create_app
+        from rjax.server.app import DEFAULT_MAX_BODY_BYTES, ServerSettings, allowed_hosts, create_app
         from rjax.server.edge import default_max_connections, guarded_protocol
         from rjax.server.loop import EngineLoop
         from rjax.server.metrics import Metrics
@@ -96,6 +96,7 @@ def cmd_serve(a) -> int:
     for name in ("header_timeout", "drain_timeout"):
         if not getattr(a, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(a, name)}")
+    hosts = allowed_hosts(a.host, a.allowed_hosts)
     template = None
     if a.chat_template:  # a template that does not compile stops the server before it starts
         from rjax.tokenizer.chat_template import check_chat_template
@@ -114,7 +115,8 @@ def cmd_serve(a) -> int:
                                  draft_tokens=a.draft_tokens),
                       max_queued=a.max_queued, metrics=metrics)
     app = create_app(loop, metrics, ServerSettings(api_key=a.api_key, metrics_public=a.metrics_public,
-                                                   max_body_bytes=a.max_body_bytes or DEFAULT_MAX_BODY_BYTES))
+                                                   max_body_bytes=a.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+                                                   allowed_hosts=hosts))
     max_connections = a.max_connections or default_max_connections()
     config = uvicorn.Config(app, host=a.host, port=a.port, log_level="info",
                             http=guarded_protocol(a.header_timeout, max_connections),
@@ -163,6 +165,9 @@ def register_cli(subparsers) -> None:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health (/metrics and /docs too)")
     p.add_argument("--metrics-public", action="store_true", help="with --api-key: leave /metrics open to scrapers")
+    p.add_argument("--allowed-hosts", default=None, metavar="NAME[,NAME...]",
+                   help="Host header names the server answers to, '*.example.com' for subdomains, '*' for any "
+                        "(default: localhost, 127.0.0.1 and ::1 when --host is a loopback address, else any)")
     p.add_argument("--max-body-bytes", type=int, default=None,
                    help="a larger request body gets 413 before it is parsed (default: 4 MiB)")
     p.add_argument("--max-connections", type=int, default=None,
