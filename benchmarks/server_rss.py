@@ -7,7 +7,8 @@
 Starts `rjax serve` as a subprocess, sends --warmup requests, then N mixed requests with
 --concurrency in flight: short and long prompts, /v1/completions and /v1/chat/completions,
 streaming and not, greedy and seeded sampling, log-probabilities, clients that leave after the
-first chunk, and JSON-schema constrained chats. Every --every requests, once the server is idle
+first chunk, and JSON-schema constrained chats. The warm-up ends when the background compiles
+have finished too (compiled programs are part of the steady state). Every --every requests, once the server is idle
 (it returns freed heap to the OS then; sampled mid-round RSS would also count the buffers of the
 step in flight), it reads the server's VmRSS from /proc/PID/status. Prints the series as a table
 and as JSON, and the verdict: whether every sample is within --tolerance (10%) of the first one
@@ -80,6 +81,17 @@ async def send(client: httpx.AsyncClient, url: str, route: str, body: dict, leav
     return "ok"
 
 
+def wait_for_compiles(url: str, timeout: float) -> None:
+    """Until the server's /health lists no program compiling (or `timeout` seconds)."""
+    t0 = time.perf_counter()
+    while compiling := httpx.get(f"{url}/health", timeout=10).json().get("compiling", []):
+        if time.perf_counter() - t0 > timeout:
+            say(f"still {len(compiling)} programs compiling after {timeout:.0f} s; sampling anyway")
+            return
+        time.sleep(2.0)
+    say(f"background compiles done {time.perf_counter() - t0:.0f} s after the warm-up requests")
+
+
 async def round_(url: str, requests: list, concurrency: int) -> list[str]:
     queue, outcomes = list(requests), []
 
@@ -126,6 +138,8 @@ def main(argv=None) -> int:
                 outcomes[o] = outcomes.get(o, 0) + 1
             done += n
             time.sleep(1.0)
+            if done == a.warmup:  # programs still compiling in the background belong to the warm-up
+                wait_for_compiles(url, a.start_timeout)
             health = httpx.get(f"{url}/health", timeout=10).json()
             series.append(dict(requests=done, rss_mib=round(rss_bytes(proc.pid) / 2**20, 1),
                                compiling=len(health.get("compiling", [])), s=round(time.perf_counter() - t0)))
