@@ -1,7 +1,6 @@
 """Shared fixtures: the real catalog models (pulled into the cache on first use) and the oracle."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import sys
@@ -14,16 +13,6 @@ import pytest
 # needs it rather than XLA's default share up front.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-
-# Where jaxlib has no GPU plugin the tests' cost is the CPU compiler's: LLVM at -O0 compiles an
-# engine program in about half the time (a tiny model's decode loop 3.7 -> 1.6 s; a test that
-# mostly runs, like the int8 perplexity, as fast as before). Numbers move by float32 rounding
-# only: the CPU compiler sets no fast-math flags, and the float32 logits of a forward pass differ
-# by a few ulps (fused multiply-adds). Set before the backend starts; the workers, CLI
-# subprocesses and notebook kernels inherit it.
-if importlib.util.find_spec("jax_plugins") is None and "xla_backend_optimization_level" not in os.environ.get(
-        "XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # lets tests import `tests.oracle.client`
