@@ -45,11 +45,13 @@ def check_against_oracle(cfg, params, ids, ref, *, max_len: int, decode_steps: i
                          groups=None, rtol: float = RTOL) -> float:
     """Assert rjax matches the oracle's `ref` (from `oracle_logits(model, ids, decode_steps,
     greedy_tokens=greedy)`). `groups` lists prompt indices prefilled together (default: all at
-    once), so a long prompt need not pad the short ones to its bucket. -> the largest relative error."""
+    once), so a long prompt need not pad the short ones to its bucket. The greedy continuations
+    start from a copy of the cache after the prefill. -> the largest relative error."""
     groups = groups or [list(range(len(ids)))]
     worst = 0.0
     cache = init_cache(cfg, len(ids), max_len)
     logits, cache = _prefill(cfg, params, cache, ids, groups, engine.prefill)
+    prompted = (jax.tree.map(jnp.copy, cache), jnp.stack(logits)) if greedy else None
     for i, r in enumerate(ref):
         worst = max(worst, assert_close(logits[i], r["last_logits"], f"prompt {i} after prefill", rtol))
     for step in range(decode_steps):
@@ -60,27 +62,28 @@ def check_against_oracle(cfg, params, ids, ref, *, max_len: int, decode_steps: i
     np.testing.assert_array_equal(np.asarray(cache.lengths), [len(p) + decode_steps for p in ids])
 
     if greedy:
-        got = greedy_continuations(cfg, params, ids, greedy, max_len=max_len, groups=groups)
+        got = greedy_from(cfg, params, *prompted, greedy)
         for i, r in enumerate(ref):
             np.testing.assert_array_equal(got[i], r["greedy"][:greedy], err_msg=f"greedy continuation of prompt {i}")
     return worst
 
 
-def greedy_continuations(cfg, params, ids, n: int, *, max_len: int, groups=None) -> np.ndarray:
-    """n greedy tokens per prompt through the engine's on-device loop. -> [P, n]."""
-    groups = groups or [list(range(len(ids)))]
-    B = len(ids)
+def greedy_from(cfg, params, cache, last_logits, n: int) -> np.ndarray:
+    """n greedy tokens for each row of a just-prefilled `cache` whose last prompt logits are
+    `last_logits` [B, vocab]: the argmax of those, then the engine's on-device greedy loop (what
+    `rjax.generate` runs at temperature 0; tests/test_engine.py checks it against the sampling
+    loop at temperature 0). -> [B, n]."""
+    B = last_logits.shape[0]
+    first = jnp.argmax(last_logits, axis=-1).astype(jnp.int32)
     key = jax.random.key(0)
-    cache = init_cache(cfg, B, max_len)
-    outs = [None] * B
-    for group in groups:
-        tokens, lengths = engine.pad_prompts([ids[i] for i in group])
-        first, cache = engine.prefill_and_sample(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
-                                                 jnp.asarray(group, jnp.int32), key, SamplingParams.make(len(group)))
-        for j, i in enumerate(group):
-            outs[i] = first[j]
-    first = jnp.stack(outs)
     stop = jnp.asarray([-1], jnp.int32)  # no stop token: every prompt runs n tokens
     state = engine.initial_state(first, jnp.full((B,), n, jnp.int32), stop, key, cache)
-    out, state, cache = engine.decode_loop(cfg, params, cache, state, SamplingParams.make(B), stop, n - 1)
+    out, _, _ = engine.greedy_decode_loop(cfg, params, cache, state, SamplingParams.make(B), stop, n - 1)
     return np.concatenate([np.asarray(first)[:, None], np.asarray(out)], axis=1)
+
+
+def greedy_continuations(cfg, params, ids, n: int, *, max_len: int, groups=None) -> np.ndarray:
+    """n greedy tokens per prompt (`greedy_from` after a prefill of every prompt). -> [P, n]."""
+    cache = init_cache(cfg, len(ids), max_len)
+    logits, cache = _prefill(cfg, params, cache, ids, groups or [list(range(len(ids)))], engine.prefill)
+    return greedy_from(cfg, params, cache, jnp.stack(logits), n)
