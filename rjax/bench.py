@@ -69,8 +69,7 @@ class BenchSettings:
     gen: int = 128
     batches: tuple[int, ...] = (1, 8, 32)
     # 128: a tg128 run in one dispatch. Each dispatch costs the host's call and sync on top of its
-    # steps: smollm2-135m at batch 1 on the H100 took 2,544 / 877 / 658 us per token at N = 1 /
-    # 16 / 128.
+    # steps, which weighs most at N = 1 (docs/kernels.md, "The decode step").
     steps_per_dispatch: tuple[int, ...] = (1, 16, 128)
     repeats: int = 3
     copy_bytes: int = 1 << 30      # bandwidth probe array size

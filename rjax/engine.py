@@ -268,11 +268,10 @@ def initial_state(first_tokens, max_new_tokens, stop_ids, key, cache: KVCache, s
 # every decode step the GPU drains and the host reads the predicate back before it launches the
 # next step. With WHILE and CONDITIONAL among the command-buffer types, a decode loop is one
 # CUDA graph whose conditional nodes test the predicate on the device. The option replaces
-# XLA's list, so the list repeats the default types. H100, batch 1, A/B against the default:
-# llama-1b Q4_K 1,339 against 1,170 tokens/s, smollm2-135m 1,200 against 1,137. A CPU backend
-# ignores it. The loops must hold no custom call that a command buffer cannot capture, or they
-# fall back to the host (sampling's filters search rather than sort: XLA hands a one-row sort to
-# cub's radix sort, such a call).
+# XLA's list, so the list repeats the default types (the gain: docs/kernels.md, "The decode
+# step"). A CPU backend ignores it. The loops must hold no custom call that a command buffer
+# cannot capture, or they fall back to the host (sampling's filters search rather than sort:
+# XLA hands a one-row sort to cub's radix sort, such a call).
 DECODE_LOOP_COMPILER_OPTIONS = {
     "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL",
     "xla_gpu_graph_min_graph_size": 1,
@@ -336,8 +335,8 @@ def decode_loop(cfg: ModelConfig, params: Params, cache: KVCache, state: DecodeS
     `tuning`: the kernel thresholds the step's plan is made with (benchmarks try others).
     filters (static): False where no slot uses top-k or top-p, so that sampling leaves out their
     search over the vocabulary (`rjax.sample`; the same tokens). The search is about 110 small
-    kernels a step: on the H100, smollm2-135m's shape at batch 1 samples at temperature 0.8 at
-    1,684-1,716 tokens/s without it, 1,426-1,431 with it (greedy 1,703-1,707).
+    kernels a step; without it a temperature alone samples as fast as greedy decoding
+    (docs/kernels.md, "The decode step").
     -> (tokens [B, n_steps] int32 with -1 where nothing was generated, state, cache).
     """
     return _decode_loop(cfg, params, cache, state, sp, stop_ids, n_steps, tuning, greedy=False, filters=filters)
@@ -352,9 +351,8 @@ def greedy_decode_loop(cfg: ModelConfig, params: Params, cache: KVCache, state: 
     conditional from the host, which waits for the step before it, and a while loop holding one
     stays on the host too: one launch per step, and a call that returns only when its last step
     is done. Without it the whole loop is one CUDA graph on the device, and a call returns at
-    once. H100, smollm2-135m's shape, batch 1: 0.64 -> 0.61 ms a step over 256-step calls;
-    rjax.generate, which launches each call before reading the last one back, 1,379-1,434 ->
-    1,704-1,707 tokens/s at 32 steps a call."""
+    once, so rjax.generate launches each call before reading the last one back
+    (docs/kernels.md, "The decode step")."""
     return _decode_loop(cfg, params, cache, state, sp, stop_ids, n_steps, tuning, greedy=True)
 
 

@@ -154,10 +154,10 @@ def check_request(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tok
 
 
 # Decode steps (or speculative rounds) per program call; a stream yields once per call. A call
-# costs the host about 2 ms on the H100 (launch, then reading the tokens back). Greedy decoding's
-# loop runs on the device (engine.greedy_decode_loop), so the next call's launch overlaps this
-# one's steps: smollm2's shape at batch 1 and 32 steps a call, 1,379-1,434 -> 1,704-1,707
-# tokens/s. A sampling loop returns only after its last step, and still pays the 2 ms per call.
+# costs the host its launch and reading the tokens back. A loop that runs on the device
+# (engine.greedy_decode_loop, decode_loop) returns at once, so the next call's launch overlaps
+# this one's steps; a loop that stays on the host still pays that cost per call
+# (docs/architecture.md, "Engine").
 STEPS_PER_DISPATCH = 32
 
 
@@ -307,10 +307,8 @@ MODEL_DRAFT_TOKENS = 4
 def default_draft_tokens(cfg: ModelConfig, drafter) -> int:
     """K where none is given. Prompt lookup drafts for free, and a verification costs about the
     same up to the most positions the decode attention kernel takes, so it drafts that many less
-    one (15 for up to 4 query heads per KV head of dim 128, else 7). smollm2-135m, four editing
-    prompts, H100: speedups over plain decoding K=4 1.60-2.07x, K=15 1.53-3.59x (geometric mean
-    1.90 -> 2.56x), measured while plain greedy decoding's loop still ran from the host (it now
-    runs on the device, about 20% faster at batch 1). A draft model: MODEL_DRAFT_TOKENS."""
+    one (15 for up to 4 query heads per KV head of dim 128, else 7), which measured faster than
+    K=4 (docs/architecture.md, "Host side"). A draft model: MODEL_DRAFT_TOKENS."""
     if not isinstance(drafter, NgramDrafter):
         return MODEL_DRAFT_TOKENS
     return min(MAX_DRAFT_TOKENS, decode_positions(cfg)) - 1

@@ -5,10 +5,8 @@ another inside it), and its time hardly depends on the number of layers: it is t
 and fusions of distinct shapes that cost. The engine's programs for a set of batch sizes,
 prompt buckets and steps per dispatch are independent of each other, and XLA releases the
 GIL while it compiles, so compiling them in threads cuts the wait from their sum to about the
-slowest one (llama-8b, the 9 programs of `rjax bench`: 76.7 s one after another, 31.1 s in 9
-threads on the H100; docs/kernels.md). Each program starts
-compiling as soon as it is lowered, while the next one lowers (lowering is Python, one
-program at a time: 7.5-12.7 s of those totals), which that measurement did not yet do.
+slowest one (docs/architecture.md, "Engine"). Each program starts compiling as soon as it is
+lowered, while the next one lowers (lowering is Python, one program at a time).
 
 Programs are lowered from abstract arguments (shapes and dtypes: no cache is allocated)
 through the same jitted functions the engine calls, so the later calls with real arrays find
@@ -59,7 +57,7 @@ class Program:
 class _Compiled:
     """Programs this process has compiled, by Program.key: a workload that asks again (every
     rjax.generate call asks for its two programs) finds them here without lowering them again,
-    which for a small model costs more than its whole decode (10-20 ms on the H100). Cleared with
+    which for a small model costs more than its whole decode on a GPU. Cleared with
     JAX's own caches (jax.clear_caches), whose executables the calls use; where this JAX cannot
     tell us, nothing is remembered."""
 

@@ -88,10 +88,9 @@ def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, passes: int = 4, 
     and elementwise passes, each reading and writing every byte), each timed as `batches` batches
     of `repeats` dispatches waited for together. A probe's rate is its fastest batch, and the
     fastest probe is the ceiling (`bytes_per_s`): a slower batch or probe only says that something
-    else held it back. (On the H100 one batch of 1 GiB copies in three read 2.0-2.6 TB/s against
-    2.7-2.8 for the others, and a median of three batches once put the ceiling at 2.24 TB/s, under
-    what the decode attention kernel read in the same run.) Also the device's nominal bandwidth
-    where it is known."""
+    else held it back (a median of batches once put the ceiling under what the decode attention
+    kernel read in the same run: docs/kernels.md). Also the device's nominal bandwidth where it
+    is known."""
     n = max(1, nbytes // 4)
     x = jnp.zeros((n,), jnp.float32)
     k = jnp.int32(passes)
@@ -102,8 +101,7 @@ def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5, passes: int = 4, 
         for _ in range(max(1, batches)):
             # `repeats` dispatches queued back to back and waited for once: the device runs them
             # one after another while the host's dispatch and wait are paid once, not per copy
-            # (one wait per 1 GiB copy read 2.3 TB/s on the H100, less than the decode attention
-            # kernel reads).
+            # (one wait per copy read less than the decode attention kernel reads).
             t0 = time.perf_counter()
             jax.block_until_ready([f(x, k) for _ in range(max(1, repeats))])
             samples.append((time.perf_counter() - t0) / max(1, repeats))

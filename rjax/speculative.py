@@ -374,12 +374,12 @@ def speculative_ids(cfg: ModelConfig, params: Params, cache: KVCache, prompt: li
         while call is not None:
             k, (out, state, cache, draft_cache) = call
             # The next call is launched before this one is read back when its K is already known:
-            # a launch costs the host about 3 ms (XLA updates the loop's CUDA graph), which then
+            # a launch is costly for the host (XLA updates the loop's CUDA graph), and then it
             # overlaps this call's rounds on the device. After the sequence has ended it runs no round.
             k_next = choose_k(alpha, candidates, cost_ratio)
             call = launch(k, state, cache, draft_cache) if k_next == k else None
             before = (stats.drafted, stats.accepted)
-            # One read back of everything the host needs (a sync per value cost about 1 ms a call).
+            # One read back of everything the host needs: a sync per value costs one round trip each.
             out, done, *counts = jax.device_get((out, state.done, state.steps, state.drafted, state.accepted))
             stats.steps, stats.drafted, stats.accepted = (int(c) for c in counts)
             stats.k_used.append(k)

@@ -40,8 +40,9 @@ __all__ = [
 
 # Query tokens per sequence up to which the decode kernel is used: always up to 8, and up to 16
 # while the tile's query rows (tokens x query heads per KV head, each padded to a power of two:
-# decode.token_rows) hold at most 64 x 128 values, as llama-8b's 16 x 4 rows of 128 do. A speculative verification of 9-16 positions (llama-8b
-# heads, 8k keys, H100): 27.5 us there against 100 us on the prefill kernel.
+# decode.token_rows) hold at most 64 x 128 values, as llama-8b's 16 x 4 rows of 128 do. A speculative
+# verification of 9-16 positions runs several times faster there than on the prefill kernel
+# (docs/kernels.md, "Decode").
 MAX_DECODE_TOKENS = 16
 _DECODE_TILE = 64 * 128
 

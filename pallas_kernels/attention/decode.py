@@ -61,18 +61,13 @@ def default_tiles(head_dim: int, kind: str | None = None, paged_programs: int | 
 
     A quantized cache at head dim 128 takes 64-key blocks: the program's shared memory halves,
     so at batch 1 twice the splits run (`merged_split_limit`), two programs to an SM, one
-    overlapping its arithmetic (casts, scales) with the other's loads. llama-8b heads, int8, one
-    token, H100: 32k keys 36.5 -> 31.1 us (32 splits of 64-key blocks in 3 stages against 16 of
-    128-key blocks in 4), 8k 16.5 -> 13.4, 128k 105.0 -> 98.6; batch 16 (2 splits) in 4 stages,
-    8k 103.5 -> 98.5, 32k 377.1 -> 365.0.
+    overlapping its arithmetic (casts, scales) with the other's loads.
 
     A paged cache (16-position pages; its pages looked up a block ahead, `kv_blocks.walk_cache`)
     takes 3 stages when quantized, and 128-key blocks except fp8 where 16 splits fill at most
     one wave (batch 1 of 8 KV heads). int8 gathers per-entry scales from the pages besides, so
-    fewer, larger blocks win there: batch 1 at 32k keys 34.7-35.0 us (16 splits of 128 keys)
-    against 37.8-37.9 (32 of 64), at 8k 14.1-14.2 against 15.1-15.2; fp8 went the other way
-    (32k 32.3 against 35.8 us, 8k 13.6 against 14.7, two hosts). Batch 4 at 8k, int8: 36.0 us in
-    3 stages against 38.8 in 4; batch 16 at 32k the same (396 us)."""
+    fewer, larger blocks win there; fp8 gains from the 64-key blocks' extra splits. Measurements:
+    docs/kernels.md, "Quantized KV caches"."""
     quantized = kind is not None
     if paged_programs is None:
         small = quantized and head_dim == 128
@@ -90,12 +85,10 @@ def stages_for(blocks_per_split: int, head_dim: int, quantized: bool, num_splits
                paged: bool = False) -> int:
     """Pipeline stages: `default_tiles`' where a split walks several blocks; two where it walks
     one (a sliding window, or a short cache spread over many splits), where deeper stages only
-    hold shared memory. gemma3-1b's heads (head dim 256), one token over a 512-key window, 9
-    splits, H100: bf16 8.1 -> 7.2 us, int8 13.7 -> 10.7, fp8 13.2 -> 9.6 (the fused kernel with
-    its rotation and append). Three for a quantized cache's batch-1 launch of more than 16
-    splits: llama-8b heads, int8, 32 splits, 8k keys 14.7 -> 13.4 us, 32k 32.1 -> 31.1, 128k
-    99.7 -> 98.6 (at batch 16, 2 splits, 4 stages stay faster: 32k 379 against 365 us). A
-    paged cache: `default_tiles`."""
+    hold shared memory. Three for a quantized cache's batch-1 launch of more than 16 splits, where
+    two programs share an SM (at batch 16, 2 splits, 4 stages stay faster). A paged cache:
+    `default_tiles`. Measurements: docs/kernels.md, "One-token decode" (Stages) and "Quantized KV
+    caches"."""
     if blocks_per_split <= 1:
         return 2
     if quantized and num_splits > MAX_MERGED_SPLITS:
@@ -108,8 +101,8 @@ def merged_split_limit(quantized: bool, group: int, head_dim: int, block_k: int)
     blocks at head dim 128 (`default_tiles`) with up to 4 query heads per KV head. The last
     program holds every split's partial rows (the group's, padded to a power of two) in
     registers: 32 x 4 x 128 floats, as 16 splits hold at head dim 256. A 16-bit cache was slower
-    with 32 splits (8k keys, batch 1: 17.1 -> 19.7 us), and so were 32 splits of 128-key blocks
-    (8k 16.8-17.6 us against 16.5 for 16)."""
+    with 32 splits, and so were 32 splits of 128-key blocks (docs/kernels.md, "Quantized KV
+    caches")."""
     if quantized and head_dim == 128 and block_k == 64 and pl.next_power_of_2(group) <= 4:
         return 2 * MAX_MERGED_SPLITS
     return MAX_MERGED_SPLITS
@@ -118,20 +111,15 @@ def merged_split_limit(quantized: bool, group: int, head_dim: int, block_k: int)
 def default_num_splits(batch: int, kv_heads: int, num_keys: int, block_k: int, merged_in_kernel: bool,
                        quantized: bool = False, limit: int = MAX_MERGED_SPLITS) -> int:
     """Merged in the kernel (one query token): up to one wave of programs, down to one key block
-    per split. At batch 1 the time is the latency of a program's chain of blocks: 8 splits of one
-    block took 4.7 against 8.0 us for one split of a 1,024-key smollm2 cache (the kernel timed
-    alone, H100). Beyond one wave the extra programs and partials cost
-    more than they save: llama-8b at batch 8 spent 19.4 us per layer with 5 splits, 13.7 with 2
-    (benchmarks/profile_decode.py).
+    per split. At batch 1 the time is the latency of a program's chain of blocks, which more,
+    shorter splits cut. Beyond one wave the extra programs and partials cost more than they save.
 
     Merged by XLA: about two waves, and at least 4 blocks per split: there the extra partials
-    cost two more launches, and one block per split decoded smollm2 8% slower end to end (761 vs
-    840 tokens/s).
+    cost two more launches, and one block per split decoded slower end to end.
 
     A quantized cache, merged in the kernel: up to two waves. Its programs spend more of each
     block on arithmetic (casts, scales) per byte, and two of them per SM overlap one's
-    arithmetic with the other's loads: int8 at 32k keys, batch 16 (128 KV heads), 2 splits
-    took 406-455 against 526 us for one."""
+    arithmetic with the other's loads. Measurements: docs/kernels.md, "One-token decode"."""
     programs = batch * kv_heads
     if merged_in_kernel:
         waves = 2 if quantized else 1
@@ -155,11 +143,9 @@ def merges_in_kernel(batch: int, kv_heads: int, visible_keys: int, block_k: int,
     The in-kernel merge takes at most `limit` splits (`merged_split_limit`). Where the batch's
     (sequence, KV head) programs at that many splits fill under half the GPU and each would walk a
     long run of blocks, the kernel leaves its partials to XLA's combine instead, which takes any
-    number of splits: gemma3-1b's heads (one KV head, head dim 256) at batch 1 over 32k keys, H100,
-    kernel time with the combine (benchmarks/kv_dtype.py's chain): bf16 44.2 -> 23.0 us, int8 58.5
-    -> 20.0, fp8 55.7 -> 19.1. Over a 512-key window the in-kernel merge stays faster (bf16 9.2
-    against 11.4 us), as it is for llama-8b's eight KV heads (8k keys: 18.8 against 20.1 us; 32k:
-    51.7 against 59.6)."""
+    number of splits (gemma3-1b's one KV head over a long cache). Over a short window, and for
+    llama-8b's eight KV heads, the in-kernel merge stays faster (docs/kernels.md, "One-token
+    decode")."""
     few = 2 * batch * kv_heads * limit < NUM_SMS_H100
     return not (few and visible_keys > 4 * limit * block_k)
 
@@ -737,8 +723,8 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, q_pos, kv_len, *, 
 def _paged_tiles(D, block_k, num_warps, num_stages, kind, programs: int, page_size: int) -> dict:
     tiles = _tiles(D, block_k, num_warps, num_stages, kind, programs)
     if block_k is None and 64 <= page_size < tiles["block_k"]:
-        # One page per block reads a plain slice instead of gathering rows from several pages:
-        # 103 us vs 109 us at B=8, ctx 8k, page_size 64 on the H100.
+        # One page per block reads a plain slice instead of gathering rows from several pages
+        # (docs/kernels.md, "Decode").
         tiles["block_k"] = page_size
     return tiles
 

@@ -73,9 +73,8 @@ def walk_cache(ranges, state, step, table_ref, block_k: int, layout: CacheLayout
     """`flash.walk_blocks` over the cache with step(block, state, masked, pages): `pages` is None
     for a contiguous cache; a paged cache's walk looks each block's pages up one block ahead and
     carries them, so a block's K/V loads wait on no table load of their own (which Triton's
-    pipeline does not hide: paged decode attention, H100, int8 at 32k keys and batch 1, 40.6 ->
-    37.8 us). Two or three blocks ahead, the carry a tuple of page vectors, were slower: 34.8 ->
-    62.7 / 63.1 us there, 14.1 -> 18.7 / 18.9 at 8k keys."""
+    pipeline does not hide). Two or three blocks ahead, the carry a tuple of page vectors, were
+    slower (docs/kernels.md, "Quantized KV caches")."""
     if not layout.paged:
         return flash.walk_blocks(ranges, state, lambda b, st, masked: step(b, st, masked, None), within=within)
 
@@ -181,7 +180,7 @@ sub.f16x2 $1, t1, bias;
 # times 2**-8 (e4m3's exponent bias is 7, float16's 15), subnormals included, so it is exact and the
 # 2**8 goes into the per-head scale (`widened_unit`). Six integer instructions for four values
 # instead of two paired conversions, which held the fp8 decode kernel under int8's speed at
-# long contexts (H100, 128k keys, batch 1: 109.4 -> 101.7 us).
+# long contexts (docs/kernels.md, "Quantized KV caches").
 _E4M3_TO_F16X2_ASM = """{
 .reg .b32 t0, t1;
 prmt.b32 t0, $2, 0, 0x9180;

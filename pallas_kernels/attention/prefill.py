@@ -7,9 +7,9 @@ outside the window and beyond kv_len are skipped), and applies a mask only on th
 Programs are launched heaviest first (last query tiles see the most keys) so the causal tail does
 not leave the GPU idle.
 
-Lowering: Pallas's Triton lowering. On the H100 the contiguous bf16/f16 prefill goes to the Mosaic
-GPU kernel in prefill_mgpu.py instead (1.00x cuDNN against this kernel's 0.84x at S=2048, D=128;
-docs/kernels.md). This kernel stays the general path: the paged cache (per-block page
+Lowering: Pallas's Triton lowering. On Hopper the contiguous bf16/f16 prefill goes to the Mosaic
+GPU kernel in prefill_mgpu.py instead, which measured level with cuDNN where this one trails it
+(docs/kernels.md, "Prefill"). This kernel stays the general path: the paged cache (per-block page
 gathers are plain pointer loads in Triton), float32 inputs, head dims or cache lengths the Mosaic
 kernel does not tile, and other GPUs; it also runs under `interpret=True` on the CPU, which the
 tests rely on. Triton emits Hopper wgmma for the 16-bit products. It is also the prefill of a
@@ -37,9 +37,9 @@ def default_tiles(head_dim: int) -> dict:
         return dict(block_q=128, block_k=64, num_warps=4, num_stages=3)
     if head_dim <= 128:
         return dict(block_q=128, block_k=64, num_warps=8, num_stages=3)
-    # 64/64/4 warps/2 stages is the D=256 tile checked against the reference on the H100 (244 us at
-    # S=2048). 128/64/8 warps/2 stages timed faster (187 us) but has not been checked there;
-    # 3 stages overflow shared memory.
+    # 64/64/4 warps/2 stages is the D=256 tile checked against the reference on the H100.
+    # 128/64/8 warps/2 stages timed faster (docs/kernels.md, "Prefill") but has not been checked
+    # there; 3 stages overflow shared memory.
     return dict(block_q=64, block_k=64, num_warps=4, num_stages=2)
 
 

@@ -19,8 +19,8 @@ Structure of one program (CTA), which owns two tiles of `block_q` query rows of 
 - the two compute warpgroups take turns (`ping_pong`), so one's softmax overlaps the other's
   matrix products.
 
-Lowering: Mosaic GPU, chosen over the Triton-lowered kernel because it measured 0.94-1.02x cuDNN
-on the H100 where that one reached 0.79-0.84x (docs/kernels.md). On the CPU it runs in
+Lowering: Mosaic GPU, chosen over the Triton-lowered kernel because it measured level with cuDNN
+where that one trails it (docs/kernels.md, "Prefill"). On the CPU it runs in
 the Mosaic GPU interpreter (`interpret=True`), where the P @ V product is staged through shared
 memory because the interpreter takes wgmma operands from shared memory and fresh accumulators only.
 """
@@ -43,7 +43,8 @@ _WG_ROWS = plgpu.Layout.WGMMA.reduce(1)  # layout of a per-row vector of a [rows
 
 def default_tiles(head_dim: int) -> dict:
     """block_kv and ring depth that fit the 227 KB of shared memory per SM. Ping-pong measured no
-    gain at head dim 256 (161 vs 162 us) and was only checked on the GPU up to 128: off there."""
+    gain at head dim 256 (docs/kernels.md, "Prefill") and was only checked on the GPU up to 128:
+    off there."""
     if head_dim <= 128:
         return dict(block_q=64, block_kv=128, stages=2, ping_pong=True)
     return dict(block_q=64, block_kv=64, stages=2, ping_pong=False)

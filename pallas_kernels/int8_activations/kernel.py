@@ -6,10 +6,10 @@ lanes): `lanes(ref, ...)` loads one lane of every word of GP groups from group g
 4) per lane with GP a power of two (Triton tiles), so that packing four int8 into a word is
 four shifts and ors, with no data moved between threads. Rows are split into chunks of
 CHUNK_GROUPS groups, one program each: a group needs nothing from outside it, and one program
-per row was bound by the one SM's issue rate (6.4 us for the GLU at K = 14336 on the H100). `store_quantized` rounds such a row and
-writes the QuantizedX planes. `quantize_rows` runs it on a plain row or, for the FFN's down
-projection, on act(gate) * up straight from the fused gate/up product, so that the GLU costs
-no kernel of its own.
+per row was bound by the one SM's issue rate (docs/kernels.md, "Norms and activations").
+`store_quantized` rounds such a row and writes the QuantizedX planes. `quantize_rows` runs it
+on a plain row or, for the FFN's down projection, on act(gate) * up straight from the fused
+gate/up product, so that the GLU costs no kernel of its own.
 
 Rounding is IEEE, as `quantize_x` rounds in XLA: division and round-half-even by one PTX
 instruction each (Triton's own division is approximate and Pallas-Triton has no rounding

@@ -2,8 +2,8 @@
 
 At decode, between the QKV product and attention XLA runs the sum of the split-K product's
 partial sums, the bias, the split into q, k and v, the rotation of q and of k, and one in-place
-update per cache (k, v): five or six fusions of a few kilobytes each, every one a launch of
-1-1.5 us. This kernel does all of it in one launch. One program per (sequence, KV head) sums
+update per cache (k, v): five or six fusions of a few kilobytes each, every one a launch that costs
+more than its bytes. This kernel does all of it in one launch. One program per (sequence, KV head) sums
 the partials (and bias) of the G query rows of that KV head's group and of its key and value
 row, rounds them to the compute dtype (as the product would have been), applies a model's
 per-head q and k RMS norms (Gemma's) where given, rotates them in float32 with angles computed

@@ -17,9 +17,9 @@ from gguf_blocks.formats import Q4_KChunks
 from gguf_blocks.qtensor import QTensor
 
 PATHS = ("fused", "dequant_dot")
-# Measured on the H100 (notes): at M=2048, dequantize + XLA's bf16 dot ran at 445-462
-# TFLOP/s against 229-308 for the fused kernel (4096x4096, Q4_K/Q8_0). The fused kernel is
-# used below FUSED_MAX_M rows, where the fixed cost of writing the dequantized weight weighs more.
+# Dequantize + XLA's bf16 dot outran the fused kernel at every measured M (docs/kernels.md,
+# "Tried and not kept"). The fused kernel is used below FUSED_MAX_M rows, where the fixed cost
+# of writing the dequantized weight weighs more.
 FUSED_MAX_M = 0
 
 

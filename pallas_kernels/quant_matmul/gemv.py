@@ -40,8 +40,7 @@ VALUES_PER_STEP = 256
 PROGRAMS = 320
 PROGRAMS_BY_TYPE = {QType.Q4_K: 528}
 # At M = 1 the CUDA-core path with small 8..16-row tiles beat the tensor-core path for these
-# types (14336x4096: Q8_0 40 vs 45 us, Q6_K 45 vs 64, Q4_0 37 vs 44, Q4_1 41 vs 47, Q5_0 45
-# vs 87), and lost for Q4_K (76 vs 53 us).
+# types, and lost for Q4_K (docs/kernels.md, "The float kernel").
 FMA_AT_M1 = {
     QType.Q8_0: dict(block_n=16, programs=264),
     QType.Q6_K: dict(block_n=16, programs=264),
@@ -52,13 +51,11 @@ FMA_AT_M1 = {
 # The int8 kernel's tiles: block_n, values per step, warps, prefetch (best at the 8B shapes).
 INT8_TILES = {
     QType.Q8_0: (8, 512, 4, True),
-    QType.Q4_K: (8, 1024, 4, True),    # for Q4_KChunks (packed scales: prefetch 5% slower)
+    QType.Q4_K: (8, 1024, 4, True),    # for Q4_KChunks (with packed scales prefetch was slower)
     QType.Q4_1: (32, 256, 4, False),
-    # Q4_0 reads words (`reads_words`): 14336x4096 at M=1 16.4 us against 19.7-21.8 on bytes
-    # with (32, 256, 4, False), 4096x14336 20.8 against 23.2-23.6.
+    # Q4_0 reads words (`reads_words`); these tiles beat (32, 256, 4, False) on bytes.
     QType.Q4_0: (16, 1024, 4, True),
-    # 128256x4096, scales as words: 177 us; 32 x 1024: 192 (213 with byte scales), 64 x 512
-    # with 8 warps: 181. 128256x2048: 89 us against 102 (108 with byte scales).
+    # LM heads, scales as words; other tiles and byte scales lost (docs/kernels.md, "The int8 GEMV").
     QType.Q6_K: (32, 512, 4, True),
 }
 INT8_PROGRAMS = 264
@@ -87,17 +84,17 @@ class Tuning:
     int8_min_values_rounded_first: int = 2**24
     # From this many weight values the producer of x (the norm or GLU kernel before the
     # product) rounds it to int8 instead of every program of the product: Q4_K at every size
-    # (in-kernel rounding cost 35% more kernel time at the 8B shapes), Q8_0 from 2**25.
+    # (in-kernel rounding costs it most at the 8B shapes), Q8_0 from 2**25.
     int8_producer_min_values: tuple = _per_type(Q4_K=0, Q8_0=2**25, Q4_1=2**25, Q4_0=2**25)
     # Down products of up to this many rows on the float kernel's CUDA-core tiles take the
-    # GLU's [gate | up] and apply it as they load x (smollm2 step: 658 against 690 us of kernels).
+    # GLU's [gate | up] and apply it as they load x (30 kernels fewer in a smollm2 step).
     gated_x_max_m: int = 1
     # Products on the int8 GEMV of up to this many rows whose output goes through the residual
     # add and an RMS norm into other int8 products do that add and norm in their own kernel
-    # (batch 1 llama-8b +5.2%; batch 4 -10%, where the last program merges four rows).
+    # (it gains at batch 1 and loses at batch 4, where the last program merges four rows).
     add_norm_max_m: int = 1
     # Products of up to this many rows on the float kernel's CUDA-core tiles take the residual
-    # add + RMS norm before them pending (smollm2 q/k/v 2.57 against 3.60 us with the norm kernel).
+    # add + RMS norm before them pending (a norm kernel fewer).
     pending_norm_max_m: int = 1
     # Programs whose rows exceed this many tiles take more weight rows (each loads x's whole row).
     pending_norm_max_tiles: int = 640
@@ -106,7 +103,7 @@ class Tuning:
     # in their own kernel (a speculative verification's positions: two norm kernels fewer per layer).
     rows_add_norm_max_m: int = 16
     # The float kernel's tensor-core tiles dequantize Q4_K/Q4_0/Q4_1 with bf16x2 PTX for up to
-    # this many rows (14336x4096 M=16: 30.8 against 50.0 us). 0 turns it off.
+    # this many rows, where they beat the float32 path. 0 turns it off.
     bf16x2_max_m: int = MAX_M
     # The wgmma kernel: up to this many rows, from the per-type fewest rows and weight sizes
     # (x's permutation into its K order costs small Q4_K/Q4_0/Q4_1 products what it gains).
@@ -117,8 +114,7 @@ class Tuning:
     # kernels read words faster; Q8_0 only where the wgmma kernel takes its batched products).
     words_min_values: tuple = _per_type(Q4_K=0, Q6_K=2**27, Q8_0=0, Q4_0=2**24)
     # One-token decode steps of up to this many sequences run rotation, K/V append and
-    # attention as one kernel (decode_rope_attention): one launch fewer per layer, 20-25 us of
-    # kernel time out of a batch-1 step on the H100 (llama-1b 772 -> 752 us, smollm2 831 -> 805).
+    # attention as one kernel (decode_rope_attention): one launch fewer per layer.
     fused_rope_max_rows: int = 256
     # That kernel hands its output to an int8 output product rounded to int8, so that the
     # product does not round it per program.
@@ -168,13 +164,10 @@ def int8_path(w: QTensor, m: int, dtype, tuning: Tuning = TUNING) -> str | None:
 
 def reads_words(qtype: QType, n: int, k: int, tuning: Tuning = TUNING) -> bool:
     """Whether a GPU model holds this weight's quant planes as int32 words (gguf_blocks.words),
-    which its decode kernels read faster: Q4_K's int8 GEMV ran 1.26-1.42x faster on words, its
-    float kernel (M > 4) 1-8% slower; Q6_K's int8 GEMV (output layers) gained up to 16%, its
-    float kernel lost 45% at M=1 (so smaller Q6_K weights stay bytes); Q8_0's int8 GEMV gained
-    7-11% but its float kernel lost 15-28% (so Q8_0 weights are words only where the wgmma
-    kernel can take their batched products), and Q4_1's int8 GEMV lost 30%. Q4_0's int8 GEMV,
-    its tiles retuned for words, ran 1.13-1.3x faster at llama-8b's shapes (those of at least
-    2**24 values, which take it at M=1)."""
+    which its decode kernels read faster. The float kernel reads Q6_K and Q8_0 words slower, so
+    smaller Q6_K weights stay bytes and Q8_0 weights are words only where the wgmma kernel can
+    take their batched products; Q4_1's int8 GEMV lost on words. Q4_0 takes words from 2**24
+    values, the weights on its int8 GEMV at M=1 (docs/kernels.md, "Quantized products")."""
     least = Tuning.get(tuning.words_min_values, qtype)
     return (least is not None and n * k >= least
             and (qtype != QType.Q8_0 or wgmma.supports_shape(n, k)))
@@ -189,11 +182,9 @@ def rounds_x_itself(qtype: QType, m: int, n: int, k: int, tuning: Tuning = TUNIN
 def default_int8_config(qtype: QType, m: int, n: int, k: int) -> int8.Int8GemvConfig:
     """The int8 kernel's measured tiles; K is split until there are about INT8_PROGRAMS programs.
 
-    One row of Q4_K with K <= 2048 < N: 4 weight rows per program and twice the programs. H100,
-    us per product in llama-1b's decode step (benchmarks/profile_decode.py): 3072x2048 3.2 vs
-    3.6, 16384x2048 8.7 vs 9.4. Timed alone, the square products gained
-    too (4096x4096 5.6 vs 6.0), but in the model they lost (9.8 vs 7.5 us at llama-8b, 3.5 vs
-    3.3 at llama-1b), so they keep the default."""
+    One row of Q4_K with K <= 2048 < N: 4 weight rows per program and twice the programs, which
+    gained in llama-1b's decode step. Timed alone, the square products gained too, but in the
+    model they lost, so they keep the default (docs/kernels.md, "The int8 GEMV")."""
     block_n, values, warps, prefetch = INT8_TILES[qtype]
     programs = INT8_PROGRAMS
     if qtype == QType.Q4_K and m == 1 and k <= 2048 < n:

@@ -12,8 +12,8 @@ x is either a `QuantizedX`, rounded by the kernel that produced it (the RMS norm
 q/k/v and gate/up products, the GLU before the down product; pallas_kernels.int8_activations),
 or plain activations, which every program rounds itself for the K range it covers (a 32-value
 group needs nothing from outside it). The second saves the producer's extra work and, where
-nothing else would have produced the rounded x, a launch; it costs per-step reductions here:
-25-35% of the kernel time for Q4_K at the 8B shapes, less than a launch at the 1B ones.
+nothing else would have produced the rounded x, a launch; it costs per-step reductions here,
+much of the kernel time for Q4_K at the 8B shapes, less than a launch at the 1B ones.
 `rounds_x_itself` says which (measured, docs/kernels.md).
 
 Weights are read as 32-bit words, four packed bytes at a time: the quant planes come either
@@ -30,8 +30,8 @@ is left pending in the QuantizedX as per-group sums of squares, and the consumer
 its sums by it. The group's 32 output rows come from several programs (row tiles, K splits):
 each stores its partial sums and adds one to the group's count (atomic, after a block
 barrier), and the one that arrives last merges them, as the decode attention merges its
-splits. H100, llama-8b: the output and down products take 1.5-1.7 us more, the
-two norm kernels and their gaps (about 9.7 us per layer) go; batch-1 decode 345 -> 363 tokens/s.
+splits. The two norm kernels per layer and their gaps go, for a little more time in the
+output and down products (docs/kernels.md, "The int8 GEMV").
 
 Lowering: Pallas' Triton backend, with `dp4a` as inline PTX (`elementwise_inline_asm`):
 neither Pallas-Triton nor Mosaic GPU exposes an integer dot-product primitive. In Pallas'
@@ -269,7 +269,7 @@ def _q4_k_halves(d, dmin, scale_min, qs, xs, ip):
             s = _f(jnp.sum(dp4a(q, xw[None], 0, ip), axis=-1))
             # Kept per chunk, (BN, BKB, 4), and summed over the chunks once, after the loop:
             # summed here, XLA's Triton spread the chunk axis over lanes and spent 32 shuffles
-            # and 32 adds per step on it (SASS under ncu, H100); 9-12% faster without.
+            # and 32 adds per step on it (SASS under ncu, H100).
             out[i] = out[i] + (dsc * s * xd[None] - dmn * xsum[None])
     return out
 
@@ -292,9 +292,8 @@ def _dot_q4_k(w, xs, ip):
 
 def _w_tile_q4_k_chunks(w_refs, rows, blocks, wmask):
     """Q4_K in the Q4_KChunks layout: one scale word per quant chunk, aligned with the chunk
-    axis of the quants, instead of the 12 packed bytes (measured 22-25% faster at the 8B
-    shapes: the packed bytes cost five loads per row and block and ~20 integer ops per 32
-    values to unpack)."""
+    axis of the quants, instead of the 12 packed bytes (measured faster: the packed bytes cost
+    five loads per row and block and ~20 integer ops per 32 values to unpack)."""
     d_ref, dmin_ref, cs_ref, qs_ref = w_refs
     return (load_masked(d_ref, (rows, blocks), wmask), load_masked(dmin_ref, (rows, blocks), wmask),
             load_masked(cs_ref, (rows, blocks, slice(None)), wmask),
@@ -504,8 +503,7 @@ def _kernel(*refs, fmt, cfg, split_out, m_rows, n_rows, n_blocks, blocks_per_spl
     ms = list(range(m_rows))
     # x with a norm still to apply: its rows' sums of squares are loaded before the loop, so
     # that the load hides behind the weight stream, and reduced to one scale per row after it
-    # (a reduction before the loop, with its block barrier, delayed the first weight loads:
-    # 3 us more at 28672x4096 on the H100).
+    # (a reduction before the loop, with its block barrier, delayed the first weight loads).
     row_ss = _load_row_ss(refs[n_x], m_rows, x_norm[0]) if x_norm is not None else None
     norm_inputs = _add_norm_inputs(refs[n_in - 3], refs[n_in - 2], n0 // 32, m_rows) if add_norm else None
 
@@ -623,7 +621,7 @@ def _launch(x, w: QTensor, cfg: Int8GemvConfig, interpret: bool, partials: bool,
     out_dtype = x.dtype
     if not isinstance(x, QuantizedX) and (w.qtype == QType.Q6_K or m_rows > ROUNDS_IN_KERNEL_MAX_M):
         # Rounded first, in one small kernel: per program, Q6_K's 16-value groups made the
-        # kernel 6x slower (H100, notes), and many rows multiply the rounding work.
+        # kernel several times slower, and many rows multiply the rounding work.
         impl = "interpret" if interpret else "pallas"
         x = (quantize(x.gate_up, x.activation, implementation=impl) if isinstance(x, GatedX)
              else quantize(x, implementation=impl))

@@ -38,9 +38,8 @@ M=16 took twice the M=1 time (docs/kernels.md). Here:
   m, Q5_0's d and high-bit words) are loaded one super-block ahead as (64, 8) tiles in the
   WGMMA layout, where each thread holds two of its rows' eight values, and the dequantizer
   takes the others from the thread's quad by shuffles (`_quad_word`). Loading each value
-  per row instead (eight or sixteen loads per super-block) was the bottleneck: at 14336x4096
-  and 16 rows Q4_1 took 27.9 us against 19.3, Q5_0 28.7 against 24.7, Q4_0 19.3 against 16.8,
-  Q8_0 29.0 against 27.5.
+  per row instead (eight or sixteen loads per super-block) was the bottleneck (docs/kernels.md,
+  "The wgmma skinny GEMM").
 
 Numerics: as the Triton kernel's bf16x2 path: scale and bias rounded to bf16, then one rounding
 of q * s + b (Q8_0 and Q6_K: of v * s); float32 accumulation.
@@ -587,10 +586,8 @@ def supports(w) -> bool:
 
 def default_config(n: int, k: int) -> WgmmaConfig:
     """The most super-blocks per program (8, 4, 2, 1 dividing K's) that still give
-    PROGRAMS programs. H100 at M=16: Q4_K 14336x4096 8 per program and
-    2 stages 18.7 us, 2 or 4 per program 19.0-19.4, 4 stages 23-24; 4096x4096 4 per program
-    (256 programs) 7.4 us, 2 (512) 7.8, and Q8_0 9.6 against 11.4; Q8_0 16384x2048 8 per
-    program (256) 15.9 against 17.8 with 4, where Q4_K lost 2.5%."""
+    PROGRAMS programs, in 2 stages: the fastest measured at M=16 (docs/kernels.md, "The wgmma
+    skinny GEMM")."""
     nb, tiles = k // 256, n // _ROWS
     for bps in (8, 4, 2):
         if nb % bps == 0 and tiles * (nb // bps) >= PROGRAMS:

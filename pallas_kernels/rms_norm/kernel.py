@@ -12,9 +12,8 @@ for the int8 decode GEMV that reads it (pallas_kernels.int8_activations), in the
 the row is then handled as 32-value groups of four byte lanes (K a multiple of 32), by a few
 programs per row, each over CHUNK_GROUPS groups: every program reads the whole row for the
 sum of squares (a few kilobytes, from L2) and rounds and writes its chunk only. With one
-program per row the rounding was bound by one SM's issue rate: 6.7 us at K = 4096 against
-3.5 us chunked (H100). The plain norm stays at one program per row (chunked: 3.3 against
-3.0 us at K = 4096).
+program per row the rounding was bound by one SM's issue rate. The plain norm stays at one
+program per row, where chunks measured slower (docs/kernels.md, "Norms and activations").
 
 Lowering: Pallas' Triton backend (a row reduction and elementwise ops; Mosaic GPU brings
 nothing for a kernel this small). Rows of any K: the row is one power-of-two tile, masked.
