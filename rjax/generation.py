@@ -417,6 +417,10 @@ def serve_ids(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens:
                            steps_per_dispatch=steps_per_dispatch, max_stop_ids=max(8, len(stop_ids)),
                            speculative=None if speculative is None else "ngram" if draft is None else "model",
                            draft_tokens=draft_tokens,
+                           # One call's prompts start together: sharing a prefix among them would
+                           # hold every prompt after the first back a step and build a second
+                           # prefill program for the remainders, more than a shared prompt saves.
+                           prefix_cache=False,
                            kv_dtype=jnp.dtype(activation_dtype()).name if check_kv_dtype(kv_dtype) == "bf16"
                            else kv_dtype)
     eng = ServingEngine(cfg, model.params, config, stop_ids=stop_ids, seed=seed,
