@@ -1163,7 +1163,7 @@ def test_default_model_52_json_schemas_and_a_tool_call(smollm2):
 
     import jsonschema
 
-    schemas = json.loads((pathlib.Path(__file__).parent / "data" / "json_schemas.json").read_text())
+    schemas = json.loads((pathlib.Path(__file__).resolve().parents[1] / "data" / "json_schemas.json").read_text())
     config = ServingConfig(n_slots=32, max_len=320, page_size=16, steps_per_dispatch=8, prefill_buckets=(1, 8, 32),
                            max_prefill_tokens=2048)
     with _server(smollm2, tokenizer=smollm2.tokenizer, config=config, max_queued=64, precompile=False) as s:
