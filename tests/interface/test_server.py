@@ -32,7 +32,7 @@ from rjax.server.app import ServerSettings, create_app
 from rjax.server.loop import EngineLoop, Setup
 from rjax.server.metrics import Metrics
 from rjax.serving import ServingConfig, ServingEngine
-from tests import fuzz
+from tests.fuzz import http_body
 
 MODEL = "tiny"
 # Positions per sequence 64: a prompt of 64 tokens is too long, 10 + 60 new tokens too many.
@@ -556,16 +556,16 @@ HTTP_CASES = 300
 
 
 def test_fuzzed_request_bodies_get_200_or_a_4xx(srv):
-    """Seeded fuzzed bodies (tests/fuzz.py: wrong types, ranges and encodings, unknown fields,
+    """Seeded fuzzed bodies (tests/fuzz/http_body.py: wrong types, ranges and encodings, unknown fields,
     broken messages, damaged JSON): each gets a 200 or a 4xx with an OpenAI error body, never a
     500, an error inside a 200 stream, or a hang; and the engine is left idle."""
     counts, failures = collections.Counter(), []
     with httpx.Client(timeout=30) as client:
         for i in range(HTTP_CASES):
-            path, body, what = fuzz.http_body_case(random.Random(f"http:{i}"), MODEL)
+            path, body, what = http_body.http_body_case(random.Random(f"http:{i}"), MODEL)
             try:
                 r = client.post(srv.url + path, content=body, headers={"Content-Type": "application/json"})
-                outcome = fuzz.http_outcome(r.status_code, r.headers.get("content-type", ""), r.text)
+                outcome = http_body.http_outcome(r.status_code, r.headers.get("content-type", ""), r.text)
             except httpx.TimeoutException:
                 outcome = "FAIL hang"
             counts[outcome.split(":")[0]] += 1
