@@ -1026,7 +1026,7 @@ def test_penalties_bias_and_min_p_through_the_client(srv, model):
     """A greedy completion with all three penalties and a logit_bias equals the host reference
     of their definitions (tests/math/test_sampling_adjust.py); a sampled one at min_p 1 equals greedy; a chat
     stream with include_usage ends with the usage chunk."""
-    from test_adjust import reference
+    from tests.math.test_sampling_adjust import reference
 
     from rjax.model import forward
 
