@@ -185,12 +185,17 @@ def _short_names(layer: str) -> set[str]:
     return {"_".join(m.split(".")[1:]) for m in names} - {""} | ({"rjax"} if "rjax" in names else set())
 
 
+# The test files that stay at the top of tests/: they check no one module but the whole.
+CROSS_CUTTING = ("test_layers.py", "test_gpu_smoke.py", "test_notebooks.py", "test_oracle.py")
+
+
 def test_the_tests_mirror_the_layers():
     """tests/<layer>/test_<module>[_<aspect>].py: every test file in a layer's folder names a
-    module of that layer, and no folder of tests/ holds test files but is not a layer (the
-    cross-cutting checks stay at the top)."""
+    module of that layer, no folder of tests/ holds test files but is not a layer, and only the
+    cross-cutting checks stay at the top."""
     tests = ROOT / "tests"
-    wrong = []
+    top = {p.name for p in tests.glob("test_*.py")} - set(CROSS_CUTTING)
+    wrong = [f"tests/{name}: a test of one module goes in tests/<layer>/" for name in sorted(top)]
     for path in sorted(tests.glob("*/test_*.py")):
         layer, stem = path.parent.name, path.stem.removeprefix("test_")
         if layer not in LAYERS:
