@@ -71,7 +71,7 @@ def check_against_oracle(cfg, params, ids, ref, *, max_len: int, decode_steps: i
 def greedy_from(cfg, params, cache, last_logits, n: int) -> np.ndarray:
     """n greedy tokens for each row of a just-prefilled `cache` whose last prompt logits are
     `last_logits` [B, vocab]: the argmax of those, then the engine's on-device greedy loop (what
-    `rjax.generate` runs at temperature 0; tests/test_engine.py checks it against the sampling
+    `rjax.generate` runs at temperature 0; tests/engine/test_engine.py checks it against the sampling
     loop at temperature 0). -> [B, n]."""
     B = last_logits.shape[0]
     first = jnp.argmax(last_logits, axis=-1).astype(jnp.int32)

@@ -175,3 +175,31 @@ def test_the_facade_exports_only_from_the_layers_below_the_interface():
     modules = ast.literal_eval(exports).keys()
     assert [m for m in modules if ORDER.index(_layer_of(m)) > ORDER.index("runtime")
             or _layer_of(m) == "kernels"] == []
+
+
+def _short_names(layer: str) -> set[str]:
+    """How a test file names the modules of `layer`: the dotted name without its top package,
+    joined by "_" (pallas_kernels.attention.decode -> attention_decode); a whole package by its
+    name (gguf_blocks.* -> any module of gguf_blocks)."""
+    names = {m for m in SOURCES if _layer_of(m) == layer}
+    return {"_".join(m.split(".")[1:]) for m in names} - {""} | ({"rjax"} if "rjax" in names else set())
+
+
+# The test files that stay at the top of tests/: they check no one module but the whole.
+CROSS_CUTTING = ("test_layers.py", "test_gpu_smoke.py", "test_notebooks.py", "test_oracle.py")
+
+
+def test_the_tests_mirror_the_layers():
+    """tests/<layer>/test_<module>[_<aspect>].py: every test file in a layer's folder names a
+    module of that layer, no folder of tests/ holds test files but is not a layer, and only the
+    cross-cutting checks stay at the top."""
+    tests = ROOT / "tests"
+    top = {p.name for p in tests.glob("test_*.py")} - set(CROSS_CUTTING)
+    wrong = [f"tests/{name}: a test of one module goes in tests/<layer>/" for name in sorted(top)]
+    for path in sorted(tests.glob("*/test_*.py")):
+        layer, stem = path.parent.name, path.stem.removeprefix("test_")
+        if layer not in LAYERS:
+            wrong.append(f"{path.relative_to(ROOT)}: {layer} is not a layer")
+        elif not any(stem == n or stem.startswith(n + "_") for n in _short_names(layer)):
+            wrong.append(f"{path.relative_to(ROOT)}: names no module of the {layer} layer")
+    assert wrong == [], "\n".join(wrong)

@@ -1,4 +1,4 @@
-"""Runs in its own process with 8 forced host devices (tests/test_tensor_parallel.py starts it):
+"""Runs in its own process with 8 forced host devices (tests/math/test_tensor_parallel.py starts it):
 a model on one device and split over 2, 4 and 8, the same prompts through each.
 
     python tests/tp_worker.py MODEL OUT.npz [--tp 2,4,8] [--steps N] [--fuse] [--logits-only] [--draft-tp N] [--gpu]

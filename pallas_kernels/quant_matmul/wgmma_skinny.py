@@ -47,7 +47,7 @@ of q * s + b (Q8_0 and Q6_K: of v * s); float32 accumulation.
 Mosaic GPU, not Triton: Triton cannot hand registers to the MMA in a layout of our choosing.
 The kernel does not run in Mosaic GPU's interpreter (inline Mosaic code and wgmma operands from
 registers), so on the CPU `reference_arithmetic` checks the same arithmetic and order, and the
-H100 tests run the kernel (tests/test_quant_matmul_gpu.py).
+H100 tests run the kernel (tests/kernels/test_quant_matmul.py).
 """
 from __future__ import annotations
 

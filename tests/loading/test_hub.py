@@ -20,7 +20,7 @@ from rjax import catalog, hub
 from rjax.catalog import CatalogError
 from rjax.hub import HubRef, UrlRef
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 

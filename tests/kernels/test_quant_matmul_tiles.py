@@ -1,7 +1,7 @@
 """The float kernel's bf16x2 dequantization of Q4_K (tiles.py: packed bf16 instructions as
 inline PTX on the GPU, the same arithmetic in jnp in the interpreter), on CPU: the interpreter
 against gguf-py's dequantizer, the arithmetic against numpy bit for bit, the dispatch, the
-errors, and the sm_90 lowering. tests/test_quant_matmul_gpu.py runs the PTX."""
+errors, and the sm_90 lowering. tests/kernels/test_quant_matmul.py runs the PTX."""
 from __future__ import annotations
 
 import unittest.mock as mock

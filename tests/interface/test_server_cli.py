@@ -90,7 +90,7 @@ def test_rjax_serve_end_to_end(tiny_path, tmp_path):
     template.write_text(TEMPLATE)
     port = _free_port()
     env = dict(os.environ, RJAX_HOME=str(tmp_path / "home"))
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     proc = subprocess.Popen([sys.executable, "-m", "rjax.cli", "serve", "-m", str(tiny_path), "--port", str(port),
                              "--slots", "2", "--max-len", "64", "--chat-template", str(template), "--api-key", "k",
                              "--no-precompile"], cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

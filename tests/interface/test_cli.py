@@ -13,7 +13,7 @@ from gguf import GGUFReader, LlamaFileType
 import rjax
 from rjax.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_generate_json_matches_the_python_api(smollm2_path, smollm2, capsys):

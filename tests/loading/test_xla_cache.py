@@ -16,7 +16,7 @@ import pytest
 
 import rjax
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""
 import json, sys, time

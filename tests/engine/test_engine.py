@@ -2,7 +2,7 @@
 
 Numbers are compared between independent routes through the engine (one prefill against a
 prefill plus decode steps, one slot against a batch); the model against transformers lives in
-test_llama_oracle.py.
+tests/math/test_model_llama.py.
 """
 from __future__ import annotations
 

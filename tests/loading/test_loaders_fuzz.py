@@ -1,5 +1,5 @@
 """Damaged model files end in a ModelFileError that names the file, or in a correct load: a
-fixed-seed sample of the cases of tests/fuzz.py (the long run is `python -m tests.fuzz --cases
+fixed-seed sample of the cases of tests/fuzz/ (the long run is `python -m tests.fuzz --cases
 10000`), and one test for each kind of damage users met."""
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ import pytest
 import rjax
 import rjax.tokenizer
 from rjax.loaders import ModelFileError
-from tests import fuzz
+from tests.fuzz import gguf_file, hf_directory, run
 
 SAMPLE = 4000  # cases of seed 0 run here: about 20 s on one core
 
 
 @pytest.fixture(scope="module")
 def fixtures(tmp_path_factory):
-    return {f.name: f for f in fuzz.make_fixtures(tmp_path_factory.mktemp("fuzz-fixtures"))}
+    return {f.name: f for f in run.make_fixtures(tmp_path_factory.mktemp("fuzz-fixtures"))}
 
 
 def _load(path):
@@ -33,9 +33,9 @@ def _gguf(fixture, tmp_path, edit=None, patch=None):
     """A copy of a GGUF fixture: its spec edited and written again, or its bytes patched."""
     path = tmp_path / fixture.name
     if edit is not None:
-        spec = fuzz.GGUFSpec(fixture.spec.arch, dict(fixture.spec.kvs), [list(t) for t in fixture.spec.tensors])
+        spec = gguf_file.GGUFSpec(fixture.spec.arch, dict(fixture.spec.kvs), [list(t) for t in fixture.spec.tensors])
         edit(spec)
-        return fuzz.write_gguf(spec, path)
+        return gguf_file.write_gguf(spec, path)
     buf = bytearray(fixture.data)
     if patch is not None:
         patch(buf, fixture.layout)
@@ -54,13 +54,13 @@ def _part(layout, kind, tensor=None, key=None):
 
 def test_fixtures_load_and_check(fixtures):
     for fixture in fixtures.values():
-        assert fuzz.check_loaded(_load(fixture.path)) is None, fixture.name
+        assert run.check_loaded(_load(fixture.path)) is None, fixture.name
 
 
 def test_fixed_seed_sample(fixtures, tmp_path):
-    old = fuzz.limit_memory()  # an allocation sized from an unchecked field fails the case
+    old = run.limit_memory()  # an allocation sized from an unchecked field fails the case
     try:
-        results = [fuzz.run_case(0, i, list(fixtures.values()), tmp_path) for i in range(SAMPLE)]
+        results = [run.run_case(0, i, list(fixtures.values()), tmp_path) for i in range(SAMPLE)]
     finally:
         resource.setrlimit(resource.RLIMIT_AS, old)
     failures = [f"case {i}: {outcome}\n    " + "\n    ".join(steps)
@@ -70,9 +70,9 @@ def test_fixed_seed_sample(fixtures, tmp_path):
     errors = sum(n for k, n in outcomes.items() if k.startswith(("ModelFileError", "ChatTemplateError")))
     assert any(k.startswith("ChatTemplateError") for k in outcomes), outcomes  # templates are fuzzed too
     # the sample exercises both ends: loads that succeed and many kinds of refusal
-    assert outcomes[fuzz.OK] > SAMPLE // 20 and errors > SAMPLE // 2
+    assert outcomes[run.OK] > SAMPLE // 20 and errors > SAMPLE // 2
     assert len(outcomes) > 40, outcomes
-    assert max(t for _, _, t in results) < fuzz.TIMEOUT_S
+    assert max(t for _, _, t in results) < run.TIMEOUT_S
 
 
 # --- GGUF: the damage users met -------------------------------------------------------------------------------
@@ -124,10 +124,10 @@ def test_metadata_of_the_wrong_type_or_range(fixtures, tmp_path, key, value, mes
 def test_tensor_claiming_petabytes_is_refused_before_anything_is_allocated(fixtures, tmp_path):
     def patch(buf, layout):
         rows = [p for p in layout.infos[0] if p.kind == "dim"][1]  # of token_embd.weight: ne[1]
-        fuzz._put_int(buf, rows, 1 << 40)
+        gguf_file.put_int(buf, rows, 1 << 40)
 
     path = _gguf(fixtures["llama.gguf"], tmp_path, patch=patch)
-    old = fuzz.limit_memory(1 << 30)
+    old = run.limit_memory(1 << 30)
     try:
         with pytest.raises(ModelFileError, match=rf"{path} is truncated or corrupt: tensor 'token_embd\.weight' "
                                                  r"\(Q8_0, shape \[1099511627776, 64\]\) needs bytes .* but the "
@@ -144,7 +144,7 @@ def test_array_count_past_what_the_file_holds(fixtures, tmp_path, count):
     fixture = fixtures["gemma3.gguf"]
 
     def patch(buf, layout):
-        fuzz._put_int(buf, _part(layout, "count", key="tokenizer.ggml.token_type"), count)
+        gguf_file.put_int(buf, _part(layout, "count", key="tokenizer.ggml.token_type"), count)
 
     path = _gguf(fixture, tmp_path, patch=patch)
     start = time.perf_counter()
@@ -180,7 +180,7 @@ def test_vocabulary_string_length_past_the_end_of_the_file(fixtures, tmp_path, p
     last_len = [p for p in tokens if p.kind == "item_len"][-1]
 
     def patch(buf, layout):
-        fuzz._put_int(buf, last_len, len(buf) - (last_len.offset + 8) + past_end)
+        gguf_file.put_int(buf, last_len, len(buf) - (last_len.offset + 8) + past_end)
 
     path = _gguf(fixture, tmp_path, patch=patch)
     with pytest.raises(ModelFileError, match=rf"{path} is truncated or corrupt: string .* past the end of the file"):
@@ -273,10 +273,10 @@ def test_hf_config_fields_of_the_wrong_type_or_range(fixtures, tmp_path, changes
 def test_hf_nan_weight_is_named(fixtures, tmp_path):
     path = _hf(fixtures["qwen2-hf"], tmp_path)
     file = path / "model.safetensors"
-    header, body = fuzz._split_safetensors(file.read_bytes())
+    header, body = hf_directory.split_safetensors(file.read_bytes())
     start, _ = header["model.layers.1.self_attn.k_proj.weight"]["data_offsets"]  # float16
     body = body[:start + 6] + np.array(np.inf, np.float16).tobytes() + body[start + 8:]
-    file.write_bytes(fuzz._join_safetensors(header, body))
+    file.write_bytes(hf_directory.join_safetensors(header, body))
     with pytest.raises(ModelFileError, match=rf"{file}: tensor 'model\.layers\.1\.self_attn\.k_proj\.weight' has 1 "
                                              r"NaN or Inf values"):
         _load(path)
@@ -301,7 +301,7 @@ def test_hf_tokenizer_that_does_not_parse(fixtures, tmp_path):
 def test_tokenizer_larger_than_the_embedding(fixtures, tmp_path):
     path = _hf(fixtures["qwen2-hf"], tmp_path)
     config = json.loads((path / "config.json").read_text())
-    header, body = fuzz._split_safetensors((path / "model.safetensors").read_bytes())
+    header, body = hf_directory.split_safetensors((path / "model.safetensors").read_bytes())
     assert config["vocab_size"] == 272 and header["model.embed_tokens.weight"]["shape"] == [272, 64]
     tokenizer = json.loads((path / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]

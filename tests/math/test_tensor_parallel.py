@@ -20,7 +20,7 @@ from rjax.memory import MemoryFitError, plan_memory
 from rjax.synth import write_synthetic
 from rjax.tensor_parallel import head_layout, split_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TPS = (2, 4, 8)
 
 

@@ -130,7 +130,7 @@ def test_draft_model_configuration_errors(tiny, tmp_path):
 def test_precompile_covers_the_draft_programs(tiny):
     """After precompile(logprobs=True), serving with a draft model (its prefill, the speculative
     dispatch, the catch-up after a log-probabilities request) compiles none of them again."""
-    from test_precompile import count_compiles
+    from tests.engine.test_precompile import count_compiles
 
     cfg, params = tiny
     config = ServingConfig(n_slots=2, max_len=64, page_size=16, steps_per_dispatch=3, speculative="model",
@@ -172,7 +172,7 @@ def test_sampled_slots_are_distributed_as_plain_sampling():
     random stream, a perturbed copy drafting for all of them at once: the joint frequencies of
     the first 5 tokens match exact plain sampling (chi-square), drafts accepted and rejected."""
     from scipy import stats as scipy_stats
-    from test_speculative import _exact_joint, _small_model
+    from tests.engine.test_speculative import _exact_joint, _small_model
 
     from rjax.engine import DecodeState
     from rjax.model import forward

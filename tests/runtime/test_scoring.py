@@ -24,7 +24,7 @@ from tests.oracle.client import oracle_logits
 
 pytestmark = pytest.mark.oracle
 
-TEXT_FILE = Path(__file__).with_name("data") / "perplexity.txt"
+TEXT_FILE = Path(__file__).resolve().parents[1] / "data" / "perplexity.txt"
 CTX, STRIDE, BATCH = 128, 64, 2
 # Logits agree with transformers within 1e-3 x max|logit| (test_llama_oracle); a log-probability
 # moves by at most twice the largest logit error. Measured here: max |Δ log p| ≈ 3e-5.

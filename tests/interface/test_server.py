@@ -32,7 +32,7 @@ from rjax.server.app import ServerSettings, create_app
 from rjax.server.loop import EngineLoop, Setup
 from rjax.server.metrics import Metrics
 from rjax.serving import ServingConfig, ServingEngine
-from tests import fuzz
+from tests.fuzz import http_body
 
 MODEL = "tiny"
 # Positions per sequence 64: a prompt of 64 tokens is too long, 10 + 60 new tokens too many.
@@ -556,16 +556,16 @@ HTTP_CASES = 300
 
 
 def test_fuzzed_request_bodies_get_200_or_a_4xx(srv):
-    """Seeded fuzzed bodies (tests/fuzz.py: wrong types, ranges and encodings, unknown fields,
+    """Seeded fuzzed bodies (tests/fuzz/http_body.py: wrong types, ranges and encodings, unknown fields,
     broken messages, damaged JSON): each gets a 200 or a 4xx with an OpenAI error body, never a
     500, an error inside a 200 stream, or a hang; and the engine is left idle."""
     counts, failures = collections.Counter(), []
     with httpx.Client(timeout=30) as client:
         for i in range(HTTP_CASES):
-            path, body, what = fuzz.http_body_case(random.Random(f"http:{i}"), MODEL)
+            path, body, what = http_body.http_body_case(random.Random(f"http:{i}"), MODEL)
             try:
                 r = client.post(srv.url + path, content=body, headers={"Content-Type": "application/json"})
-                outcome = fuzz.http_outcome(r.status_code, r.headers.get("content-type", ""), r.text)
+                outcome = http_body.http_outcome(r.status_code, r.headers.get("content-type", ""), r.text)
             except httpx.TimeoutException:
                 outcome = "FAIL hang"
             counts[outcome.split(":")[0]] += 1
@@ -1024,9 +1024,9 @@ def test_tokenize_and_detokenize(srv):
 
 def test_penalties_bias_and_min_p_through_the_client(srv, model):
     """A greedy completion with all three penalties and a logit_bias equals the host reference
-    of their definitions (tests/test_adjust.py); a sampled one at min_p 1 equals greedy; a chat
+    of their definitions (tests/math/test_sampling_adjust.py); a sampled one at min_p 1 equals greedy; a chat
     stream with include_usage ends with the usage chunk."""
-    from test_adjust import reference
+    from tests.math.test_sampling_adjust import reference
 
     from rjax.model import forward
 
@@ -1163,7 +1163,7 @@ def test_default_model_52_json_schemas_and_a_tool_call(smollm2):
 
     import jsonschema
 
-    schemas = json.loads((pathlib.Path(__file__).parent / "data" / "json_schemas.json").read_text())
+    schemas = json.loads((pathlib.Path(__file__).resolve().parents[1] / "data" / "json_schemas.json").read_text())
     config = ServingConfig(n_slots=32, max_len=320, page_size=16, steps_per_dispatch=8, prefill_buckets=(1, 8, 32),
                            max_prefill_tokens=2048)
     with _server(smollm2, tokenizer=smollm2.tokenizer, config=config, max_queued=64, precompile=False) as s:

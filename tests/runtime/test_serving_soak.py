@@ -14,7 +14,7 @@ temperatures, a seed each, some with a stop id). Checked along the way:
 
 `soak(n_requests, ...)` returns a report dict; the CPU tests call it on the small synthetic model,
 the GPU test on the default-size synthetic smoke model (smollm2-135m's shape) and prints it.
-From a shell on a GPU machine: `python tests/test_soak.py --requests 2000 --smoke-model`.
+From a shell on a GPU machine: `python tests/runtime/test_serving_soak.py --requests 2000 --smoke-model`.
 """
 from __future__ import annotations
 

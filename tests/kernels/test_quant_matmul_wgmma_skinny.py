@@ -1,7 +1,7 @@
 """The wgmma kernel (pallas_kernels/quant_matmul/wgmma_skinny.py: Q4_K, Q8_0, Q6_K, Q4_0, Q4_1, Q5_0) on the CPU: its
 arithmetic and K order in jnp against gguf-py's dequantizer, the dispatch, the refusals, and the
 lowering for sm_90. The kernel itself runs only on the H100 (no Mosaic GPU interpreter for inline
-Mosaic code or wgmma operands in registers): tests/test_quant_matmul_gpu.py::test_wgmma_gpu."""
+Mosaic code or wgmma operands in registers): tests/kernels/test_quant_matmul.py::test_wgmma_gpu."""
 from __future__ import annotations
 
 import dataclasses

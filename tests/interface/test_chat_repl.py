@@ -18,7 +18,7 @@ import rjax
 from rjax.chat import ChatSession
 from rjax.chat_repl import CommandError, command
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

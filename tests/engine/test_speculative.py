@@ -211,7 +211,7 @@ def test_generate_and_its_checks(tiny_path):
         rjax.generate(model, "x", raw=True, speculative="self:q2_k")
     with pytest.raises(ValueError, match="draft_tokens"):
         rjax.generate(model, "x", speculative="ngram", draft_tokens=0)
-    # A list takes every drafter one prompt takes (tests/test_speculative_serving.py runs one with a
+    # A list takes every drafter one prompt takes (tests/runtime/test_serving_speculative.py runs one with a
     # draft model), refused alike where it is wrong, and a fixed K only.
     with pytest.raises(ValueError, match="self:q4_0"):
         rjax.generate(model, ["x", "y"], raw=True, speculative="self:q2_k")

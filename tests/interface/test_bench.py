@@ -196,7 +196,7 @@ def test_table_plot_and_missing_matplotlib(cli_run, result, monkeypatch, tmp_pat
 
 
 def test_e2e_table_beside_llama_cpp(result):
-    spec = importlib.util.spec_from_file_location("e2e", __import__("pathlib").Path(__file__).parents[1]
+    spec = importlib.util.spec_from_file_location("e2e", __import__("pathlib").Path(__file__).parents[2]
                                                   / "benchmarks" / "e2e.py")
     e2e = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(e2e)
@@ -215,7 +215,7 @@ def test_kv_dtype_tma_stream_reads_every_block_of_its_rows(dtype):
     """The read floor's TMA stream (Mosaic GPU interpreter): each program walks its own run of
     rows through the ring, refilling slots (4 blocks in 2 slots), and reports the first rows of
     the last block that landed in slot 0: block 2 of its run, as the bytes of K (fp8 as int8)."""
-    spec = importlib.util.spec_from_file_location("kv_dtype", __import__("pathlib").Path(__file__).parents[1]
+    spec = importlib.util.spec_from_file_location("kv_dtype", __import__("pathlib").Path(__file__).parents[2]
                                                   / "benchmarks" / "kv_dtype.py")
     kv_dtype = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kv_dtype)
@@ -233,7 +233,7 @@ def test_speculative_bound_replays_prompt_lookup_and_prices_idle_rounds_as_plain
     Round 1: no earlier 4, nothing kept (idle), 1 emitted. Round 2: the 1 at position 1 drafts
     [2 3 4 1], 2 tokens kept plus the target's 7. Round 3: no earlier 7, idle, 8 emitted. At a
     verification of 2 steps: 5 tokens in 2 plain steps and 1 verification, 1.25x."""
-    spec = importlib.util.spec_from_file_location("speculative", __import__("pathlib").Path(__file__).parents[1]
+    spec = importlib.util.spec_from_file_location("speculative", __import__("pathlib").Path(__file__).parents[2]
                                                   / "benchmarks" / "speculative.py")
     speculative = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(speculative)
