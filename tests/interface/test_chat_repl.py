@@ -55,8 +55,9 @@ def _finish(p: subprocess.Popen, out: bytes) -> tuple[bytes, str]:
     return out + rest, err.decode()
 
 
-# Replies long enough (seconds of decoding) that SIGINT lands while one is being generated.
-LONG_REPLY = 4000
+# Replies long enough (seconds of decoding, even on a quiet machine) that SIGINT lands while one
+# is being generated.
+LONG_REPLY = 8000  # within the tiny model's 8,192-position context
 
 
 def test_sigint_stops_generate_keeping_the_partial_text(tiny_path, tiny_model, home):
