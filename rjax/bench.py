@@ -27,7 +27,7 @@ What is measured (one model, random prompts of `prompt_len` token ids):
   at the run's mean context (window-limited for sliding-window layers). ceiling tokens/s =
   batch x bandwidth / bytes; the fraction achieved is measured / ceiling.
 - recompilation: the number of programs each jitted function compiles is counted
-  (`_cache_size`): one per batch size for prefill (a second prompt length in the same bucket
+  (`compiled_count`): one per batch size for prefill (a second prompt length in the same bucket
   must reuse it), one per (batch, N) for decode, none for repeated runs.
 - peak device memory from `memory_stats()` where the backend has it (GPUs; not the CPU).
 """
@@ -213,8 +213,8 @@ def run_bench(model: str | os.PathLike | tuple[ModelConfig, Params], settings: B
     # Headline numbers first, in case the time budget runs out: every batch (prefill, then decode
     # with the most steps per dispatch), then the other step counts. n None: prefill.
     tasks = [t for b in batches for t in ((b, None), (b, steps[0]))] + [(b, n) for n in steps[1:] for b in batches]
-    n_prefill_programs = engine.prefill_and_sample._cache_size()
-    n_decode_programs = engine.greedy_decode_loop._cache_size()
+    n_prefill_programs = engine.prefill_and_sample.compiled_count()
+    n_decode_programs = engine.greedy_decode_loop.compiled_count()
     expected_prefill, expected_decode = 0, 0
     alt_len_checked = False
     templates: dict[int, object] = {}
@@ -266,9 +266,9 @@ def run_bench(model: str | os.PathLike | tuple[ModelConfig, Params], settings: B
     templates.clear()
 
     result["recompilation"] = {
-        "prefill_and_sample": {"programs": engine.prefill_and_sample._cache_size() - n_prefill_programs,
+        "prefill_and_sample": {"programs": engine.prefill_and_sample.compiled_count() - n_prefill_programs,
                                "expected": expected_prefill},
-        "decode_loop": {"programs": engine.greedy_decode_loop._cache_size() - n_decode_programs,
+        "decode_loop": {"programs": engine.greedy_decode_loop.compiled_count() - n_decode_programs,
                         "expected": expected_decode},
     }
     for v in result["recompilation"].values():
@@ -311,7 +311,7 @@ def _bench_prefill(cfg, params, s: BenchSettings, b, S, dtype, rng, key, budget)
         first = np.asarray(first)
         return time.perf_counter() - t0, first, cache
 
-    before = engine.prefill_and_sample._cache_size()
+    before = engine.prefill_and_sample.compiled_count()
     first_call, _, template = run()
     times = []
     for _ in range(s.repeats):
@@ -322,7 +322,7 @@ def _bench_prefill(cfg, params, s: BenchSettings, b, S, dtype, rng, key, budget)
     t = float(np.median(times))
     entry = dict(batch=b, prompt_len=s.prompt_len, first_call_s=first_call, compile_s=max(0.0, first_call - t),
                  time_s=t, samples_s=times, ttft_s=t, tokens_per_s=b * s.prompt_len / t,
-                 programs_compiled=engine.prefill_and_sample._cache_size() - before)
+                 programs_compiled=engine.prefill_and_sample.compiled_count() - before)
     jax.block_until_ready(template)
     return entry, (template, jnp.asarray(first))
 
@@ -335,12 +335,12 @@ def _check_bucket_reuse(cfg, params, s: BenchSettings, b, S, dtype, rng, key) ->
     if alt == s.prompt_len or engine.prompt_bucket(alt) != bucket:
         return {"prompt_len": alt, "checked": False}
     tokens, lengths = engine.pad_prompts(list(_random_prompts(rng, cfg.vocab_size, b, alt)))
-    before = engine.prefill_and_sample._cache_size()
+    before = engine.prefill_and_sample.compiled_count()
     cache = place_cache(init_cache(cfg, b, S, dtype, s.kv_dtype), params.tp)
     first, cache = engine.prefill_and_sample(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths), None,
                                              key, SamplingParams.make(b))
     np.asarray(first)
-    new = engine.prefill_and_sample._cache_size() - before
+    new = engine.prefill_and_sample.compiled_count() - before
     return {"prompt_len": alt, "checked": True, "new_programs": new, "ok": new == 0}
 
 
@@ -358,13 +358,13 @@ def _bench_decode(cfg, params, s: BenchSettings, b, n, prefilled, key, stop_ids,
         jax.block_until_ready((cache, state))
         return cache, state
 
-    before = engine.greedy_decode_loop._cache_size()
+    before = engine.greedy_decode_loop.compiled_count()
     cache, state = fresh_state()
     t0 = time.perf_counter()
     out, state, cache = engine.greedy_decode_loop(cfg, params, cache, state, sp, stop_ids, n)
     np.asarray(out)
     first_call = time.perf_counter() - t0
-    programs = engine.greedy_decode_loop._cache_size() - before
+    programs = engine.greedy_decode_loop.compiled_count() - before
     del cache, state
 
     dispatch_s, host_s, run_rates, tokens_total, time_total = [], [], [], 0, 0.0

@@ -6,7 +6,8 @@ compiled program; `decode_loop` runs many decode steps (sampling and stop condit
 included) inside one XLA program, which is what CUDA-graph replay is for in other engines.
 Only token ids leave the device.
 
-The public functions check their arguments on the host before they dispatch (`_HostChecked`):
+The public functions are device programs (rjax.programs: their executables are kept across
+calls and processes) that check their arguments on the host before they dispatch (`_checked`):
 shapes always, values (token ids in the vocabulary, room in each slot, slot indices) when the
 arrays are concrete, i.e. called outside a jit of the caller's. A bad call raises ValueError
 before the cache is donated, so the cache it was given is still valid and unchanged, and the
@@ -15,8 +16,6 @@ checks live outside the jitted functions, so they change no compiled program.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +27,7 @@ from rjax import tensor_parallel
 from rjax.model import hidden_states, logits_from_hidden, plan_of
 from rjax.params import Params
 from rjax.plan import TUNING, Tuning
+from rjax.programs import DeviceProgram
 from rjax.sampling import SamplingParams, _is_concrete, check_sampling, sample
 
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -49,49 +49,32 @@ def prompt_bucket(n: int) -> int:
     raise ValueError(f"prompt of {n} tokens is longer than the largest bucket {PROMPT_BUCKETS[-1]}")
 
 
-class _HostChecked:
-    """A jitted function behind a host-side check of its arguments. Calls go to the jitted
-    function as they were made (JAX caches a call by how it was made), and everything else
-    (`trace`, `lower`, `_cache_size`, ...) is the jitted function's."""
+def _on_mesh(tp, arguments: dict) -> dict:
+    """For params split over a mesh: the cache in its layout and every other array replicated
+    on the mesh, whatever device made it, so that each call is compiled once (a jitted
+    function's cache key holds its arguments' shardings)."""
+    replicated = tp.sharding(tensor_parallel.P())
 
-    def __init__(self, jitted, check):
-        functools.update_wrapper(self, jitted)
-        self._jitted, self._check = jitted, check
-        self._signature = inspect.signature(jitted)
+    def put(name, value):
+        if name == "cache":
+            return tensor_parallel.place_cache(value, tp)
+        if name in ("cfg", "params"):
+            return value
+        return jax.tree.map(lambda x: jax.device_put(x, replicated) if isinstance(x, (jax.Array, np.ndarray))
+                            else x, value)
 
-    def __call__(self, *args, **kwargs):
-        bound = self._signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        self._check(**bound.arguments)
-        tp = getattr(bound.arguments.get("params"), "tp", None)
-        if tp is not None:
-            args, kwargs = self._on_mesh(tp, args, kwargs)
-        return self._jitted(*args, **kwargs)
-
-    def _on_mesh(self, tp, args, kwargs):
-        """For params split over a mesh: the cache in its layout and every other array
-        replicated on the mesh, whatever device made it, so that each call is compiled once
-        (a jitted function's cache key holds its arguments' shardings)."""
-        names = list(self._signature.parameters)
-
-        def put(name, value):
-            if name == "cache":
-                return tensor_parallel.place_cache(value, tp)
-            if name in ("cfg", "params"):
-                return value
-            replicated = tp.sharding(tensor_parallel.P())
-            return jax.tree.map(lambda x: jax.device_put(x, replicated) if isinstance(x, (jax.Array, np.ndarray))
-                                else x, value)
-
-        return (tuple(put(names[i], a) for i, a in enumerate(args)),
-                {k: put(k, v) for k, v in kwargs.items()})
-
-    def __getattr__(self, name):
-        return getattr(self._jitted, name)
+    return {name: put(name, value) for name, value in arguments.items()}
 
 
-def _checked(check):
-    return lambda jitted: _HostChecked(jitted, check)
+def _placed(arguments: dict) -> dict | None:
+    tp = getattr(arguments.get("params"), "tp", None)
+    return None if tp is None else _on_mesh(tp, arguments)
+
+
+def _checked(check, **jit_options):
+    """A device program (rjax.programs) behind a host-side check of its arguments; params
+    split over a mesh are placed first."""
+    return lambda fun: DeviceProgram(fun, check=check, place=_placed, **jit_options)
 
 
 def _host(x) -> np.ndarray:
@@ -172,8 +155,8 @@ def _prefill_logits(cfg: ModelConfig, params: Params, cache: KVCache, tokens, le
     return logits_from_hidden(params, last), cache.advance(slots, lengths)
 
 
-@_checked(lambda cfg, params, cache, tokens, lengths, slots: _check_prefill(cfg, cache, tokens, lengths, slots))
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+@_checked(lambda cfg, params, cache, tokens, lengths, slots: _check_prefill(cfg, cache, tokens, lengths, slots),
+          static_argnames=("cfg",), donate_argnames=("cache",))
 def prefill(cfg: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array, lengths: jax.Array,
             slots: jax.Array | None = None):
     """Run P prompts (tokens [P, T] right-padded, true lengths [P]) into cache rows `slots` [P]
@@ -213,8 +196,7 @@ def _check_decode_step(cfg, params, cache, tokens, active) -> None:
                                  f"or start a longer cache)")
 
 
-@_checked(_check_decode_step)
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+@_checked(_check_decode_step, static_argnames=("cfg",), donate_argnames=("cache",))
 def decode_step(cfg: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array, active: jax.Array | None = None):
     """One token for every slot: tokens [n_slots] are appended at each slot's length
     (inactive slots are left untouched). -> (logits [n_slots, vocab] float32, cache).
@@ -229,8 +211,7 @@ def decode_step(cfg: ModelConfig, params: Params, cache: KVCache, tokens: jax.Ar
 
 
 @_checked(lambda cfg, params, cache, tokens, lengths, slots, key, sp:
-          _check_prefill(cfg, cache, tokens, lengths, slots, sp))
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+          _check_prefill(cfg, cache, tokens, lengths, slots, sp), static_argnames=("cfg",), donate_argnames=("cache",))
 def prefill_and_sample(cfg, params, cache, tokens, lengths, slots, key, sp: SamplingParams):
     """prefill, then sample the first generated token on the device. -> (tokens [P] int32, cache).
     Refuses what `prefill` refuses, and sampling settings out of range."""
@@ -325,8 +306,7 @@ _DECODE_LOOP_JIT = dict(static_argnames=("cfg", "n_steps", "tuning"), donate_arg
                         compiler_options=DECODE_LOOP_COMPILER_OPTIONS)
 
 
-@_checked(_check_decode_loop)
-@functools.partial(jax.jit, **_DECODE_LOOP_JIT | dict(static_argnames=("cfg", "n_steps", "tuning", "filters")))
+@_checked(_check_decode_loop, **_DECODE_LOOP_JIT | dict(static_argnames=("cfg", "n_steps", "tuning", "filters")))
 def decode_loop(cfg: ModelConfig, params: Params, cache: KVCache, state: DecodeState, sp: SamplingParams,
                 stop_ids: jax.Array, n_steps: int, tuning: Tuning = TUNING, filters: bool = True):
     """Up to n_steps decode steps in one XLA program, stopping early when every slot is done.
@@ -342,8 +322,7 @@ def decode_loop(cfg: ModelConfig, params: Params, cache: KVCache, state: DecodeS
     return _decode_loop(cfg, params, cache, state, sp, stop_ids, n_steps, tuning, greedy=False, filters=filters)
 
 
-@_checked(_check_decode_loop)
-@functools.partial(jax.jit, **_DECODE_LOOP_JIT)
+@_checked(_check_decode_loop, **_DECODE_LOOP_JIT)
 def greedy_decode_loop(cfg: ModelConfig, params: Params, cache: KVCache, state: DecodeState, sp: SamplingParams,
                        stop_ids: jax.Array, n_steps: int, tuning: Tuning = TUNING):
     """`decode_loop` for slots that all decode greedily (every temperature in `sp` is 0): each

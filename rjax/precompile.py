@@ -9,8 +9,9 @@ slowest one (docs/architecture.md, "Engine"). Each program starts compiling as s
 lowered, while the next one lowers (lowering is Python, one program at a time).
 
 Programs are lowered from abstract arguments (shapes and dtypes: no cache is allocated)
-through the same jitted functions the engine calls, so the later calls with real arrays find
-the compiled executables in JAX's in-memory cache (and in the persistent cache, where enabled).
+through the same device programs (rjax.programs) the engine calls, which keep the executables:
+the later calls with real arrays run them, and a later process loads them from the store
+without lowering them again.
 """
 from __future__ import annotations
 
@@ -31,60 +32,20 @@ from rjax.tensor_parallel import abstract_cache
 from rjax.config import ModelConfig
 from rjax.params import Params
 from rjax.plan import TUNING
+from rjax.programs import DeviceProgram, compile_lowered
 from rjax.sampling import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """One call of a jitted engine function, by the shapes of its arguments."""
+    """One call of a device program (rjax.programs) of the engine, by the shapes of its arguments."""
 
     name: str
-    fn: Callable          # a jitted function of rjax.engine
+    fn: DeviceProgram
     args: tuple           # arrays, or jax.ShapeDtypeStruct trees standing for them
 
     def lower(self):
-        # Positional, as the engine's callers pass them: JAX caches a call by how it was made.
-        return self.fn.trace(*self.args).lower()
-
-    def key(self):
-        """What the compiled program depends on: the function, the tree of its arguments, each
-        array's shape, dtype and sharding, and every other leaf (config, ints) itself."""
-        leaves, tree = jax.tree.flatten(self.args)
-        return (self.fn, tree, tuple((x.shape, x.dtype, getattr(x, "sharding", None))
-                                     if hasattr(x, "shape") and hasattr(x, "dtype") else x for x in leaves))
-
-
-class _Compiled:
-    """Programs this process has compiled, by Program.key: a workload that asks again (every
-    rjax.generate call asks for its two programs) finds them here without lowering them again,
-    which for a small model costs more than its whole decode on a GPU. Cleared with
-    JAX's own caches (jax.clear_caches), whose executables the calls use; where this JAX cannot
-    tell us, nothing is remembered."""
-
-    def __init__(self):
-        self.programs: dict = {}
-        try:
-            from jax._src.util import register_cache
-            register_cache(self, "rjax.precompile")
-            self.enabled = True
-        except (ImportError, AttributeError, TypeError):
-            self.enabled = False
-
-    def get(self, key):
-        return self.programs.get(key) if self.enabled else None
-
-    def put(self, key, exe) -> None:
-        if self.enabled:
-            self.programs[key] = exe
-
-    def cache_clear(self) -> None:
-        self.programs.clear()
-
-    def cache_info(self) -> str:
-        return f"{len(self.programs)} programs"
-
-
-_COMPILED = _Compiled()
+        return self.fn.lower(*self.args)
 
 
 def _abstract(make: Callable[[], Any]):
@@ -167,12 +128,12 @@ def compile_programs(programs: Sequence[Program], workers: int | None = None, pr
             raise RuntimeError(msg) from e
         errors[name] = msg
 
-    def compile_one(name, lo):
+    def compile_one(p: Program, call, lo):
         t = time.perf_counter()
-        try:
-            return name, lo.compile(), time.perf_counter() - t, None
+        try:  # kept (and stored) in this thread too: serializing a large program takes a while
+            return p.name, p.fn.keep(call, *compile_lowered(lo)), time.perf_counter() - t, None
         except Exception as e:  # raised in this thread, reported in the caller's
-            return name, None, time.perf_counter() - t, e
+            return p.name, None, time.perf_counter() - t, e
 
     # Each program starts compiling as soon as it is lowered, while the next one lowers (XLA
     # releases the GIL): the wait is the lowering plus about the last compile, not their sum.
@@ -187,8 +148,13 @@ def compile_programs(programs: Sequence[Program], workers: int | None = None, pr
     try:
         futures = []
         for p in programs:
-            key = p.key()
-            if (exe := _COMPILED.get(key)) is not None:
+            try:
+                call = p.fn.bind(*p.args, check=False)
+                exe = p.fn.load(call)  # built by this process, or stored
+            except Exception as e:
+                failed("lowering", p.name, e)
+                continue
+            if exe is not None:
                 lowered_s[p.name], times[p.name], compiled[p.name] = 0.0, 0.0, exe
                 continue
             if bar is None:
@@ -196,22 +162,21 @@ def compile_programs(programs: Sequence[Program], workers: int | None = None, pr
                            disable=not progress, leave=False)
             t = time.perf_counter()
             try:
-                lo = p.lower()
+                lo = p.fn.lowered(call)
             except Exception as e:
                 failed("lowering", p.name, e)
                 continue
             finally:
                 lowered_s[p.name] = time.perf_counter() - t
-            futures.append((key, pool.submit(compile_one, p.name, lo)))
+            futures.append(pool.submit(compile_one, p, call, lo))
         lower_end = time.perf_counter()
-        for key, f in futures:
+        for f in futures:
             name, exe, dt, err = f.result()
             bar.update()
             if err is not None:
                 failed("compiling", name, err)
                 continue
             times[name], compiled[name] = dt, exe
-            _COMPILED.put(key, exe)
     finally:  # on a failure: return now, leaving compiles already running to finish on their own
         pool.shutdown(wait=False, cancel_futures=True)
         if bar is not None:

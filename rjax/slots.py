@@ -14,7 +14,7 @@ few slots take `rows` padded with the out-of-range index n_slots, which they dro
 from __future__ import annotations
 
 import dataclasses
-import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -23,8 +23,10 @@ from rjax.config import ModelConfig
 from rjax.engine import DecodeState
 from rjax.paged_cache import PagedKVCache, put_row_view, row_view
 from rjax.params import Params
+from rjax.programs import device_program
 from rjax.sampling import (MAX_TOP_LOGPROBS, PROMPT_BIT, LogitAdjust, SamplingParams, TopLogprobs, adjust_logits,
                            mask_logits, sample, top_logprobs)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -54,13 +56,13 @@ def init_slots(n_slots: int, max_stop_ids: int, vocab_size: int) -> SlotBatch:
                      jnp.full((n_slots, (vocab_size + 31) // 32), -1, jnp.int32))
 
 
-@functools.partial(jax.jit, donate_argnames=("slots",))
+@device_program(donate_argnames=("slots",))
 def set_masks(slots: SlotBatch, rows, masks) -> SlotBatch:
     """The token bitmasks of slots `rows` [R] (padding: n_slots, dropped) -> masks [R, words]."""
     return dataclasses.replace(slots, mask=slots.mask.at[rows].set(masks, mode="drop"))
 
 
-@functools.partial(jax.jit, donate_argnames=("slots",))
+@device_program(donate_argnames=("slots",))
 def start_history(slots: SlotBatch, row, prompt) -> SlotBatch:
     """Slot `row`'s history from its prompt (prompt [max_len] int32, -1 padded): nothing
     generated, PROMPT_BIT at each prompt token."""
@@ -122,7 +124,7 @@ def admit(slots: SlotBatch, cache, rows, valid, first_tokens, max_new_tokens, sa
                      jax.tree.map(put, slots.adjust, adjust), history, put(slots.mask, mask))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache", "slots"))
+@device_program(static_argnames=("cfg",), donate_argnames=("cache", "slots"))
 def prefill_into_slots(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, tokens, lengths, rows, valid, seeds,
                        sample_index, sampling: SamplingParams, max_new_tokens, stop_ids, adjust: LogitAdjust,
                        mask):
@@ -200,7 +202,7 @@ def put_rows(full, rows, part):
     return jax.tree.map(lambda f, p: f.at[rows].set(p, mode="drop"), full, part)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "n_steps", "logprobs", "greedy", "filters", "adjust"),
+@device_program(static_argnames=("cfg", "n_steps", "logprobs", "greedy", "filters", "adjust"),
                    donate_argnames=("cache", "slots"), compiler_options=engine.DECODE_LOOP_COMPILER_OPTIONS)
 def decode_dispatch(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, n_steps: int, logprobs: bool = False,
                     rows=None, greedy: bool = False, filters: bool = True, adjust: bool = False):
@@ -239,14 +241,14 @@ def decode_dispatch(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, n
     return out, lp, slots, cache
 
 
-@functools.partial(jax.jit, donate_argnames=("slots",))
+@device_program(donate_argnames=("slots",))
 def stop_slots(slots: SlotBatch, rows) -> SlotBatch:
     """Mark slots `rows` done (indices >= n_slots are padding), so decoding skips them."""
     state = dataclasses.replace(slots.state, done=slots.state.done.at[rows].set(True, mode="drop"))
     return dataclasses.replace(slots, state=state)
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",))
+@device_program(donate_argnames=("cache",))
 def free_slots(cache, rows):
     """Empty cache rows `rows` (indices >= n_slots are padding): length 0, and no pages for a
     paged cache. A contiguous row keeps its old entries, but nothing reads past a row's length."""

@@ -39,6 +39,7 @@ from rjax.config import ModelConfig
 from rjax.model import forward
 from rjax.paged_cache import put_row_view, row_view
 from rjax.params import Params
+from rjax.programs import device_program
 from rjax.sampling import SamplingParams, filtered_logits
 from rjax.slots import put_rows, take_rows
 
@@ -161,7 +162,7 @@ def initial_state(prompt, first, max_new_tokens: int, stops, key, max_len: int) 
     return _start(jax.device_put(hist), first, stops, key, len(prompt), max_new_tokens, ended)
 
 
-@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+@device_program(static_argnums=(4, 5, 6))
 def _start(hist, first, stops, key, n_prompt: int, max_new_tokens: int, ended: bool) -> SpecState:
     first = jnp.asarray(first, jnp.int32)
     z = jnp.int32(0)
@@ -283,9 +284,9 @@ def speculative_rounds(cfg: ModelConfig, params: Params, cache: KVCache, state: 
 
 # The program: `speculative_rounds` jitted (its body is traceable inside a caller's jit or vmap),
 # compiled as `engine.decode_loop` is, so that on a GPU the rounds are one CUDA graph.
-speculative_loop = functools.partial(jax.jit, static_argnames=("cfg", "drafter", "k", "n_rounds", "greedy"),
-                                     donate_argnames=("cache", "draft_cache"),
-                                     compiler_options=engine.DECODE_LOOP_COMPILER_OPTIONS)(speculative_rounds)
+speculative_loop = device_program(speculative_rounds, static_argnames=("cfg", "drafter", "k", "n_rounds", "greedy"),
+                                  donate_argnames=("cache", "draft_cache"),
+                                  compiler_options=engine.DECODE_LOOP_COMPILER_OPTIONS)
 
 
 @dataclasses.dataclass
@@ -363,10 +364,10 @@ def speculative_ids(cfg: ModelConfig, params: Params, cache: KVCache, prompt: li
         greedy = not np.any(np.asarray(sp.temperature) > 0)
 
         def launch(k, state, cache, draft_cache):
-            programs, t = speculative_loop._cache_size(), time.perf_counter()
+            programs, t = speculative_loop.compiled_count(), time.perf_counter()
             call = speculative_loop(cfg, params, cache, state, sp, stops, drafter, draft_params, draft_cache, k,
                                     rounds_per_dispatch, greedy=greedy)
-            if speculative_loop._cache_size() > programs:  # compiled before it dispatched
+            if speculative_loop.compiled_count() > programs:  # compiled before it dispatched
                 stats.compile_s += time.perf_counter() - t
             return k, call
 
@@ -534,7 +535,7 @@ def _slots_round(cfg, params, cache, state, sampling: SamplingParams, stop_ids, 
     return out, jnp.where(active, n, 0), jnp.where(active, m, 0), state, cache, draft
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "k", "n_rounds", "greedy"),
+@device_program(static_argnames=("cfg", "drafter", "k", "n_rounds", "greedy"),
                    donate_argnames=("cache", "slots", "draft"), compiler_options=engine.DECODE_LOOP_COMPILER_OPTIONS)
 def speculative_dispatch(cfg: ModelConfig, params: Params, cache, slots, drafter, draft_params, draft, k: int,
                          n_rounds: int, rows=None, greedy: bool = False):
@@ -591,7 +592,7 @@ def _dispatch_rows(cfg, params, cache, slots, drafter, draft_params, draft, k: i
     return out.reshape(B, -1), drafted, accepted, dataclasses.replace(slots, state=state), cache, draft
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache", "pending"))
+@device_program(static_argnames=("cfg",), donate_argnames=("cache", "pending"))
 def draft_prefill(cfg: ModelConfig, params: Params, cache, pending, tokens, lengths, rows):
     """Write tokens [P, T] (lengths [P]; 0: padding) into the draft model's cache rows `rows` [P]
     after what they hold: the chunks the target prefills, or the positions a slot decoded

@@ -28,7 +28,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
                 "rjax.synth"),
     # The jitted device programs (prefill, decode loops, slot batches, speculative rounds), their
     # compilation, and what they need of the device's memory and bandwidth.
-    "engine": ("rjax.engine", "rjax.slots", "rjax.speculative", "rjax.precompile", "rjax.memory", "rjax.roofline"),
+    "engine": ("rjax.engine", "rjax.programs", "rjax.slots", "rjax.speculative", "rjax.precompile", "rjax.memory", "rjax.roofline"),
     # Host-side runtime over the programs: requests checked, scheduled, streamed; the public facade.
     "runtime": ("rjax", "rjax.checks", "rjax.generation", "rjax.chat", "rjax.scoring", "rjax.grammar",
                 "rjax.pages", "rjax.serving", "rjax.serving_events", "rjax.serving_limits"),

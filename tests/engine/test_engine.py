@@ -97,17 +97,17 @@ def test_prompt_lengths_within_a_bucket_share_one_compilation(tiny):
         fn(cfg, params, cache, jnp.asarray(t), jnp.asarray(l), None, key, sp)[0].block_until_ready()
 
     run(5)
-    before = fn._cache_size()
+    before = fn.compiled_count()
     for n in (6, 9, 15, 16):
         run(n)
-    assert fn._cache_size() == before, "a prompt length inside the 16-token bucket recompiled"
+    assert fn.compiled_count() == before, "a prompt length inside the 16-token bucket recompiled"
     run(17)
-    assert fn._cache_size() == before + 1
+    assert fn.compiled_count() == before + 1
     # Other sampling parameters are arrays, not static arguments: no recompilation either.
     t, l = engine.pad_prompts(_prompts(3, [7], cfg.vocab_size))
     fn(cfg, params, init_cache(cfg, 1, 64), jnp.asarray(t), jnp.asarray(l), None, key,
        SamplingParams.make(1, temperature=0.8, top_k=5, top_p=0.9))[0].block_until_ready()
-    assert fn._cache_size() == before + 1
+    assert fn.compiled_count() == before + 1
 
 
 LOOPS = [pytest.param(engine.decode_loop, id="decode_loop"), pytest.param(engine.greedy_decode_loop, id="greedy")]

@@ -14,6 +14,8 @@ from rjax.precompile import BackgroundCompile, Program, compile_programs, decode
 from rjax.sampling import SamplingParams
 from rjax.serving import ServingConfig, ServingEngine
 from rjax.synth import write_synthetic
+from rjax.programs import device_program
+from rjax.xla_cache import compile_cache
 
 B, BUCKET, CACHE, STEPS = 2, 16, 64, 3
 
@@ -67,6 +69,7 @@ def _run(cfg, params):
 
 def test_precompiled_calls_compile_nothing_and_match(model):
     cfg, params = model
+    compile_cache(None)  # nothing stored: every program here is compiled (tests/engine/test_programs.py)
     jax.clear_caches()
     cold_first, cold_out, cold_prefill, cold_decode = _run(cfg, params)
     assert cold_prefill and cold_decode, "without precompiling, the calls compile their programs"
@@ -114,6 +117,7 @@ def test_generation_compiles_each_program_once_ahead(model, tmp_path):
     path = write_synthetic(tmp_path / "tiny.gguf", "smollm2-135m", "q4_1", n_layers=2, vocab_size=512,
                            tokenizer_from="builtin")
     m = rjax.load(path, progress=False)
+    compile_cache(tmp_path / "xla")  # nothing stored yet
     jax.clear_caches()
     stats: dict = {}
     with count_compiles() as compiles:
@@ -152,10 +156,11 @@ def test_serving_engine_precompiles_every_shape_it_calls(model, page_size):
     assert "jit(prefill_into_slots)" not in compiles and "jit(decode_dispatch)" not in compiles
 
 
-def test_compiled_programs_are_remembered_until_jax_clears_its_caches(model):
+def test_compiled_programs_are_remembered_until_jax_clears_its_caches(model, tmp_path):
     """A program compiled once is not lowered again (rjax.generate asks for its programs on every
-    call); after jax.clear_caches() it is, as JAX's call would compile it again."""
+    call); after jax.clear_caches() it is read back from the store, or built again without one."""
     cfg, params = model
+    compile_cache(tmp_path / "xla")  # nothing stored yet
     program = decode_program(cfg, params, B, CACHE, jnp.float32, STEPS)
     jax.clear_caches()
     first = compile_programs([program])
@@ -163,6 +168,11 @@ def test_compiled_programs_are_remembered_until_jax_clears_its_caches(model):
         again = compile_programs([decode_program(cfg, params, B, CACHE, jnp.float32, STEPS)])
     assert not compiles and again.lowered_s[program.name] == 0.0
     assert again.compiled[program.name] is first.compiled[program.name]
+    jax.clear_caches()  # then it is read back from the store, neither lowered nor compiled
+    with count_compiles() as compiles:
+        stored = compile_programs([program])
+    assert not compiles and stored.compiled[program.name] is not first.compiled[program.name]
+    compile_cache(None)  # nothing stored: built again
     jax.clear_caches()
     with count_compiles() as compiles:
         compile_programs([program])
@@ -207,7 +217,7 @@ def test_serving_engine_serves_its_first_programs_while_the_rest_compile(model, 
 def test_background_compile_builds_every_program_and_a_waited_one_first():
     """Programs build in a background thread; `wait` returns once its program is built (moved to
     the front of the queue), and the calls then compile nothing."""
-    fns = [jax.jit(lambda x, k=k: jnp.sin(x) * k) for k in range(4)]
+    fns = [device_program(lambda x, k=k: jnp.sin(x) * k) for k in range(4)]
     args = [(jax.ShapeDtypeStruct((3 + k,), jnp.float32),) for k in range(4)]
     programs = [Program(f"p{k}", fn, a) for k, (fn, a) in enumerate(zip(fns, args))]
     bg = BackgroundCompile(programs, workers=1)

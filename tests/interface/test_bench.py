@@ -129,7 +129,7 @@ def test_no_recompile_across_prompt_lengths_in_a_bucket(model_path):
         first, _ = engine.prefill_and_sample(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths), None,
                                              jax.random.key(0), SamplingParams.make(2))
         np.asarray(first)
-        size = engine.prefill_and_sample._cache_size()
+        size = engine.prefill_and_sample.compiled_count()
         if before is not None:
             assert size == before, f"prompt length {n} compiled a new program"
         before = size

@@ -97,12 +97,12 @@ def test_logprobs_are_log_softmax_and_cost_one_program(tiny):
     eng = ServingEngine(cfg, params, CONFIG)
     plain = eng.submit([3, 1, 4, 1, 5], max_new_tokens=6)
     first, _ = _drain(eng)
-    before = slots.decode_dispatch._cache_size()
+    before = slots.decode_dispatch.compiled_count()
     with_lp = eng.submit([3, 1, 4, 1, 5], max_new_tokens=6, logprobs=True)
     sampled = eng.submit([2, 7, 1, 8], max_new_tokens=6, logprobs=True, temperature=1.0, seed=1)
     other = eng.submit([9, 9], max_new_tokens=6)
     done, _ = _drain(eng)
-    assert slots.decode_dispatch._cache_size() <= before + 1
+    assert slots.decode_dispatch.compiled_count() <= before + 1
     assert done[other].logprobs is None and first[plain].logprobs is None
     for rid, prompt in ((with_lp, [3, 1, 4, 1, 5]), (sampled, [2, 7, 1, 8])):
         c = done[rid]

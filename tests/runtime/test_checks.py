@@ -197,7 +197,7 @@ def test_checks_under_the_callers_jit_are_shape_only_and_compile_the_same_progra
     cache = init_cache(cfg, 2, 32)
     tokens = jnp.asarray([3, 4], jnp.int32)
     checked = jax.jit(lambda c, t: engine.decode_step(cfg, params, c, t)).lower(cache, tokens).as_text()
-    bare = jax.jit(lambda c, t: engine.decode_step._jitted(cfg, params, c, t)).lower(cache, tokens).as_text()
+    bare = jax.jit(lambda c, t: engine.decode_step.jitted(cfg, params, c, t)).lower(cache, tokens).as_text()
     assert checked == bare
     with pytest.raises(ValueError, match=r"tokens must be one token id per cache slot"):
         jax.jit(lambda c, t: engine.decode_step(cfg, params, c, t)).lower(cache, jnp.zeros(3, jnp.int32))

@@ -161,12 +161,12 @@ def test_settings_slots_and_lengths_are_data_not_recompilations(tiny):
     for i, p in enumerate(_prompts(1, 8, cfg.vocab_size)):  # running counts 8 down to 1: every decode bucket
         warm.submit(p, max_new_tokens=2 + 2 * i)
     _drain(warm)
-    before = (slots.prefill_into_slots._cache_size(), slots.decode_dispatch._cache_size())
+    before = (slots.prefill_into_slots.compiled_count(), slots.decode_dispatch.compiled_count())
     eng = ServingEngine(cfg, params, CONFIG)
     for i, p in enumerate(_prompts(2, 6, cfg.vocab_size)):
         eng.submit(p, max_new_tokens=5, temperature=0.3 * i, top_k=i, top_p=1.0 - 0.1 * i, stop_ids=[i, i + 1])
     _drain(eng)
-    assert (slots.prefill_into_slots._cache_size(), slots.decode_dispatch._cache_size()) == before
+    assert (slots.prefill_into_slots.compiled_count(), slots.decode_dispatch.compiled_count()) == before
     _check_idle(eng)
 
 
