@@ -21,7 +21,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .reference import QuantizedX, activate
@@ -29,9 +28,9 @@ from .reference import QuantizedX, activate
 _I32, _F32 = jnp.int32, jnp.float32
 
 _LAYOUTS = {
-    16: plgpu.Layout.TILED(fa.Tiling(((16, 2, 4), (4, 2, 4), (1,))), warp_dims=(-7,), lane_dims=(-4, -3, -2),
+    16: plgpu.Layout.TILED(plgpu.Tiling(((16, 2, 4), (4, 2, 4), (1,))), warp_dims=(-7,), lane_dims=(-4, -3, -2),
                            vector_dim=-1),
-    2: plgpu.Layout.TILED(fa.Tiling(((2, 2, 4), (1,))), warp_dims=(plgpu.Replicated(4),),
+    2: plgpu.Layout.TILED(plgpu.Tiling(((2, 2, 4), (1,))), warp_dims=(plgpu.Replicated(4),),
                           lane_dims=(-4, -3, -2, plgpu.Replicated(2)), vector_dim=-1),
 }
 

@@ -27,7 +27,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -35,8 +34,8 @@ from pallas_kernels.int8_activations import mgpu as q8
 
 _F32 = jnp.float32
 COLS = 64  # the view rows of K that are not a multiple of 128
-_REPLICATED = plgpu.Layout.TILED(fa.Tiling(((1, COLS), (2,))), warp_dims=(plgpu.Replicated(4),), lane_dims=(-2,),
-                                 vector_dim=-1)
+_REPLICATED = plgpu.Layout.TILED(plgpu.Tiling(((1, COLS), (2,))), warp_dims=(plgpu.Replicated(4),),
+                                 lane_dims=(-2,), vector_dim=-1)
 
 
 def supports(k: int) -> bool:
