@@ -1,13 +1,14 @@
-"""Activations rounded to int8 per 32 values, for the int8 decode GEMV: a Pallas kernel beside
-the plain-JAX reference.
+"""Activations rounded to int8 per 32 values, for the int8 decode GEMV: a Mosaic GPU kernel
+beside the plain-JAX reference.
 
     quantize(x, activation=None, *, implementation=None) -> QuantizedX
 
 x (..., K); with `activation` ("silu", "gelu_tanh") x is (..., 2K) = [gate | up] and what is
 rounded is act(gate) * up (the FFN's GLU, fused into the same pass). `implementation`: None
-picks the kernel on a GPU backend for at most MAX_ROWS rows and the reference elsewhere;
-"reference", "pallas", "interpret" force one. The RMS-norm kernel (pallas_kernels.rms_norm)
-emits the same QuantizedX from its own pass, with `store_quantized`.
+picks the kernel on a GPU backend for at most MAX_ROWS rows of a multiple of 64 values and the
+reference elsewhere; "reference", "pallas", "interpret" force one. The RMS-norm kernel
+(pallas_kernels.rms_norm) emits the same QuantizedX from its own pass, with
+`mgpu.store_quantized`.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import jax
 
 from pallas_kernels.implementation import pick_implementation, rows_of
 
-from .kernel import quantize_rows
+from .mgpu import quantize_rows, supports
 from .reference import (ACTIVATIONS, GatedX, QuantizedX, dequantize_x, glu, norm_scale, quantize_normed,
                         quantize_reference, quantize_x)
 
@@ -31,6 +32,8 @@ def quantize(x: jax.Array, activation: str | None = None, *, implementation: str
         raise ValueError(f"quantize: activation={activation!r}; expected None or one of {ACTIVATIONS}")
     *lead, width = x.shape
     rows = rows_of(x.shape)
+    if implementation is None and not supports(width if activation is None else width // 2):
+        implementation = "reference"
     implementation = pick_implementation("quantize", implementation, rows, MAX_ROWS)
     if implementation == "reference":
         return quantize_reference(x, activation)

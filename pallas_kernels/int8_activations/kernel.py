@@ -1,33 +1,26 @@
-"""Rounding activations to int8 in Pallas: the pieces every producer kernel shares, and a
-kernel of its own for rows that come from no other kernel of ours.
+"""Rounding activations to int8 in Pallas-Triton: the pieces the Triton-lowered producers (the
+int8 GEMV's fused add + norm, the decode attention's int8 output) share.
 
 A row of K values is handled as G = K / 32 groups, each viewed as (2 halves, 4 words, 4
-lanes): `lanes(ref, ...)` loads one lane of every word of GP groups from group g0 on, (GP, 2,
-4) per lane with GP a power of two (Triton tiles), so that packing four int8 into a word is
-four shifts and ors, with no data moved between threads. Rows are split into chunks of
-CHUNK_GROUPS groups, one program each: a group needs nothing from outside it, and one program
-per row was bound by the one SM's issue rate (docs/kernels.md, "Norms and activations").
-`store_quantized` rounds such a row and writes the QuantizedX planes. `quantize_rows` runs it
-on a plain row or, for the FFN's down projection, on act(gate) * up straight from the fused
-gate/up product, so that the GLU costs no kernel of its own.
+lanes), one lane of every word loaded as a (GP, 2, 4) array, so that packing four int8 into a
+word is four shifts and ors, with no data moved between threads. `store_quantized` rounds such
+a row and writes the QuantizedX planes; `store_quantized_rows` rounds plain (R, K) rows.
 
 Rounding is IEEE, as `quantize_x` rounds in XLA: division and round-half-even by one PTX
 instruction each (Triton's own division is approximate and Pallas-Triton has no rounding
 primitive; an add-based rounding would be contracted into an FMA with the product before
 it). In Pallas' interpreter both are the jnp operations, so the CPU tests are bit-exact.
 
-Lowering: Pallas' Triton backend (a one-row reduction and elementwise ops).
+The Mosaic GPU versions, and the kernel for rows from no other kernel of ours, are in mgpu.py.
 """
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .reference import QuantizedX, activate
+from .mgpu import as_quantized, quantized_out_shapes  # noqa: F401  (shared with the Triton producers)
 
 _I32, _F32 = jnp.int32, jnp.float32
 
@@ -51,38 +44,12 @@ def _round_to_int(v, ip):
     return jnp.round(v).astype(_I32) if ip else ptx("cvt.rni.s32.f32 $0, $1;", _I32, v)
 
 
-# Groups (of 32 values) per program; a row of G groups takes ceil(G / CHUNK_GROUPS) programs.
-CHUNK_GROUPS = 16
-CHUNK_WARPS = 2
-
-
 def group_mask(gp: int, g: int, g0=0):
     return g0 + jax.lax.broadcasted_iota(_I32, (gp,), 0) < g
 
 
 def _full(mask, shape):
     return jnp.broadcast_to(mask.reshape(mask.shape + (1,) * (len(shape) - 1)), shape)
-
-
-def lanes(ref, idx, gp: int, g: int, g0=0):
-    """The four lanes (GP, 2, 4) of groups g0 .. g0 + GP of a row at ref[idx] of a (..., G, 2,
-    4, 4) view, float32; groups past G read as 0."""
-    mask = _full(group_mask(gp, g, g0), (gp, 2, 4))
-    return [plgpu.load(ref.at[tuple(idx) + (pl.ds(g0, gp), slice(None), slice(None), jnp.int32(i))],
-                       mask=mask, other=0).astype(_F32) for i in range(4)]
-
-
-def store_lanes(ref, idx, values, gp: int, g: int, g0=0):
-    mask = _full(group_mask(gp, g, g0), (gp, 2, 4))
-    for i, v in enumerate(values):
-        plgpu.store(ref.at[tuple(idx) + (pl.ds(g0, gp), slice(None), slice(None), jnp.int32(i))],
-                    v.astype(ref.dtype), mask=mask)
-
-
-def chunking(g: int) -> tuple[int, int]:
-    """(groups per program, programs per row) for a row of G groups."""
-    gp = min(pl.next_power_of_2(g), CHUNK_GROUPS)
-    return gp, pl.cdiv(g, gp)
 
 
 def group_scale(amax, ip: bool):
@@ -138,46 +105,3 @@ def store_quantized_rows(x, refs, rows, row_mask, ip: bool):
     plgpu.store(d_ref.at[rows, :], d, mask=mask)
     plgpu.store(dsum32_ref.at[rows, :], d * jnp.sum(sum16, axis=-1).astype(_F32), mask=mask)
     plgpu.store(dsum16_ref.at[rows, :], (d[:, :, None] * sum16.astype(_F32)).reshape(r, 2 * g), mask=mask)
-
-
-def quantized_out_shapes(m: int, k: int):
-    """pallas_call out_shape of the QuantizedX planes, in the views `store_quantized` writes."""
-    g = k // 32
-    return (jax.ShapeDtypeStruct((m, g, 2, 4), _I32), jax.ShapeDtypeStruct((m, g), _F32),
-            jax.ShapeDtypeStruct((m, g), _F32), jax.ShapeDtypeStruct((m, g, 2), _F32))
-
-
-def as_quantized(planes, m: int, k: int, dtype) -> QuantizedX:
-    words, d, dsum32, dsum16 = planes
-    return QuantizedX(words.reshape(m, k // 4), d, dsum32, dsum16.reshape(m, k // 16), jnp.dtype(dtype))
-
-
-def _kernel(x_ref, *out_refs, gp, g, activation, ip):
-    row, g0 = pl.program_id(0), pl.program_id(1) * gp
-    if activation is None:
-        values = lanes(x_ref, (row,), gp, g, g0)
-    else:
-        gate, up = lanes(x_ref, (row, jnp.int32(0)), gp, g, g0), lanes(x_ref, (row, jnp.int32(1)), gp, g, g0)
-        values = [activate(a, activation) * b for a, b in zip(gate, up)]
-    store_quantized(values, out_refs, row, gp, g, ip, g0)
-
-
-@functools.partial(jax.jit, static_argnames=("activation", "interpret"))
-def quantize_rows(x: jax.Array, activation: str | None = None, interpret: bool = False) -> QuantizedX:
-    """x (M, K) -> QuantizedX, one program per CHUNK_GROUPS groups of a row; with `activation`,
-    x is (M, 2K) = [gate | up] and the rows rounded are act(gate) * up (computed in float32)."""
-    m, width = x.shape
-    k = width if activation is None else width // 2
-    if k % 32 or (activation is not None and width % 2):
-        raise ValueError(f"quantize_rows: x of shape {x.shape}: K={k} must be a multiple of 32"
-                         + ("" if activation is None else " (x holds [gate | up])"))
-    g = k // 32
-    view = x.reshape(m, g, 2, 4, 4) if activation is None else x.reshape(m, 2, g, 2, 4, 4)
-    gp, chunks = chunking(g)
-    kernel = functools.partial(_kernel, gp=gp, g=g, activation=activation, ip=interpret)
-    planes = pl.pallas_call(
-        kernel, grid=(m, chunks), out_shape=quantized_out_shapes(m, k),
-        compiler_params=plgpu.CompilerParams(num_warps=CHUNK_WARPS, num_stages=1),
-        interpret=interpret, name="quantize_rows" if activation is None else f"quantize_{activation}_glu",
-    )(view)
-    return as_quantized(planes, m, k, x.dtype if jnp.dtype(x.dtype).itemsize == 2 else jnp.bfloat16)

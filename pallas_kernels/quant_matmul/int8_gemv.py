@@ -58,6 +58,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.int8_activations import GatedX, QuantizedX, dequantize_x, quantize, quantize_x  # noqa: F401
 from pallas_kernels.int8_activations import kernel as q8
+from pallas_kernels.int8_activations import mgpu as q8_mgpu
 from pallas_kernels.int8_activations.reference import activate
 from pallas_kernels.quant_matmul.tiles import index, load_masked, split_k_launch
 from gguf_blocks.formats import Q4_KChunks
@@ -622,7 +623,7 @@ def _launch(x, w: QTensor, cfg: Int8GemvConfig, interpret: bool, partials: bool,
     if not isinstance(x, QuantizedX) and (w.qtype == QType.Q6_K or m_rows > ROUNDS_IN_KERNEL_MAX_M):
         # Rounded first, in one small kernel: per program, Q6_K's 16-value groups made the
         # kernel several times slower, and many rows multiply the rounding work.
-        impl = "interpret" if interpret else "pallas"
+        impl = ("interpret" if interpret else "pallas") if q8_mgpu.supports(k) else "reference"
         x = (quantize(x.gate_up, x.activation, implementation=impl) if isinstance(x, GatedX)
              else quantize(x, implementation=impl))
     activation = x.activation if isinstance(x, GatedX) else None

@@ -1,4 +1,4 @@
-"""RMS norm and the residual add + RMS norm between blocks: a Pallas kernel beside a plain-JAX reference.
+"""RMS norm and the residual add + RMS norm between blocks: a Mosaic GPU kernel beside a plain-JAX reference.
 
     add_rms_norm(x, parts, w, eps, out_dtype, *, quantize=False, implementation=None)
         -> (x + sum(parts), normed)

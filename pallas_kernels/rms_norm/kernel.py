@@ -1,22 +1,25 @@
-"""Residual add + RMS norm in one Pallas kernel, for decode-sized row counts.
+"""Residual add + RMS norm in one Mosaic GPU kernel, for decode-sized row counts.
 
 Between two transformer blocks XLA runs the residual add, the sum of squares and the scaling
-as two or three kernels (a reduction cannot feed a broadcast inside one of its fusions), and
-at decode batch sizes each of them is a launch of a few microseconds over a few kilobytes.
-Here one program per row reads the residual row and the S partial sums of the block output
-(a split-K matmul hands them over unsummed, so their sum costs no kernel either), and writes
-the new residual (float32) and the normed row.
+as two kernels (a reduction cannot feed a broadcast inside one of its fusions), and at decode
+batch sizes each of them is a launch of about a microsecond over a few kilobytes. Here one
+launch reads the residual row and the S partial sums of the block output (a split-K matmul
+hands them over unsummed, so their sum costs no kernel either), and writes the new residual
+(float32) and the normed row.
+
+One program (one warpgroup) per row, reading the row, its partials and the weight straight from
+global memory into registers and writing both outputs back the same way: at a few kilobytes a
+row, staging through shared memory by TMA measured slower (docs/kernels.md, "Norms and
+activations"). K a multiple of 128 is strided over the warpgroup's 128 threads. Other K (576,
+smollm2's) are multiples of 64 only: the row is then viewed as (K / 64, 64), 32 lanes x 2
+values across a view row, and every warp holds the whole row (the warps replicated), so its sum
+of squares needs no exchange between warps.
 
 With `quantize`, the normed row is not written as floats but rounded to int8 per 32 values
-for the int8 decode GEMV that reads it (pallas_kernels.int8_activations), in the same pass:
-the row is then handled as 32-value groups of four byte lanes (K a multiple of 32), by a few
-programs per row, each over CHUNK_GROUPS groups: every program reads the whole row for the
+for the int8 decode GEMV that reads it (pallas_kernels.int8_activations), in the same pass, by
+a few programs per row, each over a chunk of groups: every program reads the whole row for the
 sum of squares (a few kilobytes, from L2) and rounds and writes its chunk only. With one
-program per row the rounding was bound by one SM's issue rate. The plain norm stays at one
-program per row, where chunks measured slower (docs/kernels.md, "Norms and activations").
-
-Lowering: Pallas' Triton backend (a row reduction and elementwise ops; Mosaic GPU brings
-nothing for a kernel this small). Rows of any K: the row is one power-of-two tile, masked.
+program per row the rounding was bound by one SM's issue rate.
 """
 from __future__ import annotations
 
@@ -25,78 +28,95 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.int8_activations import kernel as q8
+from pallas_kernels.int8_activations import mgpu as q8
 
 _F32 = jnp.float32
+COLS = 64  # the view rows of K that are not a multiple of 128
+_REPLICATED = plgpu.Layout.TILED(plgpu.Tiling(((1, COLS), (2,))), warp_dims=(plgpu.Replicated(4),),
+                                 lane_dims=(-2,), vector_dim=-1)
 
 
-def _kernel(*refs, k, tile, n_parts, eps):
-    x_ref, w_ref, x_out_ref, y_ref = refs[0], refs[-3], refs[-2], refs[-1]
-    parts_ref = refs[1] if n_parts else None
-    row = pl.program_id(0)
-    cols = pl.ds(0, tile)
-    mask = jax.lax.broadcasted_iota(jnp.int32, (tile,), 0) < k
-    x = plgpu.load(x_ref.at[row, cols], mask=mask, other=0).astype(_F32)
-    for s in range(n_parts):  # jnp.int32(s): the interpreter cannot discharge plain int indices
-        x = x + plgpu.load(parts_ref.at[jnp.int32(s), row, cols], mask=mask, other=0).astype(_F32)
-    r = jax.lax.rsqrt(jnp.sum(x * x) / k + eps)
-    w = plgpu.load(w_ref.at[cols], mask=mask, other=0).astype(_F32)
-    plgpu.store(x_out_ref.at[row, cols], x, mask=mask)
-    plgpu.store(y_ref.at[row, cols], (x * r * w).astype(y_ref.dtype), mask=mask)
+def supports(k: int) -> bool:
+    return k % COLS == 0
 
 
-def _quantizing_kernel(*refs, k, gp, n_parts, eps, ip):
-    """The same, on (G, 2, 4, 4) views of every row, storing the normed row as QuantizedX."""
-    x_ref, w_ref, x_out_ref, q_refs = refs[0], refs[-6], refs[-5], refs[-4:]
-    parts_ref = refs[1] if n_parts else None
-    g = k // 32
-    row, g0 = pl.program_id(0), pl.program_id(1) * gp
+def _load_row(ref, strided: bool):
+    # Strided: the layout Mosaic infers. Else the replicated view, which has no vectorized
+    # global-memory path (`optimized=False`: plain 8-byte loads, which is what it needs).
+    return ref[...] if strided else plgpu.load(ref, layout=_REPLICATED, optimized=False)
 
-    def summed(size, start):
-        xs = q8.lanes(x_ref, (row,), size, g, start)
-        for s in range(n_parts):
-            xs = [a + b for a, b in zip(xs, q8.lanes(parts_ref, (jnp.int32(s), row), size, g, start))]
-        return xs
 
-    ss = None
-    for v in summed(pl.next_power_of_2(g), 0):
-        ss = v * v if ss is None else ss + v * v
-    r = jax.lax.rsqrt(jnp.sum(ss) / k + eps)
-    xs = summed(gp, g0)
-    q8.store_lanes(x_out_ref, (row,), xs, gp, g, g0)
-    q8.store_quantized([v * r * w for v, w in zip(xs, q8.lanes(w_ref, (), gp, g, g0))], q_refs, row, gp, g,
-                       ip, g0)
+def _summed_row(x_ref, parts_ref, row, n_parts: int, k: int, eps: float, strided: bool):
+    """The row x + sum(parts) in float32, and its 1 / rms."""
+    x = _load_row(x_ref.at[row], strided)
+    for s in range(n_parts):
+        x = x + _load_row(parts_ref.at[s, row], strided).astype(_F32)
+    ss = x * x
+    ss = jnp.sum(ss) if strided else jnp.sum(jnp.sum(ss, axis=1), axis=0)
+    return x, jax.lax.rsqrt(ss / k + eps)
+
+
+def _kernel(x_ref, *refs, n_parts: int, k: int, eps: float, strided: bool):
+    parts_ref = refs[0] if n_parts else None
+    w_ref, x_out_ref, y_ref = refs[-3:]
+    row = jax.lax.axis_index("row")
+    x, r = _summed_row(x_ref, parts_ref, row, n_parts, k, eps, strided)
+    x_out_ref[row] = x
+    y_ref[row] = (x * r * _load_row(w_ref, strided).astype(_F32)).astype(y_ref.dtype)
+
+
+def _quantizing_kernel(x_ref, x_lanes_ref, *refs, n_parts: int, k: int, eps: float, strided: bool, gp: int):
+    """The same, the normed row rounded to int8 per 32 values: a program per chunk of GP groups,
+    each summing the whole row for its 1 / rms; the first chunk's program writes the residual."""
+    parts_ref, parts_lanes_ref = refs[:2] if n_parts else (None, None)
+    w_lanes_ref, x_out_ref, *q_refs = refs[2 * bool(n_parts):]
+    row, chunk = jax.lax.axis_index("row"), jax.lax.axis_index("chunk")
+    g0 = chunk * gp
+    x, r = _summed_row(x_ref, parts_ref, row, n_parts, k, eps, strided)
+
+    @pl.when(chunk == 0)
+    def _():
+        x_out_ref[row] = x
+
+    xs = q8.lanes(x_lanes_ref, (row,), gp, g0)
+    for s in range(n_parts):
+        xs = [a + b for a, b in zip(xs, q8.lanes(parts_lanes_ref, (s, row), gp, g0))]
+    q8.store_quantized([v * r * w for v, w in zip(xs, q8.lanes(w_lanes_ref, (), gp, g0))], q_refs, row, gp, g0)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "out_dtype", "quantize", "interpret"))
 def add_rms_norm_kernel(x: jax.Array, parts: jax.Array | None, w: jax.Array, eps: float, out_dtype,
-                        quantize: bool = False, interpret: bool = False):
-    """x (M, K) float32, parts (S, M, K) or None, w (K,) -> (x + sum(parts), rms_norm(.) * w),
-    the second in out_dtype, or with `quantize` as a QuantizedX (of dtype out_dtype)."""
+                      quantize: bool = False, interpret: bool = False):
+    """x (M, K) float32, parts (S, M, K) or None, w (K,) -> (x + sum(parts), rms_norm(.) * w in
+    out_dtype, or with `quantize` as a QuantizedX of dtype out_dtype)."""
     m, k = x.shape
     if (parts is not None and parts.shape[1:] != (m, k)) or w.shape != (k,):
         raise ValueError(f"add_rms_norm: parts {None if parts is None else parts.shape} and weight "
                          f"{w.shape} do not match x {x.shape}")
-    if quantize and k % 32:
-        raise ValueError(f"add_rms_norm: quantize needs K a multiple of 32, got x {x.shape}")
+    if not supports(k):
+        raise ValueError(f"add_rms_norm: the kernel needs K a multiple of {COLS}, got x {x.shape}")
     n_parts = 0 if parts is None else parts.shape[0]
-    params = plgpu.CompilerParams(num_warps=4 if k <= 4096 else 8, num_stages=1)
-    if quantize:
-        g = k // 32
-        gp, chunks = q8.chunking(g)
-        kernel = functools.partial(_quantizing_kernel, k=k, gp=gp, n_parts=n_parts, eps=eps, ip=interpret)
-        x_out, *planes = pl.pallas_call(
-            kernel, grid=(m, chunks), compiler_params=params, interpret=interpret, name="add_rms_norm_q8",
-            out_shape=(jax.ShapeDtypeStruct((m, g, 2, 4, 4), _F32), *q8.quantized_out_shapes(m, k)),
-        )(x.astype(_F32).reshape(m, g, 2, 4, 4), *([parts.reshape(n_parts, m, g, 2, 4, 4)] if n_parts else []),
-          w.reshape(g, 2, 4, 4))
-        return x_out.reshape(m, k), q8.as_quantized(planes, m, k, out_dtype)
-    tile = pl.next_power_of_2(k)
-    kernel = functools.partial(_kernel, k=k, tile=tile, n_parts=n_parts, eps=eps)
-    return pl.pallas_call(
-        kernel, grid=(m,),
-        out_shape=(jax.ShapeDtypeStruct((m, k), _F32), jax.ShapeDtypeStruct((m, k), out_dtype)),
-        compiler_params=params, interpret=interpret, name="add_rms_norm",
-    )(x.astype(_F32), *([parts] if n_parts else []), w)
+    strided = k % 128 == 0
+    view = (k,) if strided else (k // COLS, COLS)
+    x = x.astype(_F32)
+    rows = lambda a, lead: a.reshape(*lead, *view)  # noqa: E731
+    interpret = plgpu.InterpretGPUParams() if interpret else None
+    if not quantize:
+        x_out, y = plgpu.kernel(
+            functools.partial(_kernel, n_parts=n_parts, k=k, eps=float(eps), strided=strided),
+            out_type=(jax.ShapeDtypeStruct((m, *view), _F32), jax.ShapeDtypeStruct((m, *view), out_dtype)),
+            grid=(m,), grid_names=("row",), interpret=interpret,
+        )(rows(x, (m,)), *([rows(parts, (n_parts, m))] if n_parts else []), w.reshape(view))
+        return x_out.reshape(m, k), y.reshape(m, k)
+    g = k // 32
+    gp = q8.chunk_groups(g)
+    lanes = lambda a, lead: a.reshape(*lead, g, 2, 4, 4)  # noqa: E731
+    x_out, *planes = plgpu.kernel(
+        functools.partial(_quantizing_kernel, n_parts=n_parts, k=k, eps=float(eps), strided=strided, gp=gp),
+        out_type=(jax.ShapeDtypeStruct((m, *view), _F32), *q8.quantized_out_shapes(m, k)),
+        grid=(m, g // gp), grid_names=("row", "chunk"), interpret=interpret,
+    )(rows(x, (m,)), lanes(x, (m,)), *([rows(parts, (n_parts, m)), lanes(parts, (n_parts, m))] if n_parts else []),
+      lanes(w, ()))
+    return x_out.reshape(m, k), q8.as_quantized(planes, m, k, out_dtype)

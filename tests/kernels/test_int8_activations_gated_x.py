@@ -33,7 +33,7 @@ def _w(qtype, n, k, seed):
 @pytest.mark.parametrize("m,cfg", [(1, Int8GemvConfig(16, 2)), (2, Int8GemvConfig(8, 1, split_k=3)),
                                    (3, Int8GemvConfig(8, 1))])
 def test_int8_gemv_equals_the_glu_kernel_then_the_product(qtype, activation, m, cfg):
-    k = 768 if qtype == QType.Q4_K else 288
+    k = 768 if qtype == QType.Q4_K else 384
     w = _w(qtype, 40, k, m)
     if qtype == QType.Q4_K:
         w = as_words(w)

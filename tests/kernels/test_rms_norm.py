@@ -1,10 +1,9 @@
-"""Residual add + RMS norm (pallas_kernels.rms_norm): the Pallas kernel against the plain-JAX
-reference, in Pallas' CPU interpreter and (marked gpu) compiled on the GPU; the reference
-against a float64 numpy oracle."""
+"""Residual add + RMS norm (pallas_kernels.rms_norm): the Mosaic GPU kernel against the
+plain-JAX reference, in Mosaic GPU's CPU interpreter and (marked gpu) compiled on the GPU; the
+reference against a float64 numpy oracle."""
 from __future__ import annotations
 
 import unittest.mock as mock
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -32,10 +31,11 @@ def _oracle(x, parts, w):
     return x, x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + EPS) * np.asarray(w, np.float64)
 
 
-@pytest.mark.parametrize("k", [576, 2048, 96])
+@pytest.mark.parametrize("k", [576, 2048, 192])
 @pytest.mark.parametrize("s", [0, 1, 3])
 def test_kernel_matches_reference_and_oracle(k, s):
-    """K not a power of two (masked tile), no partials, one, several (a split-K matmul's)."""
+    """K a multiple of 128 (strided over the warpgroup) or of 64 only (the replicated (K / 64,
+    64) view); no partials, one, several (a split-K matmul's)."""
     x, parts, w = _inputs(3, k, s, seed=k + s)
     got_x, got_y = add_rms_norm(x, parts, w, EPS, jnp.float32, implementation="interpret")
     ref_x, ref_y = add_rms_norm(x, parts, w, EPS, jnp.float32, implementation="reference")
@@ -82,37 +82,53 @@ def test_dispatch_and_errors():
         add_rms_norm(x, parts, w, EPS, jnp.float32, implementation="reference")[1]))
     with pytest.raises(ValueError, match="implementation='triton'"):
         add_rms_norm(x, parts, w, EPS, jnp.float32, implementation="triton")
-    with pytest.raises(ValueError, match="quantize needs K a multiple of 32"):
-        add_rms_norm_kernel(_inputs(1, 48, 0)[0], None, _inputs(1, 48, 0)[2], EPS, jnp.bfloat16, quantize=True,
+    with pytest.raises(ValueError, match="needs K a multiple of 64"):
+        add_rms_norm_kernel(_inputs(1, 96, 0)[0], None, _inputs(1, 96, 0)[2], EPS, jnp.bfloat16, quantize=True,
                             interpret=True)
     with pytest.raises(ValueError, match=r"weight \(32,\) do not match x \(2, 64\)"):
         add_rms_norm_kernel(x, parts, w[:32], EPS, jnp.float32, interpret=True)
+    with pytest.raises(ValueError, match="needs K a multiple of 64"):
+        add_rms_norm_kernel(_inputs(1, 96, 0)[0], None, _inputs(1, 96, 0)[2], EPS, jnp.float32, interpret=True)
 
 
-def test_lowers_to_triton_for_h100():
-    """The kernel lowers to a Triton module for sm_90 without a GPU."""
-    from jax._src.pallas.triton import gpu_info
+@pytest.mark.parametrize("rows,s,k,want", [(1, 0, 576, "pallas"), (8, 0, 576, "reference"), (8, 1, 576, "pallas"),
+                                           (1, 1, 96, "reference"), (65, 1, 576, "reference")])
+def test_gpu_dispatch(rows, s, k, want):
+    """On a GPU backend: the kernel for decode rows, XLA for the plain norm without partials at
+    8 rows or more, for K not a multiple of 64, and past MAX_ROWS."""
+    from pallas_kernels.rms_norm import add_norm
 
-    h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
-    args = (jax.ShapeDtypeStruct((1, 2048), jnp.float32), jax.ShapeDtypeStruct((2, 1, 2048), jnp.float32),
-            jax.ShapeDtypeStruct((2048,), jnp.float32))
-    with warnings.catch_warnings(), mock.patch.object(gpu_info, "get_gpu_info", lambda: h100):
-        warnings.simplefilter("ignore")
-        lowered = jax.jit(add_rms_norm_kernel, static_argnames=("eps", "out_dtype", "interpret")).trace(
-            *args, EPS, jnp.bfloat16).lower(lowering_platforms=("cuda",))
-    assert "__gpu$xla.gpu.triton" in lowered.as_text()
+    x, parts, w = _inputs(rows, k, s)
+    got = []
+    fake = lambda *a, **kw: got.append("pallas") or (a[0], a[0])  # noqa: E731
+    with mock.patch.object(jax, "default_backend", lambda: "gpu"), \
+            mock.patch.object(add_norm, "add_rms_norm_kernel", fake):
+        add_rms_norm(x, parts, w, EPS, jnp.float32)
+    assert (got[0] if got else "reference") == want
+
+
+@pytest.mark.parametrize("k", [2048, 576])
+def test_lowers_to_mosaic_gpu(k):
+    """Without a GPU: the plain and the quantizing norm lower to Mosaic GPU modules, for both
+    row layouts (strided, replicated view) and both chunk sizes."""
+    args = (jax.ShapeDtypeStruct((1, k), jnp.float32), jax.ShapeDtypeStruct((2, 1, k), jnp.float32),
+            jax.ShapeDtypeStruct((k,), jnp.float32))
+    for quantize in (False, True):
+        text = add_rms_norm_kernel.trace(*args, EPS, jnp.bfloat16, quantize=quantize).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text and "triton" not in text
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k,s", [(1, 2048, 1), (3, 576, 4), (8, 4096, 0)])
+@pytest.mark.parametrize("m,k,s", [(1, 2048, 1), (3, 576, 4), (8, 4096, 0), (32, 576, 2)])
 def test_kernel_on_gpu(m, k, s):
     from pallas_kernels.int8_activations import dequantize_x
 
     x, parts, w = _inputs(m, k, s, seed=m)
     qx, q = jax.jit(add_rms_norm, static_argnames=("eps", "out_dtype", "quantize"))(
         x, parts, w, eps=EPS, out_dtype=jnp.bfloat16, quantize=True)
-    got_x, got_y = jax.jit(add_rms_norm, static_argnames=("eps", "out_dtype"))(x, parts, w, eps=EPS,
-                                                                               out_dtype=jnp.float32)
+    got_x, got_y = jax.jit(add_rms_norm, static_argnames=("eps", "out_dtype", "implementation"))(
+        x, parts, w, eps=EPS, out_dtype=jnp.float32, implementation="pallas")
     want_x, want_y = _oracle(x, parts, w)
     np.testing.assert_allclose(np.asarray(got_x), want_x, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(got_y), want_y, rtol=1e-5, atol=1e-5)
