@@ -33,6 +33,7 @@ import logging
 import os
 import pickle
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -104,8 +105,9 @@ def _settings_text() -> str:
                      + [f"XLA_FLAGS {os.environ.get('XLA_FLAGS', '')!r}"])
 
 
-def _default_device():
-    return jax.devices()[0]
+@functools.cache
+def _default_sharding():
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
 def _leaf_signature(x) -> tuple:
@@ -113,13 +115,52 @@ def _leaf_signature(x) -> tuple:
     if isinstance(x, (bool, int, float, complex)):  # becomes a weakly typed scalar
         return ("scalar", type(x).__name__)
     sharding = getattr(x, "sharding", None)
-    if isinstance(sharding, jax.sharding.SingleDeviceSharding) and sharding.device_set == {_default_device()}:
+    if sharding is not None and sharding == _default_sharding():
         sharding = None  # what an abstract argument without a sharding means on one device
-    return (tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False)), sharding)
+    return (x.shape, x.dtype, getattr(x, "weak_type", False), sharding)
 
 
-def _is_traced(leaves) -> bool:
-    return any(isinstance(x, jax.core.Tracer) for x in leaves)
+class _Signature:
+    """An argument's tree and its leaves' signatures, hashed once."""
+
+    __slots__ = ("tree", "leaves", "traced", "_hash")
+
+    def __init__(self, tree, leaves: tuple, traced: bool):
+        self.tree, self.leaves, self.traced = tree, leaves, traced
+        self._hash = hash((tree, leaves))
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return self is other or (isinstance(other, _Signature) and self._hash == other._hash
+                                 and self.tree == other.tree and self.leaves == other.leaves)
+
+    def __repr__(self):
+        return f"{self.tree} {self.leaves!r}"
+
+
+# The signature of a large argument (the params: hundreds of leaves) is kept by the argument's
+# identity: pytrees of arrays are immutable, and a model's params are passed again and again.
+_LARGE = 32
+_SIGNATURES: dict[int, tuple] = {}
+
+
+def _signature_of(value) -> _Signature:
+    entry = _SIGNATURES.get(id(value))
+    if entry is not None and entry[0]() is value:
+        return entry[1]
+    leaves, tree = jax.tree.flatten(value)
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        return _Signature(tree, (), True)
+    found = _Signature(tree, tuple(_leaf_signature(x) for x in leaves), False)
+    if len(leaves) > _LARGE:
+        try:
+            ref = weakref.ref(value, lambda _, key=id(value): _SIGNATURES.pop(key, None))
+        except TypeError:  # not weakly referable: computed at every call
+            return found
+        _SIGNATURES[id(value)] = (ref, found)
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,10 +209,9 @@ class DeviceProgram:
         arguments = arguments if placed is None else placed
         statics = {k: v for k, v in arguments.items() if k in self._static}
         dynamic = {k: v for k, v in arguments.items() if k not in self._static}
-        leaves, tree = jax.tree.flatten(dynamic)
-        traced = not keep or _is_traced(leaves)
-        key = None if traced else (self, tuple(sorted(statics.items())), tree,
-                                   tuple(_leaf_signature(x) for x in leaves))
+        signatures = tuple((name, _signature_of(value)) for name, value in dynamic.items())
+        traced = not keep or any(sig.traced for _, sig in signatures)
+        key = None if traced else (self, tuple(statics.items()), signatures)
         return Call(statics, dynamic, key, traced, placed is not None)
 
     def __call__(self, *args, **kwargs):
@@ -243,9 +283,9 @@ class DeviceProgram:
         statics = repr(sorted(call.statics.items()))
         if " at 0x" in statics or " object at " in statics:
             return None
-        _, _, tree, leaves = call.key
+        arguments = "\n".join(f"argument {name}: {sig!r}" for name, sig in call.key[2])
         return "\n".join([_platform_text(), _settings_text(), f"function {self._name}", f"jit {self._jit_text}",
-                          f"statics {statics}", f"tree {tree}", f"leaves {leaves!r}"])
+                          f"statics {statics}", arguments])
 
     def _path(self, call: Call) -> Path | None:
         if call.traced:

@@ -1,5 +1,6 @@
 """The persistent compilation cache is on by default from `rjax.load`, in $RJAX_HOME/xla-cache: a
-second fresh process loads every program the first compiled, and starts faster. A directory the
+second fresh process loads every program the first compiled (the engine's stored whole, without
+tracing them), and starts faster. A directory the
 user chose for JAX, or the cache turned off with `rjax.compile_cache(None)`, is respected.
 
 Each case runs in its own process with a temporary $RJAX_HOME and none of the test run's own
@@ -22,8 +23,10 @@ SCRIPT = r"""
 import json, sys, time
 from jax import monitoring
 
-events = {}
+events, traced = {}, []
 monitoring.register_event_listener(lambda name, **kw: events.__setitem__(name, events.get(name, 0) + 1))
+monitoring.register_event_duration_secs_listener(
+    lambda name, secs, fun_name="", **kw: traced.append(fun_name) if name.endswith("jaxpr_trace_duration") else None)
 import jax, rjax
 
 if sys.argv[1] == "off":
@@ -37,6 +40,7 @@ else:  # one small program
 first_s = time.perf_counter() - start
 count = lambda name: events.get("/jax/compilation_cache/" + name, 0)
 print(json.dumps(dict(first_s=first_s, hits=count("cache_hits"), written=count("cache_misses"),
+                      traced=traced,
                       dir=str(rjax.xla_cache.current_compile_cache()), tokens=tokens)))
 """
 
@@ -60,12 +64,17 @@ def test_a_second_process_loads_every_program_from_the_cache(tiny_path, tmp_path
     cache = home / "xla-cache"
     assert cold["dir"] == str(cache)
     written = _entries(cache)
-    # Every program is kept, the fast-compiling small ones included.
-    assert cold["hits"] == 0 and cold["written"] >= 5 and len(written) >= cold["written"]
+    stored = _entries(cache / "programs")
+    # Every program is kept, the fast-compiling small ones included; the engine's two (prefill and
+    # decode loop) are also stored whole (rjax.programs), and run from there without tracing.
+    assert cold["hits"] == 0 and cold["written"] >= 5 and len(written - {"programs"}) >= cold["written"]
+    assert len(stored) == 2
     warm = _run("default", tiny_path, home)
     assert warm["tokens"] == cold["tokens"]
-    assert (warm["hits"], warm["written"]) == (cold["written"], 0)
-    assert _entries(cache) == written
+    assert (warm["hits"], warm["written"]) == (cold["written"] - len(stored), 0)
+    assert _entries(cache) == written and _entries(cache / "programs") == stored
+    engine = {"prefill_and_sample", "greedy_decode_loop"}
+    assert engine <= set(cold["traced"]) and not engine & set(warm["traced"])
     assert warm["first_s"] < cold["first_s"], (cold, warm)
 
 
