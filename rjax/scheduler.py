@@ -294,13 +294,11 @@ class Scheduler:
         return batch
 
     def prefill_plan(self, batch: list[tuple[SeqState, int]]) -> PrefillPlan:
-        grown = ()
-        if self.pages is not None:
-            grown = tuple(r.slot for r, n in batch if self.pages.grow(r.slot, r.prefilled + n))
-        return PrefillPlan(tuple(r for r, _ in batch), tuple(tuple(r.prompt[r.prefilled:r.prefilled + n])
-                                                            for r, n in batch),
-                           tuple(r.prefilled + n == len(r.prompt) for r, n in batch),
-                           self.config.prefill_bucket(len(batch)), prompt_bucket(max(n for _, n in batch)), grown)
+        grown = () if self.pages is None else tuple(
+            r.slot for r, n in batch if self.pages.grow(r.slot, r.prefilled + n))
+        chunks = tuple(tuple(r.prompt[r.prefilled:r.prefilled + n]) for r, n in batch)
+        last = tuple(r.prefilled + n == len(r.prompt) for r, n in batch)
+        return PrefillPlan(tuple(r for r, _ in batch), chunks, last, self.config.prefill_bucket(len(batch)), prompt_bucket(max(n for _, n in batch)), grown)
 
     def prefilled(self, plan: PrefillPlan, first: np.ndarray, done: np.ndarray, lp) -> tuple:
         """Take a prefill call's results: `first` [P] tokens, `done` [n_slots], `lp` (host
@@ -384,9 +382,9 @@ class Scheduler:
         order = sorted(self.running) if c.paged else list(range(c.n_slots))
         histories = tuple(self.running[s].prompt + self.running[s].tokens if s in self.running else None
                           for s in order)
-        return SpeculativePlan(tuple(self.running.values()), tuple(order),
-                               c.decode_bucket(len(order)) if c.paged else c.n_slots, all_greedy(self.running.values()), histories,
-                               grown)
+        B = c.decode_bucket(len(order)) if c.paged else c.n_slots
+        return SpeculativePlan(tuple(self.running.values()), tuple(order), B, all_greedy(self.running.values()),
+                               histories, grown)
 
     def speculated(self, out: np.ndarray, drafted: np.ndarray, accepted: np.ndarray, done: np.ndarray,
                    draft_lengths: np.ndarray | None = None, pending: np.ndarray | None = None) -> tuple:

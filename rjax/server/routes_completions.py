@@ -10,7 +10,8 @@ from starlette.concurrency import run_in_threadpool
 
 from rjax.server.context import Context
 from rjax.server.errors import APIError
-from rjax.server.flight import chat_logprob, chat_prompt, check_model, completion_prompts, sse, start, token_text, top_dict
+from rjax.server.flight import (chat_logprob, chat_prompt, check_model, completion_prompts, sse, start, token_text,
+                                top_dict)
 from rjax.server.schemas import ChatCompletionRequest, CompletionRequest
 from rjax.server.tools import ToolStream, call_grammar, parse_tool_calls, tool_format
 from rjax.serving_events import TokenLogprob
@@ -31,8 +32,8 @@ def routes(ctx: Context) -> APIRouter:
         prompts = await run_in_threadpool(completion_prompts, body.prompt, tok, max_len)  # off the event loop
         n_top = body.logprobs
         constraint = await ctx.constraint_of(body, setup)
-        gen = start(loop, ctx.limits(), tok, body, prompts, default_max=lambda p, max_len: 16, logprobs=n_top is not None,
-                     prompt_param="prompt", constraint=constraint)
+        gen = start(loop, ctx.limits(), tok, body, prompts, default_max=lambda p, max_len: 16,
+                    logprobs=n_top is not None, prompt_param="prompt", constraint=constraint)
         rid, model_id = f"cmpl-{uuid.uuid4().hex}", setup.model_id
         echoes = [tok.decode(p) if body.echo else "" for p in prompts]
 
@@ -91,7 +92,7 @@ def routes(ctx: Context) -> APIRouter:
             forced = ("tool_choice", "lark", call_grammar(mode[0], mode[1], fmt))
         constraint = await ctx.constraint_of(body, setup, forced)
         gen = start(loop, ctx.limits(), tok, body, [prompt], default_max=lambda p, max_len: max_len - len(p),
-                     logprobs=n_top is not None, prompt_param="messages", constraint=constraint)
+                    logprobs=n_top is not None, prompt_param="messages", constraint=constraint)
         rid, model_id = f"chatcmpl-{uuid.uuid4().hex}", setup.model_id
 
         def choice_logprobs(entries: list[TokenLogprob]):
