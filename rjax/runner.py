@@ -173,13 +173,14 @@ class Runner:
         setup, faults = {}, []
         for r, n in batch:
             try:
-                adjust_rows = LogitAdjust.host([r.adjust])
+                adjust_rows = LogitAdjust.host([r.request.adjust])
             except Exception as e:
                 faults.append((r, fault("sampling set-up", e)))
                 continue
             try:
+                constraint = r.request.constraint
                 last_chunk = r.prefilled + n == len(r.prompt)
-                setup[id(r)] = adjust_rows, r.constraint.mask() if last_chunk and r.constraint is not None else None
+                setup[id(r)] = adjust_rows, constraint.mask() if last_chunk and constraint is not None else None
             except Exception as e:
                 faults.append((r, fault("constraint", e)))
         return setup, faults
@@ -197,15 +198,15 @@ class Runner:
         # A chunk before a prompt's last is written and advances the slot, but starts nothing.
         valid = np.pad(np.asarray(plan.last, bool), (0, P - n))
         pad = [reqs[0]] * (P - n)
-        sp = SamplingParams(*put(np.asarray([r.temperature for r in reqs + pad], np.float32),
-                                 np.asarray([r.top_k for r in reqs + pad], np.int32),
-                                 np.asarray([r.top_p for r in reqs + pad], np.float32)))
+        sp = SamplingParams(*put(np.asarray([r.request.temperature for r in reqs + pad], np.float32),
+                                 np.asarray([r.request.top_k for r in reqs + pad], np.int32),
+                                 np.asarray([r.request.top_p for r in reqs + pad], np.float32)))
         stops = np.full((P, c.max_stop_ids), -1, np.int32)
         for i, r in enumerate(reqs):
-            stops[i, : len(r.stop_ids)] = r.stop_ids
-        budget = np.asarray([r.max_new_tokens for r in reqs + pad], np.int32)
+            stops[i, : len(r.request.stop_ids)] = r.request.stop_ids
+        budget = np.asarray([r.request.max_new_tokens for r in reqs + pad], np.int32)
         seeds = np.asarray([[r.seed & 0xFFFFFFFF, r.seed >> 32] for r in reqs + pad], np.uint32)
-        index = np.asarray([r.sample_index for r in reqs + pad], np.uint32)
+        index = np.asarray([r.request.sample_index for r in reqs + pad], np.uint32)
         adjust = LogitAdjust(*put(*(np.concatenate(field) for field in zip(*(setup[id(r)][0] for r in reqs + pad)))))
         masks = np.full((P, self.slots.mask.shape[1]), -1, np.int32)
         for i, r in enumerate(reqs):
@@ -222,7 +223,7 @@ class Runner:
         if not any(plan.last):
             return None, None, None
         # Only what a request asked for crosses to the host.
-        want_lp = any(r.logprobs for r, last in zip(reqs, plan.last) if last)
+        want_lp = any(r.request.logprobs for r, last in zip(reqs, plan.last) if last)
         return np.asarray(first), np.asarray(self.slots.state.done), _host(lp) if want_lp else None
 
     def decode(self, plan: DecodePlan) -> tuple:

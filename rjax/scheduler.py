@@ -42,7 +42,7 @@ def all_greedy(seqs) -> bool:
     """Whether every one of `seqs` (the running sequences) decodes at temperature 0: a dispatch
     then runs the program without sampling (see `decode_dispatch`); slots not running are done,
     and what they would sample is dropped."""
-    return all(r.temperature == 0 for r in seqs)
+    return all(r.request.temperature == 0 for r in seqs)
 
 
 def sampling_variant(seqs) -> tuple[bool, bool, bool]:
@@ -51,11 +51,11 @@ def sampling_variant(seqs) -> tuple[bool, bool, bool]:
     logit adjustments only where a request has them (then in the one general program,
     whose greedy rows take the argmax: one more program to compile, not four)."""
     seqs = list(seqs)
-    if any(r.adjust or r.constraint is not None for r in seqs):
+    if any(r.request.adjust or r.request.constraint is not None for r in seqs):
         return False, True, True
     if all_greedy(seqs):
         return True, True, False
-    return False, any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1) for r in seqs), False
+    return False, any(r.request.temperature > 0 and (r.request.top_k > 0 or r.request.top_p < 1) for r in seqs), False
 
 
 def constraint_masks(running: dict) -> tuple[dict, list]:
@@ -63,9 +63,9 @@ def constraint_masks(running: dict) -> tuple[dict, list]:
     -> ({slot: mask}, faults)."""
     masks, faults = {}, []
     for s, r in running.items():
-        if r.constraint is not None:
+        if r.request.constraint is not None:
             try:
-                masks[s] = r.constraint.mask()
+                masks[s] = r.request.constraint.mask()
             except Exception as e:
                 faults.append((r, fault("constraint", e)))
     return masks, faults
@@ -96,11 +96,6 @@ class SeqState:
     # after plain decoding, caught up before the next speculative dispatch.
     draft_length: int = 0
     pending: bool = False
-
-    def __getattr__(self, name):  # the request's settings: temperature, top_k, logprobs, ...
-        if name == "request":
-            raise AttributeError(name)
-        return getattr(self.request, name)
 
     def event(self, new: list[int], finished: bool, now: float, entries: list[TokenLogprob] | None = None,
               reason: str | None = None, error: str | None = None) -> StreamEvent:
@@ -298,7 +293,8 @@ class Scheduler:
             r.slot for r, n in batch if self.pages.grow(r.slot, r.prefilled + n))
         chunks = tuple(tuple(r.prompt[r.prefilled:r.prefilled + n]) for r, n in batch)
         last = tuple(r.prefilled + n == len(r.prompt) for r, n in batch)
-        return PrefillPlan(tuple(r for r, _ in batch), chunks, last, self.config.prefill_bucket(len(batch)), prompt_bucket(max(n for _, n in batch)), grown)
+        return PrefillPlan(tuple(r for r, _ in batch), chunks, last, self.config.prefill_bucket(len(batch)),
+                           prompt_bucket(max(n for _, n in batch)), grown)
 
     def prefilled(self, plan: PrefillPlan, first: np.ndarray, done: np.ndarray, lp) -> tuple:
         """Take a prefill call's results: `first` [P] tokens, `done` [n_slots], `lp` (host
@@ -317,10 +313,10 @@ class Scheduler:
             r.first_token_s = now
             r.length = len(r.prompt)
             self.running[r.slot] = r
-            entries = [token_logprob(lp, i, None, int(first[i]))] if r.logprobs else None
-            if r.constraint is not None:
+            entries = [token_logprob(lp, i, None, int(first[i]))] if r.request.logprobs else None
+            if r.request.constraint is not None:
                 try:
-                    r.constraint.advance(int(first[i]))
+                    r.request.constraint.advance(int(first[i]))
                 except Exception as e:
                     faults.append((r, fault("constraint", e)))
                     continue
@@ -336,7 +332,7 @@ class Scheduler:
         log-probabilities, logit adjustments or a constraint (both ways keep the same per-slot
         state, so requests move between them freely)."""
         return bool(self.config.speculative) and not any(
-            r.logprobs or r.adjust or r.constraint for r in self.running.values())
+            r.request.logprobs or r.request.adjust or r.request.constraint for r in self.running.values())
 
     def _grow(self, positions: int) -> tuple[int, ...]:
         """Grow each running slot's pages to `positions` ahead (within its limit). -> the slots grown."""
@@ -351,7 +347,7 @@ class Scheduler:
         greedy, filters, adjust = sampling_variant(self.running.values())
         return DecodePlan(tuple(self.running.values()), tuple(sorted(self.running)) if c.paged else None,
                           c.decode_bucket(len(self.running)), 1 if masks else c.steps_per_dispatch,
-                          any(r.logprobs for r in self.running.values()), greedy, filters, adjust, masks, grown)
+                          any(r.request.logprobs for r in self.running.values()), greedy, filters, adjust, masks, grown)
 
     def decoded(self, plan: DecodePlan, out: np.ndarray, done: np.ndarray, lp) -> tuple:
         """Take a decode dispatch's tokens `out` [n_slots, steps] (-1: none), `done` [n_slots],
@@ -362,14 +358,14 @@ class Scheduler:
             steps = [i for i, t in enumerate(out[s]) if t >= 0]
             new = [int(out[s, i]) for i in steps]
             r.length += len(new)
-            if r.constraint is not None:
+            if r.request.constraint is not None:
                 try:
                     for t in new:
-                        r.constraint.advance(t)
+                        r.request.constraint.advance(t)
                 except Exception as e:
                     faults.append((r, fault("constraint", e)))
                     continue
-            entries = [token_logprob(lp, s, i, int(out[s, i])) for i in steps] if r.logprobs else None
+            entries = [token_logprob(lp, s, i, int(out[s, i])) for i in steps] if r.request.logprobs else None
             events.append(self.add_tokens(r, new, entries, bool(done[s]), now))
             if done[s]:
                 finished.append(r)

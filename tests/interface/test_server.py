@@ -54,10 +54,10 @@ class GatedEngine(ServingEngine):
         super().__init__(*args, **kw)
         self.gate, self.fail_next, self.pause_after = gate, fail_next, pause_after
 
-    def submit(self, prompt, *args, **kw):
-        if list(prompt) == self.POISON:
+    def submit(self, request, *args, **kw):
+        if list(request.prompt) == self.POISON:
             raise RuntimeError("injected fault in this request")
-        return super().submit(prompt, *args, **kw)
+        return super().submit(request, *args, **kw)
 
     def step(self):
         self.gate.wait()

@@ -3,9 +3,13 @@ back (no model, no device program): admission order, page accounting, chunking, 
 hits, cancellation and the events of finished requests."""
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+import rjax
 from rjax.request import Limits
 from rjax.scheduler import Scheduler, all_greedy, sampling_variant
 from rjax.serving_limits import ServingConfig
@@ -142,3 +146,14 @@ def test_finished_requests_end_by_stop_id_or_length_with_their_tokens():
     assert done[a].tokens == [10, 11, 12] and done[a].finish_reason == "length"
     assert done[b].tokens == [20, 21, STOP] and done[b].finish_reason == "stop"
     assert not s.has_work and s.free == [0, 1] and s.pages.n_held == 0
+
+
+def test_the_scheduler_touches_no_device():
+    """The scheduler, the page allocator and the request import no jax themselves (their plans and
+    outcomes are host data: tuples and NumPy arrays)."""
+    root = Path(rjax.__file__).parent
+    for name in ("scheduler.py", "pages.py", "request.py"):
+        tree = ast.parse((root / name).read_text(encoding="utf-8"))
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert "jax" not in imported, name

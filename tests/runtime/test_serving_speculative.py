@@ -256,7 +256,7 @@ def test_greedy_and_sampled_requests_share_a_dispatch(tiny, drafter):
     events, mixed = [], 0
     while eng.has_work:
         events += eng.step()
-        temperatures = {r.temperature for r in eng.scheduler.running.values()}
+        temperatures = {r.request.temperature for r in eng.scheduler.running.values()}
         mixed += len(temperatures) > 1 and not all_greedy(eng.scheduler.running.values())
     assert mixed
     done = {e.request_id: e.completion for e in events if e.finished}
