@@ -23,8 +23,7 @@ from rjax.server.context import Context
 from rjax.server.errors import APIError, validation_error
 from rjax.server.loop import EngineLoop
 from rjax.server.metrics import Metrics
-from rjax.server.middleware import (DEFAULT_MAX_BODY_BYTES, LOOPBACK_NAMES, CountRequests, Edge,  # noqa: F401
-                                    ServerSettings, allowed_hosts)
+from rjax.server.middleware import CountRequests, Edge, ServerSettings
 
 
 def create_app(loop: EngineLoop, metrics: Metrics | None = None,

@@ -28,9 +28,10 @@ import uvicorn
 
 import rjax
 from rjax.cache import init_cache
-from rjax.server.app import ServerSettings, create_app
+from rjax.server.app import create_app
 from rjax.server.loop import EngineLoop, Setup
 from rjax.server.metrics import Metrics
+from rjax.server.middleware import ServerSettings
 from rjax.serving import ServingConfig, ServingEngine
 from tests.fuzz import http_body
 

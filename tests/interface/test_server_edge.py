@@ -14,8 +14,8 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 
-from rjax.server.app import LOOPBACK_NAMES, APIError, ServerSettings, allowed_hosts
-from rjax.server.middleware import Edge
+from rjax.server.errors import APIError
+from rjax.server.middleware import LOOPBACK_NAMES, Edge, ServerSettings, allowed_hosts
 from rjax.server.edge import guarded_protocol
 
 KEY = "sekret"
