@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rjax import checks, engine
+from rjax import engine, request as checks
 from rjax.config import ModelConfig
 from rjax.tensor_parallel import place_cache
 from rjax.cache import KVCache, check_kv_dtype, init_cache
@@ -124,8 +124,7 @@ def check_request(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tok
     OpenAI API asks); with one (a conversation's next turn), each prompt must leave a free
     position after what its slot holds, and generation stops at the end of the cache
     (finish reason "context")."""
-    if not checks.is_int(max_new_tokens) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    checks.check_max_new_tokens(max_new_tokens)
     if not checks.is_int(steps_per_dispatch) or steps_per_dispatch < 1:
         raise ValueError(f"steps_per_dispatch must be an integer >= 1, got {steps_per_dispatch!r}")
     if not checks.is_int(seed) or not -2**63 <= seed < 2**63:

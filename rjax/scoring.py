@@ -26,13 +26,13 @@ from tqdm.auto import tqdm
 from rjax.tensor_parallel import place_cache
 from rjax.cache import check_kv_dtype, init_cache
 from rjax.catalog import add_model_argument
-from rjax.checks import check_token_ids
 from rjax.config import ModelConfig
 from rjax.engine import prompt_bucket
 from rjax.generation import activation_dtype, check_text
 from rjax.loaders import load
 from rjax.model import hidden_states, logits_from_hidden
 from rjax.params import Params
+from rjax.request import check_token_ids
 
 # Largest [rows, vocab] float32 logits block materialized at once (64 MiB): long batches are
 # scored a block of positions at a time so the full [B, T, vocab] logits never exist.

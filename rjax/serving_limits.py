@@ -1,31 +1,18 @@
-"""What a `ServingEngine` holds and what it accepts: its limits (`ServingConfig`, or
-`fit_config` for the device's free memory) and the checks a request must pass before `submit`
-queues it.
-
-A request is refused, with nothing changed, when it could never run as asked: a prompt that is
-empty, not a sequence of integer token ids inside the vocabulary, or that leaves no free position
-in `max_len` (PromptTooLongError); a `max_new_tokens` that is not an integer >= 1, or that with
-the prompt needs more than `max_len` positions (ContextLengthError, as the OpenAI API refuses
-such a request); more than `max_stop_ids` stop ids, or ids outside the vocabulary; sampling
-settings or logit adjustments out of range (`rjax.sampling.check_sampling`, `check_adjust`: NaN
-and infinities included; logit_bias ids outside the vocabulary); a seed or
-sample index that is not an integer. Refusals are ValueError (or a subclass), TypeError for a
-prompt or stop set that is not a sequence at all.
+"""What a `ServingEngine` holds: its limits (`ServingConfig`, or `fit_config` for the device's
+free memory). What it accepts of a request is `rjax.request`'s to check.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rjax.checks import check_token_ids, is_int
 from rjax.config import ModelConfig
-from rjax.engine import PROMPT_BUCKETS, ContextLengthError, PromptTooLongError
+from rjax.engine import PROMPT_BUCKETS
 from rjax.memory import QUANTIZED_KV, plan_memory
-from rjax.sampling import check_adjust, check_sampling
+from rjax.request import is_int
 
 
 # What the serving engine can draft with: prompt lookup, or a draft model (given to the
@@ -170,43 +157,3 @@ def fit_config(cfg: ModelConfig, *, max_len: int, page_size: int | None = 16, n_
                        dtype=base.kv_dtype, params_bytes=params_bytes, reserve_bytes=reserve_bytes,
                        available=available, budget_bytes=budget_bytes, tp=tp, draft_cfg=draft_cfg)
     return dataclasses.replace(base, n_slots=plan.n_slots, n_pages=plan.n_pages)
-
-
-
-def check_stop_ids(cfg: ModelConfig, config: ServingConfig, stop_ids: Sequence[int]) -> tuple[int, ...]:
-    """-> the stop ids as ints, at most `max_stop_ids` of them, each inside the vocabulary."""
-    ids = check_token_ids(stop_ids, cfg.vocab_size, "stop_ids")
-    if len(ids) > config.max_stop_ids:
-        raise ValueError(f"{len(ids)} stop ids; ServingConfig.max_stop_ids is {config.max_stop_ids}")
-    return tuple(ids)
-
-
-def check_request(cfg: ModelConfig, config: ServingConfig, prompt: Sequence[int], *, max_new_tokens, temperature,
-                  top_k, top_p, stop_ids: Sequence[int], seed=None, sample_index=0,
-                  logprobs=False, adjust: dict | None = None) -> tuple[list[int], tuple[int, ...]]:
-    """Refuse a request the engine could never run as asked (see the module docstring); reads
-    nothing but its arguments. -> (the prompt, the stop ids), as ints."""
-    prompt = check_token_ids(prompt, cfg.vocab_size, "prompt")
-    if not prompt:
-        raise ValueError("empty prompt: at least one token is needed")
-    if len(prompt) >= config.max_len:
-        raise PromptTooLongError(f"prompt of {len(prompt)} tokens: ServingConfig.max_len is {config.max_len} "
-                                 f"positions and generation needs at least one free position")
-    if not is_int(max_new_tokens) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    check_sampling(temperature, top_k, top_p)
-    check_adjust(cfg.vocab_size, **(adjust or {}))
-    stops = check_stop_ids(cfg, config, stop_ids)
-    if seed is not None and not is_int(seed):
-        raise ValueError(f"seed must be an integer or None, got {seed!r}")
-    if not is_int(sample_index) or not 0 <= sample_index < 2 ** 32:
-        raise ValueError(f"sample_index must be an integer in [0, 2**32), got {sample_index!r}")
-    if not isinstance(logprobs, (bool, np.bool_)):
-        raise TypeError(f"logprobs must be a bool, got {logprobs!r}")
-    # Last, so that a request with a bad setting is told about that setting first.
-    if len(prompt) + max_new_tokens > config.max_len:
-        raise ContextLengthError(
-            f"prompt of {len(prompt)} tokens and max_new_tokens {max_new_tokens}: {len(prompt) + max_new_tokens} "
-            f"positions, beyond ServingConfig.max_len of {config.max_len} (max_new_tokens can be at most "
-            f"{config.max_len - len(prompt)})")
-    return prompt, stops

@@ -30,8 +30,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
     # compilation, and what they need of the device's memory and bandwidth.
     "engine": ("rjax.engine", "rjax.programs", "rjax.slots", "rjax.speculative", "rjax.precompile", "rjax.memory", "rjax.roofline"),
     # Host-side runtime over the programs: requests checked, scheduled, streamed; the public facade.
-    "runtime": ("rjax", "rjax.checks", "rjax.generation", "rjax.chat", "rjax.scoring", "rjax.grammar",
-                "rjax.pages", "rjax.serving", "rjax.serving_events", "rjax.serving_limits"),
+    "runtime": ("rjax", "rjax.request", "rjax.generation", "rjax.chat", "rjax.scoring", "rjax.grammar",
+                "rjax.pages", "rjax.scheduler", "rjax.runner", "rjax.serving_programs", "rjax.serving",
+                "rjax.serving_events", "rjax.serving_limits"),
     # What a user runs: the `rjax` command and the HTTP server.
     "interface": ("rjax.cli", "rjax.chat_repl", "rjax.info", "rjax.bench", "rjax.bench_report", "rjax.server.*"),
 }

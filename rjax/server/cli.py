@@ -80,10 +80,11 @@ def cmd_serve(a) -> int:
     try:
         import uvicorn
 
-        from rjax.server.app import DEFAULT_MAX_BODY_BYTES, ServerSettings, allowed_hosts, create_app
+        from rjax.server.app import create_app
         from rjax.server.edge import default_max_connections, guarded_protocol
         from rjax.server.loop import EngineLoop
         from rjax.server.metrics import Metrics
+        from rjax.server.middleware import DEFAULT_MAX_BODY_BYTES, ServerSettings, allowed_hosts
 
         DrainingServer = _draining_server_class()
     except ImportError as e:

@@ -21,6 +21,8 @@ import time
 import traceback
 from typing import Callable, Hashable
 
+from rjax.request import Limits, Request
+from rjax.scoring import embed_ids
 from rjax.serving import ServingEngine, StreamEvent
 
 log = logging.getLogger("rjax.server")
@@ -122,14 +124,28 @@ class EngineLoop:
         return [] if engine is None else engine.compiling
 
     @property
+    def limits(self) -> Limits | None:
+        """What the engine accepts (None while there is none: loading, or rebuilt after a failure)."""
+        engine = self.engine
+        return None if engine is None else engine.limits
+
+    def embed(self, prompts: list[list[int]]):
+        """Each prompt's embedding by the engine's model (`rjax.scoring.embed_ids`), on the
+        caller's thread: it reads the parameters only."""
+        engine = self.engine
+        if engine is None:
+            raise RuntimeError("the engine is restarting")
+        return embed_ids(engine.cfg, engine.params, prompts, max_tokens=engine.limits.max_len)
+
+    @property
     def n_waiting(self) -> int:
         """Sequences accepted and waiting for a slot."""
         return self._inbox_pending + self._engine_queued
 
 
-    def submit(self, requests: list[dict], sink: Callable[[object], None]) -> list[int]:
-        """Queue requests (keyword arguments of `ServingEngine.submit`, checked already) whose
-        events go to `sink`. -> their ids. Raises QueueFullError when they would take the queue
+    def submit(self, requests: list[Request], sink: Callable[[object], None]) -> list[int]:
+        """Queue requests (built by `limits.request`, so checked already) whose events go to
+        `sink`. -> their ids. Raises QueueFullError when they would take the queue
         past `max_queued` (all or none are taken)."""
         with self._lock:
             waiting = self.n_waiting
@@ -139,8 +155,8 @@ class EngineLoop:
             self._inbox_pending += len(requests)
         ids = [next(self._ids) for _ in requests]
         now = time.perf_counter()
-        for rid, kw in zip(ids, requests):
-            self._inbox.put(("submit", rid, kw, sink, now))
+        for rid, request in zip(ids, requests):
+            self._inbox.put(("submit", rid, request, sink, now))
         self._wake.set()
         return ids
 
@@ -230,9 +246,9 @@ class EngineLoop:
                 if item[1] in self._live:
                     self.engine.cancel(item[1])
                 continue
-            _, rid, kw, sink, submitted = item
+            _, rid, request, sink, submitted = item
             try:
-                self.engine.submit(request_id=rid, **kw)
+                self.engine.submit(request, request_id=rid)
             except Exception as e:  # checked by the handler already; this request fails alone
                 self._handed_on()
                 log.error("request %s failed on submission: %s", rid, traceback.format_exc())
@@ -241,7 +257,7 @@ class EngineLoop:
             self._handed_on()
             self._live[rid] = _Live(sink, submitted)
             if self.metrics is not None:
-                self.metrics.prompt_tokens.inc(len(kw["prompt"]))
+                self.metrics.prompt_tokens.inc(len(request.prompt))
 
     def _deliver(self, event: StreamEvent, now: float) -> None:
         live = self._live.get(event.request_id)

@@ -201,7 +201,7 @@ def test_serving_engine_serves_its_first_programs_while_the_rest_compile(model, 
     eng = ServingEngine(cfg, params, config)
     report = eng.precompile_first(first_tokens=64, background_workers=0)
     assert sorted(report.compile_s) == ["decode B=1 N=4 greedy", "decode B=1 N=4 unfiltered", "prefill P=1 T=64"]
-    every = {p.name for p in eng._programs().values()}
+    every = {p.name for p in eng.runner.programs.programs().values()}
     assert sorted(eng.compiling) == sorted(every - set(report.compile_s)) and "prefill P=2 T=32" in every
     with caplog.at_level("INFO", logger="rjax.serving"):
         got = [serve(eng, p) for p in prompts] + [serve(eng, prompts[0], temperature=0.8, top_k=5, seed=7)]

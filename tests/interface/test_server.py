@@ -28,9 +28,10 @@ import uvicorn
 
 import rjax
 from rjax.cache import init_cache
-from rjax.server.app import ServerSettings, create_app
+from rjax.server.app import create_app
 from rjax.server.loop import EngineLoop, Setup
 from rjax.server.metrics import Metrics
+from rjax.server.middleware import ServerSettings
 from rjax.serving import ServingConfig, ServingEngine
 from tests.fuzz import http_body
 
@@ -54,10 +55,10 @@ class GatedEngine(ServingEngine):
         super().__init__(*args, **kw)
         self.gate, self.fail_next, self.pause_after = gate, fail_next, pause_after
 
-    def submit(self, prompt, *args, **kw):
-        if list(prompt) == self.POISON:
+    def submit(self, request, *args, **kw):
+        if list(request.prompt) == self.POISON:
             raise RuntimeError("injected fault in this request")
-        return super().submit(prompt, *args, **kw)
+        return super().submit(request, *args, **kw)
 
     def step(self):
         self.gate.wait()
@@ -751,10 +752,10 @@ def test_faults_inside_one_request_fail_it_alone(srv, model, monkeypatch):
     naming what failed; a greedy stream decoding beside them gets the reference text, and the
     engine ends idle, every slot and page back."""
     import rjax.grammar
-    import rjax.serving
+    import rjax.runner
     from rjax.server.text import ChoiceText
 
-    real_constraint, real_host, real_add = rjax.grammar.Grammars.constraint, rjax.serving.LogitAdjust.host, \
+    real_constraint, real_host, real_add = rjax.grammar.Grammars.constraint, rjax.runner.LogitAdjust.host, \
         ChoiceText.add
 
     def constraint(self, kind, spec):
@@ -772,7 +773,7 @@ def test_faults_inside_one_request_fail_it_alone(srv, model, monkeypatch):
         return real_add(self, tokens, logprobs)
 
     monkeypatch.setattr(rjax.grammar.Grammars, "constraint", constraint)
-    monkeypatch.setattr(rjax.serving.LogitAdjust, "host", staticmethod(host))
+    monkeypatch.setattr(rjax.runner.LogitAdjust, "host", staticmethod(host))
     monkeypatch.setattr(ChoiceText, "add", add)
     errors_before = srv.metrics.requests_finished.labels("error")._value.get()
     ref = rjax.generate(model, PROMPTS[1], raw=True, max_new_tokens=BESIDE_TOKENS).text
@@ -810,9 +811,9 @@ def _oom(monkeypatch, program, after: bool):
     """Make the next call of device program `program` (a function of rjax.slots) fail as XLA does
     when out of memory: before it runs (the cache intact), or `after` it ran (its donated
     cache consumed, its results lost)."""
-    import rjax.serving
+    import rjax.runner
 
-    real, armed = rjax.serving.run_program, [True]
+    real, armed = rjax.runner.run_program, [True]
 
     def run_program(fn, *args):
         if fn is not program or not armed[0]:
@@ -822,7 +823,7 @@ def _oom(monkeypatch, program, after: bool):
             real(fn, *args)
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB.")
 
-    monkeypatch.setattr(rjax.serving, "run_program", run_program)
+    monkeypatch.setattr(rjax.runner, "run_program", run_program)
 
 
 @pytest.mark.parametrize("after", [False, True], ids=["cache-intact", "cache-lost"])

@@ -14,7 +14,8 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 
-from rjax.server.app import LOOPBACK_NAMES, APIError, ServerSettings, _Edge, allowed_hosts
+from rjax.server.errors import APIError
+from rjax.server.middleware import LOOPBACK_NAMES, Edge, ServerSettings, allowed_hosts
 from rjax.server.edge import guarded_protocol
 
 KEY = "sekret"
@@ -37,7 +38,7 @@ def _stand_in(settings: ServerSettings):
         return {"bytes": len(await request.body())}
 
     draining = threading.Event()
-    return _Edge(inner, settings, draining), draining
+    return Edge(inner, settings, draining), draining
 
 
 def _client(app) -> httpx.AsyncClient:

@@ -42,7 +42,7 @@ def test_cancel_frees_a_running_and_a_queued_request_at_the_next_step(tiny):
     ids = [eng.submit(p, max_new_tokens=40) for p in prompts]  # 4 run, 1 waits
     eng.step()
     assert eng.n_running == 4 and eng.n_queued == 1
-    slot = next(s for s, r in eng._running.items() if r.request_id == ids[1])
+    slot = next(s for s, r in eng.scheduler.running.items() if r.request_id == ids[1])
     assert eng.pages.owned[slot] > 0
     eng.cancel(ids[1])      # running
     eng.cancel(ids[4])      # queued
@@ -54,7 +54,7 @@ def test_cancel_frees_a_running_and_a_queued_request_at_the_next_step(tiny):
     assert cancelled[ids[4]].tokens == [] and len(cancelled[ids[1]].tokens) >= 1
     # Its pages went back at once, and the device forgot the slot (done, length 0, no table).
     assert eng.pages.owned[slot] == 0 and eng.pages_in_use == int(eng.pages.owned.sum())
-    assert slot in eng._free and eng.n_running == 3 and eng.n_queued == 0
+    assert slot in eng.scheduler.free and eng.n_running == 3 and eng.n_queued == 0
     assert bool(eng.slots.state.done[slot]) and int(eng.cache.lengths[slot]) == 0
     assert (np.asarray(eng.cache.block_tables[slot]) == -1).all()
     done, _ = _drain(eng)

@@ -11,6 +11,7 @@ import pytest
 from rjax.cache import init_cache
 from rjax.model import forward
 from rjax.sampling import MAX_LOGIT_BIAS, PROMPT_BIT, LogitAdjust, adjust_logits, check_adjust
+from rjax.scheduler import sampling_variant
 from rjax.serving import ServingConfig, ServingEngine
 
 CONFIG = ServingConfig(n_slots=4, max_len=48, page_size=8, steps_per_dispatch=4, prefill_buckets=(4,))
@@ -123,10 +124,10 @@ def test_only_the_adjusted_dispatch_adjusts_and_counts(tiny):
     eng = ServingEngine(cfg, params, CONFIG)
     eng.submit([1, 2, 3], max_new_tokens=40, stop_ids=())
     eng.step()
-    assert eng._sampling() == (True, True, False)
+    assert sampling_variant(eng.scheduler.running.values()) == (True, True, False)
     eng.submit([1, 2, 3], max_new_tokens=40, stop_ids=(), frequency_penalty=0.5)
     eng.step()
-    assert eng._sampling() == (False, True, True)
+    assert sampling_variant(eng.scheduler.running.values()) == (False, True, True)
     rows = jnp.asarray([0, 1], jnp.int32)
     text = {a: slots.decode_dispatch.trace(cfg, params, eng.cache, eng.slots, 4, False, rows, not a, True, a)
             .lower().as_text() for a in (False, True)}

@@ -20,6 +20,7 @@ from rjax import engine, slots
 from rjax.cache import init_cache
 from rjax.engine import ContextLengthError
 from rjax.memory import MemoryFitError, kv_bytes_per_position, plan_memory
+from rjax.scheduler import all_greedy, sampling_variant
 from rjax.serving import ServingConfig, ServingEngine
 from rjax.serving_limits import fit_config
 from rjax.slots import free_slots
@@ -96,10 +97,10 @@ def test_32_prompts_through_8_slots_equal_each_prompt_alone(tiny, alone):
             if e.finished:
                 completions[e.request_id] = e.completion
         running.append(eng.n_running)
-        slots_used |= set(eng._running)
+        slots_used |= set(eng.scheduler.running)
         # The host's view of each running sequence matches the device cache, page for page.
         lengths, tables = np.asarray(eng.cache.lengths), np.asarray(eng.cache.block_tables)
-        for s, r in eng._running.items():
+        for s, r in eng.scheduler.running.items():
             assert lengths[s] == r.length and (tables[s] == eng.pages.tables[s]).all()
     assert max(running) <= CONFIG.n_slots and slots_used <= set(range(CONFIG.n_slots))
     for rid, p, b in zip(ids, prompts, budgets):
@@ -386,15 +387,15 @@ def test_decoding_a_bucket_of_slots_equals_decoding_all(tiny):
         return eng
 
     full, sub = started(), started()
-    running = sorted(full._running)
+    running = sorted(full.scheduler.running)
     keep = running[1:4:2]  # two of them, padded to a bucket of 4
     rows = jnp.asarray(keep + [CONFIG.n_slots] * 2, jnp.int32)
     for s in set(running) - set(keep):
-        full.slots = slots.stop_slots(full.slots, jnp.asarray([s], jnp.int32))
+        full.runner.slots = slots.stop_slots(full.slots, jnp.asarray([s], jnp.int32))
     for e in (full, sub):
-        for s in e._running:
-            e.pages.grow(s, e._running[s].length + CONFIG.steps_per_dispatch)
-        e._sync_block_tables(list(e._running))
+        for s in e.scheduler.running:
+            e.pages.grow(s, e.scheduler.running[s].length + CONFIG.steps_per_dispatch)
+        e.runner.sync_tables(list(e.scheduler.running), e.pages.tables)
     before = np.asarray(sub.cache.lengths)
     out_f, _, slots_f, cache_f = slots.decode_dispatch(cfg, params, full.cache, full.slots, 4)
     out_s, _, slots_s, cache_s = slots.decode_dispatch(cfg, params, sub.cache, sub.slots, 4, False, rows)
@@ -421,16 +422,16 @@ def test_greedy_dispatch_is_the_general_one_without_sampling(tiny):
         for i, (p, t) in enumerate(zip(_prompts(7, 3, cfg.vocab_size), temperatures)):
             eng.submit(p, max_new_tokens=9, temperature=t, seed=i)
         eng.step()
-        for s in eng._running:
-            eng.pages.grow(s, eng._running[s].length + CONFIG.steps_per_dispatch)
-        eng._sync_block_tables(list(eng._running))
+        for s in eng.scheduler.running:
+            eng.pages.grow(s, eng.scheduler.running[s].length + CONFIG.steps_per_dispatch)
+        eng.runner.sync_tables(list(eng.scheduler.running), eng.pages.tables)
         return eng
 
     runs = []
     for greedy in (False, True):
         eng = started([0.0] * 3)
-        assert eng._all_greedy()
-        rows = jnp.asarray(sorted(eng._running) + [CONFIG.n_slots], jnp.int32)
+        assert all_greedy(eng.scheduler.running.values())
+        rows = jnp.asarray(sorted(eng.scheduler.running) + [CONFIG.n_slots], jnp.int32)
         runs.append(slots.decode_dispatch(cfg, params, eng.cache, eng.slots, 4, False, rows, greedy))
     (out_g, _, slots_g, cache_g), (out_s, _, slots_s, cache_s) = runs[1], runs[0]
     assert (np.asarray(out_g) == np.asarray(out_s)).all() and (np.asarray(out_g)[:3] >= 0).all()
@@ -439,7 +440,7 @@ def test_greedy_dispatch_is_the_general_one_without_sampling(tiny):
         if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
             a, b = jax.random.key_data(a), jax.random.key_data(b)
         assert (np.asarray(a) == np.asarray(b)).all()
-    assert not started([0.0, 0.7, 0.0])._all_greedy()
+    assert not all_greedy(started([0.0, 0.7, 0.0]).scheduler.running.values())
     eng = started([0.0] * 3)
     text = {g: slots.decode_dispatch.trace(cfg, params, eng.cache, eng.slots, 4, False, None, g).lower().as_text()
             for g in (False, True)}
@@ -459,17 +460,17 @@ def test_unfiltered_dispatch_samples_the_same_tokens_without_the_filters(tiny):
         for i, (p, (t, k, tp)) in enumerate(zip(_prompts(11, 4, cfg.vocab_size), settings)):
             eng.submit(p, max_new_tokens=9, temperature=t, top_k=k, top_p=tp, seed=i)
         eng.step()
-        for s in eng._running:
-            eng.pages.grow(s, eng._running[s].length + CONFIG.steps_per_dispatch)
-        eng._sync_block_tables(list(eng._running))
+        for s in eng.scheduler.running:
+            eng.pages.grow(s, eng.scheduler.running[s].length + CONFIG.steps_per_dispatch)
+        eng.runner.sync_tables(list(eng.scheduler.running), eng.pages.tables)
         return eng
 
     plain = [(0.9, 0, 1.0), (1.3, 0, 1.0), (0.0, 0, 1.0)]
     outs = []
     for settings, filters in ((plain, False), (plain, True), (plain + [(0.9, 5, 0.8)], True)):
         eng = started(settings)
-        assert eng._sampling() == (False, len(settings) > len(plain), False)  # what the engine would run
-        rows = jnp.asarray(sorted(eng._running) + [CONFIG.n_slots] * (4 - len(eng._running)), jnp.int32)
+        assert sampling_variant(eng.scheduler.running.values()) == (False, len(settings) > len(plain), False)  # what the engine would run
+        rows = jnp.asarray(sorted(eng.scheduler.running) + [CONFIG.n_slots] * (4 - len(eng.scheduler.running)), jnp.int32)
         out, _, _, _ = slots.decode_dispatch(cfg, params, eng.cache, eng.slots, 4, False, rows, False, filters)
         outs.append(np.asarray(out)[:3])
     assert (outs[0] >= 0).all() and (outs[0] == outs[1]).all() and (outs[0] == outs[2]).all()

@@ -33,7 +33,7 @@ def _check_idle(eng):
     p = eng.pages
     assert eng.n_running == 0 and eng.n_queued == 0
     assert p.n_held == 0 and not p.refs.any() and p.n_free + p.n_cached == p.n_pages
-    assert not eng._computing
+    assert not eng.scheduler.computing
     np.testing.assert_array_equal(np.asarray(eng.cache.lengths), 0)
 
 

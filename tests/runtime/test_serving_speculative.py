@@ -15,6 +15,7 @@ import pytest
 
 from rjax import engine
 from rjax.cache import init_cache
+from rjax.scheduler import all_greedy
 from rjax.serving import ServingConfig, ServingEngine
 
 REPEATING = [5, 6, 7, 8, 9, 10] * 3 + [5, 6]
@@ -255,8 +256,8 @@ def test_greedy_and_sampled_requests_share_a_dispatch(tiny, drafter):
     events, mixed = [], 0
     while eng.has_work:
         events += eng.step()
-        temperatures = {r.temperature for r in eng._running.values()}
-        mixed += len(temperatures) > 1 and not eng._all_greedy()
+        temperatures = {r.request.temperature for r in eng.scheduler.running.values()}
+        mixed += len(temperatures) > 1 and not all_greedy(eng.scheduler.running.values())
     assert mixed
     done = {e.request_id: e.completion for e in events if e.finished}
     for (p, n, t), i in zip(requests, ids):

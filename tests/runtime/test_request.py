@@ -361,6 +361,17 @@ def test_serving_submit_refuses_and_the_engine_still_serves_the_same(tiny):
             eng.submit(**kw)
         assert eng.n_queued == 0 and not eng.has_work
     assert serve([5, 6, 7]) == want
+    # The typed request, checked when built: submitted as is, it runs as the keyword form does.
+    request = eng.limits.request([5, 6, 7], max_new_tokens=6, presence_penalty=0.0)
+    assert (request.prompt, request.stop_ids, request.adjust, request.seed) == ((5, 6, 7), eng.default_stop_ids, {}, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        request.max_new_tokens = 7
+    with pytest.raises(TypeError, match="a Request carries its settings; got temperature too"):
+        eng.submit(request, temperature=0.5)
+    with pytest.raises(TypeError, match="unexpected request argument"):
+        eng.limits.request([5], max_new_tokens=6, temprature=0.5)
+    rid = eng.submit(request)
+    assert [e.completion.tokens for e in eng.run() if e.finished and e.request_id == rid] == [want]
 
 
 @pytest.mark.parametrize("kw, error, msg", [
@@ -397,4 +408,6 @@ def test_serving_submit_refuses_bad_types_and_budgets(tiny, kw, error, msg):
         eng.submit(**kw)
     with pytest.raises(error, match=msg):
         eng.check_request(**kw)
+    with pytest.raises(error, match=msg):
+        eng.limits.request(**kw)
     assert eng.n_queued == 0 and not eng.has_work
