@@ -28,7 +28,8 @@ from rjax.model import hidden_states, logits_from_hidden, plan_of
 from rjax.params import Params
 from rjax.plan import TUNING, Tuning
 from rjax.programs import DeviceProgram
-from rjax.sampling import SamplingParams, _is_concrete, check_sampling, sample
+from rjax.sampling import (MAX_TOP_LOGPROBS, SamplingParams, TopLogprobs, _is_concrete, adjust_logits,
+                           check_sampling, mask_logits, sample, top_logprobs)
 
 PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
@@ -227,22 +228,62 @@ class DecodeState:
     last_token: jax.Array  # [B] int32: sampled but not yet in the cache
     done: jax.Array        # [B] bool
     remaining: jax.Array   # [B] int32: tokens each slot may still generate
-    key: jax.Array
+    key: jax.Array         # [B]: one random stream per slot, so a slot's draws depend on its key alone
 
 
-def _is_stop(tokens, stop_ids):
-    """stop_ids: [K] shared by every slot, or [B, K] one row per slot (pad rows with -1)."""
+def is_stop(tokens, stop_ids):
+    """tokens [B]; stop_ids: [K] shared by every slot, or [B, K] one row per slot (pad rows with
+    -1). -> [B] bool. Over emitted rounds tokens [B, T] -> [B, T] (stop_ids [B, K])."""
     stop = stop_ids if stop_ids.ndim == 2 else stop_ids[None, :]
+    if tokens.ndim == 2:
+        return jnp.any(tokens[:, :, None] == stop[:, None, :], axis=-1)
     return jnp.any(tokens[:, None] == stop, axis=-1)
 
 
+def finished(stopped, remaining, lengths, max_len: int):
+    """The one rule for a sequence's end: a stop token, its token budget spent, or its cache row full."""
+    return stopped | (remaining <= 0) | (lengths >= max_len)
+
+
 def initial_state(first_tokens, max_new_tokens, stop_ids, key, cache: KVCache, slots=None) -> DecodeState:
-    """State after the first token came out of prefill (it counts as one generated token)."""
+    """State after the first token came out of prefill (it counts as one generated token).
+    key: one per slot [B], or a single key, split into one per slot."""
     first_tokens = jnp.asarray(first_tokens, jnp.int32)
-    remaining = jnp.asarray(max_new_tokens, jnp.int32) - 1
-    lengths = _rows(cache, slots)
-    done = _is_stop(first_tokens, stop_ids) | (remaining <= 0) | (lengths >= cache.max_len)
-    return DecodeState(first_tokens, done, jnp.broadcast_to(remaining, first_tokens.shape), key)
+    remaining = jnp.broadcast_to(jnp.asarray(max_new_tokens, jnp.int32) - 1, first_tokens.shape)
+    if jnp.ndim(key) == 0:
+        key = jax.random.split(key, first_tokens.shape[0])
+    done = finished(is_stop(first_tokens, stop_ids), remaining, _rows(cache, slots), cache.max_len)
+    return DecodeState(first_tokens, done, remaining, key)
+
+
+def request_keys(seeds, sample_index):
+    """One key per request from its 64-bit seed (seeds [P, 2] uint32: low and high words) and its
+    sample index [P] (n samples of one seed draw apart)."""
+    def one(seed, index):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed[0]), seed[1]), index)
+
+    return jax.vmap(one)(seeds, sample_index)
+
+
+def sample_rows(logits, keys, sp: SamplingParams, greedy_only: bool = False, filters: bool = True):
+    """`rjax.sample` with one key per row: logits [B, V], keys [B] -> (tokens [B] int32, the keys
+    advanced). A row's draw depends on its own key alone, not on the rows beside it.
+    greedy_only: the caller knows every row's temperature is 0, so the program holds the argmax
+    alone, without sampling (the keys advance as they would). Neither form holds a
+    conditional, which XLA would evaluate on the host. filters=False: no row uses top-k or top-p,
+    so the program leaves their search out (`rjax.sample`)."""
+    pair = jax.vmap(jax.random.split)(keys)
+    keys, subs = pair[:, 0], pair[:, 1]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if greedy_only:
+        return greedy, keys
+
+    def draw():
+        def one(row, key, t, k, p):
+            return sample(row[None], key, SamplingParams(t[None], k[None], p[None]), filters)[0]
+        return jax.vmap(one)(logits, subs, sp.temperature, sp.top_k, sp.top_p)
+
+    return jnp.where(sp.temperature > 0, draw(), greedy).astype(jnp.int32), keys
 
 
 # XLA runs a while loop's condition on the host unless the loop is in a command buffer: after
@@ -261,13 +302,13 @@ DECODE_LOOP_COMPILER_OPTIONS = {
 
 def _check_decode_loop(cfg, params, cache, state: DecodeState, sp: SamplingParams, stop_ids, n_steps,
                        tuning, filters: bool = True) -> None:
-    """Shapes only: the serving loop calls this every dispatch, and reading device values back
-    would wait for the dispatch before. The loop itself stops a slot at the end of its cache row,
-    and sampling values are checked where they are made (`SamplingParams.make`)."""
+    """Shapes only: reading device values back would wait for the dispatch before. The loop
+    itself stops a slot at the end of its cache row, and sampling values are checked where they
+    are made (`SamplingParams.make`)."""
     if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
         raise ValueError(f"n_steps must be an integer >= 1, got {n_steps!r}")
     n = cache.n_slots
-    for name in ("last_token", "done", "remaining"):
+    for name in ("last_token", "done", "remaining", "key"):
         _check_shape(f"state.{name}", getattr(state, name), (n,), "one entry per cache slot:")
     for name in ("temperature", "top_k", "top_p"):
         _check_shape(f"SamplingParams.{name}", getattr(sp, name), (n,), "one value per cache slot:")
@@ -277,29 +318,47 @@ def _check_decode_loop(cfg, params, cache, state: DecodeState, sp: SamplingParam
                          f"got {jnp.result_type(stop_ids)} of shape {tuple(np.shape(stop_ids))}")
 
 
-def _decode_loop(cfg: ModelConfig, params: Params, cache: KVCache, state: DecodeState, sp: SamplingParams,
-                 stop_ids: jax.Array, n_steps: int, tuning: Tuning, greedy: bool, filters: bool = True):
+def decode_steps(cfg: ModelConfig, params: Params, cache, state: DecodeState, sp: SamplingParams, stop_ids,
+                 n_steps: int, *, greedy: bool, filters: bool = True, logprobs: bool = False, adjust=None,
+                 history=None, mask=None, tuning: Tuning = TUNING):
+    """The decode loop, the one every decode program runs (`decode_loop`, `greedy_decode_loop`,
+    `rjax.slots.decode_dispatch`): up to n_steps steps over every row of `cache` (contiguous or
+    paged), stopping early when every row is done (`finished`). Each row samples by its own
+    settings and random stream (`sample_rows`). Static switches leave out what no row needs:
+    greedy (the argmax alone), filters (top-k / top-p), logprobs (each step's TopLogprobs),
+    adjust (a LogitAdjust [B] with `history` [B, vocab] and token bitmasks `mask`: each step's
+    logits adjusted and masked, the sampled tokens counted into the carried history).
+    -> (tokens [B, n_steps] int32, -1 where nothing was generated; TopLogprobs or None; state;
+    cache; history)."""
     B = state.last_token.shape[0]
     out0 = jnp.full((B, n_steps), -1, jnp.int32)
+    k = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
+    lp0 = TopLogprobs(jnp.zeros((B, n_steps)), jnp.zeros((B, n_steps, k), jnp.int32),
+                      jnp.zeros((B, n_steps, k))) if logprobs else None
 
     def cond(carry):
-        i, _, state, _ = carry
+        i, _, _, state, _, _ = carry
         return (i < n_steps) & ~jnp.all(state.done)
 
     def body(carry):
-        i, out, state, cache = carry
+        i, out, lp, state, cache, history = carry
         active = ~state.done & (cache.lengths < cache.max_len)
         logits, cache = _decode_logits(cfg, params, cache, state.last_token, active, tuning)
-        key, sub = jax.random.split(state.key)
-        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32) if greedy else sample(logits, sub, sp, filters)
+        z = logits if adjust is None else mask_logits(adjust_logits(logits, adjust, history, sp.temperature), mask)
+        tok, keys = sample_rows(z, state.key, sp, greedy, filters)
+        if adjust is not None:
+            history = history.at[jnp.arange(B), tok].add(active.astype(jnp.int32))
         out = out.at[:, i].set(jnp.where(active, tok, -1))
+        if logprobs:
+            lp = jax.tree.map(lambda full, step: full.at[:, i].set(step), lp, top_logprobs(logits, tok))
         remaining = state.remaining - active.astype(jnp.int32)
-        done = state.done | (active & (_is_stop(tok, stop_ids) | (remaining <= 0) | (cache.lengths >= cache.max_len)))
-        state = DecodeState(jnp.where(active, tok, state.last_token), done, remaining, key)
-        return i + 1, out, state, cache
+        done = state.done | (active & finished(is_stop(tok, stop_ids), remaining, cache.lengths, cache.max_len))
+        state = DecodeState(jnp.where(active, tok, state.last_token), done, remaining, keys)
+        return i + 1, out, lp, state, cache, history
 
-    _, out, state, cache = jax.lax.while_loop(cond, body, (jnp.int32(0), out0, state, cache))
-    return out, state, cache
+    _, out, lp, state, cache, history = jax.lax.while_loop(
+        cond, body, (jnp.int32(0), out0, lp0, state, cache, history if adjust is not None else None))
+    return out, lp, state, cache, history
 
 
 _DECODE_LOOP_JIT = dict(static_argnames=("cfg", "n_steps", "tuning"), donate_argnames=("cache",),
@@ -309,9 +368,8 @@ _DECODE_LOOP_JIT = dict(static_argnames=("cfg", "n_steps", "tuning"), donate_arg
 @_checked(_check_decode_loop, **_DECODE_LOOP_JIT | dict(static_argnames=("cfg", "n_steps", "tuning", "filters")))
 def decode_loop(cfg: ModelConfig, params: Params, cache: KVCache, state: DecodeState, sp: SamplingParams,
                 stop_ids: jax.Array, n_steps: int, tuning: Tuning = TUNING, filters: bool = True):
-    """Up to n_steps decode steps in one XLA program, stopping early when every slot is done.
-
-    A slot is done after a stop token, after its token budget, or when the cache is full.
+    """Up to n_steps decode steps in one XLA program (`decode_steps`), stopping early when every
+    slot is done: after a stop token, after its token budget, or when its cache row is full.
     `tuning`: the kernel thresholds the step's plan is made with (benchmarks try others).
     filters (static): False where no slot uses top-k or top-p, so that sampling leaves out their
     search over the vocabulary (`rjax.sample`; the same tokens). The search is about 110 small
@@ -319,7 +377,9 @@ def decode_loop(cfg: ModelConfig, params: Params, cache: KVCache, state: DecodeS
     (docs/kernels.md, "The decode step").
     -> (tokens [B, n_steps] int32 with -1 where nothing was generated, state, cache).
     """
-    return _decode_loop(cfg, params, cache, state, sp, stop_ids, n_steps, tuning, greedy=False, filters=filters)
+    out, _, state, cache, _ = decode_steps(cfg, params, cache, state, sp, stop_ids, n_steps, greedy=False,
+                                           filters=filters, tuning=tuning)
+    return out, state, cache
 
 
 @_checked(_check_decode_loop, **_DECODE_LOOP_JIT)
@@ -330,9 +390,11 @@ def greedy_decode_loop(cfg: ModelConfig, params: Params, cache: KVCache, state: 
     conditional from the host, which waits for the step before it, and a while loop holding one
     stays on the host too: one launch per step, and a call that returns only when its last step
     is done. Without it the whole loop is one CUDA graph on the device, and a call returns at
-    once, so rjax.generate launches each call before reading the last one back
+    once, so the next call is launched before this one is read back
     (docs/kernels.md, "The decode step")."""
-    return _decode_loop(cfg, params, cache, state, sp, stop_ids, n_steps, tuning, greedy=True)
+    out, _, state, cache, _ = decode_steps(cfg, params, cache, state, sp, stop_ids, n_steps, greedy=True,
+                                           tuning=tuning)
+    return out, state, cache
 
 
 def pad_prompts(prompts: list[list[int]], bucket: int | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -1,7 +1,7 @@
 """Host-side text generation over the jitted engine: prompts in, streamed text out.
 
-Everything that runs per token stays on the device (`engine.decode_loop` runs several decode
-steps per dispatch); the host only turns token ids into text and measures time.
+Everything that runs per token stays on the device, in the server's slot programs (`rjax.slots`)
+over one row per prompt; the host only turns token ids into text and measures time.
 
 Every limit is checked on the host before anything is allocated or dispatched (`check_text`,
 `check_request`): text that is not valid UTF-8, an empty prompt, token ids outside the
@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rjax import engine, request as checks
+from rjax import engine, slots, request as checks
 from rjax.config import ModelConfig
 from rjax.tensor_parallel import place_cache
 from rjax.cache import KVCache, check_kv_dtype, init_cache
-from rjax.plan import TUNING, decode_positions
-from rjax.precompile import compile_programs, decode_program, prefill_program
+from rjax.plan import decode_positions
+from rjax.precompile import compile_programs, decode_dispatch_program, prefill_into_slots_program
 from rjax.loaders import Model, load
 from rjax.engine import ContextLengthError, PromptTooLongError  # noqa: F401 (part of this module's API)
 from rjax.sampling import SamplingParams, check_sampling
@@ -154,8 +154,8 @@ def check_request(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tok
 
 # Decode steps (or speculative rounds) per program call; a stream yields once per call. A call
 # costs the host its launch and reading the tokens back. A loop that runs on the device
-# (engine.greedy_decode_loop, decode_loop) returns at once, so the next call's launch overlaps
-# this one's steps; a loop that stays on the host still pays that cost per call
+# (`slots.decode_dispatch`) returns at once, so the next call's launch overlaps this one's
+# steps; a loop that stays on the host still pays that cost per call
 # (docs/architecture.md, "Engine").
 STEPS_PER_DISPATCH = 32
 
@@ -208,31 +208,27 @@ def _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed,
                                        activation_dtype(), kv_dtype), model.params.tp)
     S = cache.max_len
     end = np.asarray(cache.lengths) + lengths  # each slot's length after the prompt
-    sp = SamplingParams.make(B, temperature, top_k, top_p)
-    stop_ids = jnp.asarray(sorted(tok.eos_ids) or [-1], jnp.int32)
-    key, sub = jax.random.split(jax.random.key(seed))
+    stop_ids = np.asarray(sorted(tok.eos_ids) or [-1], np.int32)
+    # Prompt i runs as the server runs a request of seed `seed` and sample index i.
+    budget = np.minimum(max_new_tokens, S - end).astype(np.int32)
+    rows, seeds, index, rest = slots.request_arrays(B, seed, budget, stop_ids, cfg.vocab_size)
+    sp = SamplingParams(*jax.device_put((np.full(B, temperature, np.float32), np.full(B, top_k, np.int32),
+                                         np.full(B, top_p, np.float32))))
+    batch = slots.init_slots(B, len(stop_ids), cfg.vocab_size)
     greedy = temperature == 0
     filters = bool(top_k > 0 or top_p < 1)
-    decode_loop = engine.greedy_decode_loop if greedy else engine.decode_loop
-    # Sampling without top-k / top-p leaves out their search (the same tokens), called as
-    # decode_program compiles it.
-    loop_args = () if greedy or filters else (TUNING, False)
     # Both programs at once, before the first call (a no-op where they are compiled already).
-    compiled = compile_programs([prefill_program(cfg, model.params, B, pieces[0][0].shape[1], S, cache.dtype,
-                                                 kv_dtype=cache.kv_dtype),
-                                 decode_program(cfg, model.params, B, S, cache.dtype, steps_per_dispatch,
-                                                int(stop_ids.shape[0]), kv_dtype=cache.kv_dtype, greedy=greedy,
-                                                filters=filters)], progress=progress)
+    compiled = compile_programs([prefill_into_slots_program(cfg, model.params, cache, batch, B, pieces[0][0].shape[1]),
+                                 decode_dispatch_program(cfg, model.params, cache, batch, steps_per_dispatch,
+                                                         greedy=greedy, filters=filters)], progress=progress)
 
     t0 = time.perf_counter()
     call = None
     try:
-        for tokens, n in pieces:  # the last piece's sample is the first token
-            first, cache = engine.prefill_and_sample(cfg, model.params, cache, jnp.asarray(tokens), jnp.asarray(n),
-                                                     None, sub, sp)
-        # The decode state is made while the prefill runs (it needs only the device's first tokens).
-        budget = np.minimum(max_new_tokens, S - end).astype(np.int32)
-        state = engine.initial_state(first, jax.device_put(budget), stop_ids, key, cache)
+        for i, (tokens, n) in enumerate(pieces):  # a piece before the last starts nothing
+            valid = np.full(B, i == len(pieces) - 1)
+            first, _, batch, cache = slots.prefill_into_slots(cfg, model.params, cache, batch, *jax.device_put(
+                (tokens, n)), rows, jax.device_put(valid), seeds, index, sp, *rest)
         first_host = np.asarray(first)
         ttft = time.perf_counter() - t0
         generated = [[int(t)] for t in first_host]
@@ -248,26 +244,32 @@ def _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed,
         t_prev = time.perf_counter()
         steps_left = int(budget.max()) - 1  # decode steps any slot can still take
 
-        def launch(cache, state):
-            return decode_loop(cfg, model.params, cache, state, sp, stop_ids, steps_per_dispatch, *loop_args)
+        def launch(cache, batch):  # called as the server calls it: the same compiled program
+            return slots.decode_dispatch(cfg, model.params, cache, batch, steps_per_dispatch, False, None, greedy,
+                                         filters, False)
 
-        call = None if np.asarray(state.done).all() else launch(cache, state)
+        # Every row done, by the tokens on the host (the slot state is donated to the call ahead).
+        stops = set(stop_ids.tolist())
+
+        def all_done():
+            return all(g[-1] in stops or len(g) >= n for g, n in zip(generated, budget))
+
+        call = None if all_done() else launch(cache, batch)
         launched = 1
         while call is not None:
-            out, state, cache = call
+            out, _, batch, cache = call
             call = None
             if launched * steps_per_dispatch < steps_left:
-                call = launch(cache, state)
-                cache, launched = call[2], launched + 1  # this cache was donated to the new call
-            out, done = jax.device_get((out, state.done))
-            if done.all():
-                call = None
-            new = [[int(t) for t in row if t >= 0] for row in out]
+                call = launch(cache, batch)
+                cache, launched = call[3], launched + 1  # this cache was donated to the new call
+            new = [[int(t) for t in row if t >= 0] for row in jax.device_get(out)]
             now = time.perf_counter()
             dispatches.append((now - t_prev, sum(len(r) for r in new)))
             t_prev = now
             for g, r in zip(generated, new):
                 g.extend(r)
+            if all_done():
+                call = None
             yield new
     finally:
         # Stopped early or not, nothing of this stream is left running on the device; a stream
@@ -275,7 +277,7 @@ def _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed,
         # was yielded: a caller rolls back by resetting them, as rjax.chat does).
         engine.settle(call, cache)
         if stats is not None:
-            stats["cache"] = cache if call is None else call[2]
+            stats["cache"] = cache if call is None else call[3]
     decode_s = sum(d for d, _ in dispatches)
     if stats is not None:
         eos = set(tok.eos_ids)

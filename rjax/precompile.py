@@ -26,14 +26,14 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from rjax import engine
+from rjax import engine, slots
 from rjax.cache import init_cache
 from rjax.tensor_parallel import abstract_cache
 from rjax.config import ModelConfig
 from rjax.params import Params
 from rjax.plan import TUNING
 from rjax.programs import DeviceProgram, compile_lowered
-from rjax.sampling import SamplingParams
+from rjax.sampling import MAX_LOGIT_BIAS, LogitAdjust, SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +88,36 @@ def decode_program(cfg: ModelConfig, params: Params, batch: int, cache_len: int,
     extra = () if filters else (TUNING, False)
     return Program(f"decode B={batch} N={n_steps}" + ("" if filters else " unfiltered"), engine.decode_loop,
                    (cfg, params, cache, state, sp, stop_ids, n_steps) + extra)
+
+
+def _i32(*shape):
+    return jax.ShapeDtypeStruct(shape, jnp.int32)
+
+
+def prefill_into_slots_program(cfg: ModelConfig, params: Params, cache, batch, prompts: int, bucket: int) -> Program:
+    """`slots.prefill_into_slots` of `prompts` prompts padded to `bucket` tokens into `cache`
+    (contiguous or paged) and the slot batch `batch` (arrays, or shapes standing for them)."""
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    p = prompts
+    return Program(f"prefill P={p} T={bucket}", slots.prefill_into_slots, (
+        cfg, params, cache, batch, _i32(p, bucket), _i32(p), _i32(p), jax.ShapeDtypeStruct((p,), jnp.bool_),
+        jax.ShapeDtypeStruct((p, 2), jnp.uint32), jax.ShapeDtypeStruct((p,), jnp.uint32),
+        SamplingParams(f32(p), _i32(p), f32(p)), _i32(p), _i32(p, batch.stop_ids.shape[1]),
+        LogitAdjust(f32(p), f32(p), f32(p), f32(p), _i32(p, MAX_LOGIT_BIAS), f32(p, MAX_LOGIT_BIAS)),
+        _i32(p, batch.mask.shape[1])))
+
+
+def decode_dispatch_program(cfg: ModelConfig, params: Params, cache, batch, n_steps: int, logprobs: bool = False,
+                            rows: int | None = None, greedy: bool = False, filters: bool = True,
+                            adjust: bool = False) -> Program:
+    """`slots.decode_dispatch` of `n_steps` steps over `cache` and the slot batch `batch`
+    (rows: a paged cache's batch of that many rows, else every row), called positionally."""
+    variant = "".join(name for on, name in ((logprobs, " logprobs"), (greedy, " greedy"), (not filters, " unfiltered"),
+                                            (adjust, " adjusted")) if on)
+    B = batch.state.last_token.shape[0] if rows is None else rows
+    return Program(f"decode B={B} N={n_steps}{variant}", slots.decode_dispatch,
+                   (cfg, params, cache, batch, n_steps, logprobs, None if rows is None else _i32(rows), greedy,
+                    filters, adjust))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,15 +17,16 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rjax import engine
 from rjax.config import ModelConfig
-from rjax.engine import DecodeState
+from rjax.engine import DecodeState, request_keys, sample_rows
 from rjax.paged_cache import PagedKVCache, put_row_view, row_view
 from rjax.params import Params
 from rjax.programs import device_program
-from rjax.sampling import (MAX_TOP_LOGPROBS, PROMPT_BIT, LogitAdjust, SamplingParams, TopLogprobs, adjust_logits,
-                           mask_logits, sample, top_logprobs)
+from rjax.sampling import MAX_TOP_LOGPROBS  # noqa: F401 (the limit of a request's top_logprobs)
+from rjax.sampling import PROMPT_BIT, LogitAdjust, SamplingParams, adjust_logits, mask_logits, top_logprobs
 
 
 @jax.tree_util.register_dataclass
@@ -47,6 +48,7 @@ class SlotBatch:
     mask: jax.Array
 
 
+@device_program(static_argnums=(0, 1, 2))
 def init_slots(n_slots: int, max_stop_ids: int, vocab_size: int) -> SlotBatch:
     # The keys are placeholders: admission gives each slot its request's key.
     state = DecodeState(jnp.zeros((n_slots,), jnp.int32), jnp.ones((n_slots,), bool),
@@ -71,40 +73,6 @@ def start_history(slots: SlotBatch, row, prompt) -> SlotBatch:
     return dataclasses.replace(slots, history=slots.history.at[row].set(fresh))
 
 
-def request_keys(seeds, sample_index):
-    """One key per request from its 64-bit seed (seeds [P, 2] uint32: low and high words) and its
-    sample index [P] (n samples of one seed draw apart)."""
-    def one(seed, index):
-        return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed[0]), seed[1]), index)
-
-    return jax.vmap(one)(seeds, sample_index)
-
-
-def sample_rows(logits, keys, sp: SamplingParams, greedy_only: bool = False, filters: bool = True):
-    """`rjax.sample` with one key per row: logits [B, V], keys [B] -> (tokens [B] int32, the keys
-    advanced). A row's draw depends on its own key alone, not on the rows beside it.
-    greedy_only: the caller knows every row's temperature is 0, so the program holds the argmax
-    alone, without sampling (the keys advance as they would). Neither form holds a
-    conditional, which XLA would evaluate on the host. filters=False: no row uses top-k or top-p,
-    so the program leaves their search out (`rjax.sample`)."""
-    pair = jax.vmap(jax.random.split)(keys)
-    keys, subs = pair[:, 0], pair[:, 1]
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if greedy_only:
-        return greedy, keys
-
-    def draw():
-        def one(row, key, t, k, p):
-            return sample(row[None], key, SamplingParams(t[None], k[None], p[None]), filters)[0]
-        return jax.vmap(one)(logits, subs, sp.temperature, sp.top_k, sp.top_p)
-
-    return jnp.where(sp.temperature > 0, draw(), greedy).astype(jnp.int32), keys
-
-
-def _is_stop(tokens, stop_ids):
-    return jnp.any(tokens[:, None] == stop_ids, axis=-1)
-
-
 def admit(slots: SlotBatch, cache, rows, valid, first_tokens, max_new_tokens, sampling: SamplingParams,
           stop_ids, keys, adjust: LogitAdjust, mask) -> SlotBatch:
     """Start the sequences just prefilled into cache rows `rows` [P], whose first tokens are
@@ -122,6 +90,20 @@ def admit(slots: SlotBatch, cache, rows, valid, first_tokens, max_new_tokens, sa
     history = slots.history.at[idx, first_tokens].add(1, mode="drop")
     return SlotBatch(state, jax.tree.map(put, slots.sampling, sampling), put(slots.stop_ids, stop_ids),
                      jax.tree.map(put, slots.adjust, adjust), history, put(slots.mask, mask))
+
+
+def request_arrays(n: int, seed: int, budget, stop_ids, vocab_size: int):
+    """For n requests of one seed (sample indices 0..n-1) in cache rows 0..n-1, token budgets
+    [n] and stop ids [K] each, without logit adjustments or masks, what `prefill_into_slots`
+    takes beside tokens, lengths, valid and sampling, as device arrays made as the server makes
+    them (a plain transfer compiles nothing). -> (rows, seeds, sample_index, (max_new_tokens,
+    stop_ids, adjust, mask))."""
+    seed %= 2 ** 64
+    rows, seeds, index, budget, stops, mask, *adjust = jax.device_put((
+        np.arange(n, dtype=np.int32), np.tile(np.asarray([[seed & 0xFFFFFFFF, seed >> 32]], np.uint32), (n, 1)),
+        np.arange(n, dtype=np.uint32), np.asarray(budget, np.int32), np.tile(np.asarray(stop_ids, np.int32), (n, 1)),
+        np.full((n, (vocab_size + 31) // 32), -1, np.int32), *LogitAdjust.host([{}] * n)))
+    return rows, seeds, index, (budget, stops, LogitAdjust(*adjust), mask)
 
 
 @device_program(static_argnames=("cfg",), donate_argnames=("cache", "slots"))
@@ -145,40 +127,11 @@ def prefill_into_slots(cfg: ModelConfig, params: Params, cache, slots: SlotBatch
 
 def _decode_steps(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, n_steps: int, logprobs: bool,
                   greedy: bool, filters: bool, adjust: bool):
-    """The decode loop over every row of `cache` and `slots` (see `decode_dispatch`); with
-    `adjust`, `slots.history` holds these rows' histories, carried through the loop."""
-    B = slots.state.last_token.shape[0]
-    out0 = jnp.full((B, n_steps), -1, jnp.int32)
-    k = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
-    lp0 = TopLogprobs(jnp.zeros((B, n_steps)), jnp.zeros((B, n_steps, k), jnp.int32),
-                      jnp.zeros((B, n_steps, k))) if logprobs else None
-
-    def cond(carry):
-        i, _, _, state, _, _ = carry
-        return (i < n_steps) & ~jnp.all(state.done)
-
-    def body(carry):
-        i, out, lp, state, cache, history = carry
-        active = ~state.done & (cache.lengths < cache.max_len)
-        logits, cache = engine.decode_step(cfg, params, cache, state.last_token, active)
-        z = logits
-        if adjust:
-            z = mask_logits(adjust_logits(logits, slots.adjust, history, slots.sampling.temperature), slots.mask)
-        tok, keys = sample_rows(z, state.key, slots.sampling, greedy, filters)
-        if adjust:
-            history = history.at[jnp.arange(B), tok].add(active.astype(jnp.int32))
-        out = out.at[:, i].set(jnp.where(active, tok, -1))
-        if logprobs:
-            lp = jax.tree.map(lambda full, step: full.at[:, i].set(step), lp, top_logprobs(logits, tok))
-        remaining = state.remaining - active.astype(jnp.int32)
-        done = state.done | (active & (_is_stop(tok, slots.stop_ids) | (remaining <= 0)
-                                       | (cache.lengths >= cache.max_len)))
-        state = DecodeState(jnp.where(active, tok, state.last_token), done, remaining, keys)
-        return i + 1, out, lp, state, cache, history
-
-    history0 = slots.history if adjust else None
-    _, out, lp, state, cache, history = jax.lax.while_loop(
-        cond, body, (jnp.int32(0), out0, lp0, slots.state, cache, history0))
+    """`engine.decode_steps` over every row of `cache` and `slots`; with `adjust`, `slots.history`
+    holds these rows' histories, carried through the loop."""
+    out, lp, state, cache, history = engine.decode_steps(
+        cfg, params, cache, slots.state, slots.sampling, slots.stop_ids, n_steps, greedy=greedy, filters=filters,
+        logprobs=logprobs, adjust=slots.adjust if adjust else None, history=slots.history, mask=slots.mask)
     return out, lp, dataclasses.replace(slots, state=state, history=history if adjust else slots.history), cache
 
 
@@ -206,9 +159,10 @@ def put_rows(full, rows, part):
                    donate_argnames=("cache", "slots"), compiler_options=engine.DECODE_LOOP_COMPILER_OPTIONS)
 def decode_dispatch(cfg: ModelConfig, params: Params, cache, slots: SlotBatch, n_steps: int, logprobs: bool = False,
                     rows=None, greedy: bool = False, filters: bool = True, adjust: bool = False):
-    """Up to n_steps decode steps in one XLA program (`engine.decode_loop` with a random stream
-    per slot), stopping early when every slot is done. With `logprobs` (static: a second
-    program) also each step's TopLogprobs [n_slots, n_steps, ...].
+    """Up to n_steps decode steps in one XLA program (`engine.decode_steps`), stopping early when
+    every slot is done. With `logprobs` (static: a second program) also each step's TopLogprobs
+    [n_slots, n_steps, ...]. The cache is contiguous (`rjax.cache.KVCache`, as `rjax.generate`
+    runs one prompt) or paged.
 
     rows: None to run every slot; or, for a paged cache, the slots to run [R] (padded with
     n_slots), so that a decode step costs a batch of R however many slots the engine has (one

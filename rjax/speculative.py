@@ -1,6 +1,7 @@
-"""Speculative decoding for one sequence: draft K tokens cheaply, verify them with one forward
-pass of K + 1 positions over the cache, keep the longest prefix the target agrees with plus one
-token of the target's own, and roll the cache back by resetting its length.
+"""Speculative decoding over a slot batch (`rjax.slots.SlotBatch`; one sequence is a batch of
+one): draft K tokens cheaply, verify them with one forward pass of K + 1 positions over the
+cache, keep the longest prefix the target agrees with plus one token of the target's own, and
+roll the cache back by resetting its length.
 
 The rollback is only a length: positions past a slot's length are never read (attention sees
 positions up to each query's own), and the next write overwrites them. Acceptance runs on the
@@ -19,13 +20,14 @@ Drafters, static under jit (frozen, hashable):
   rolled back with the target's: to the same length, less the one position it never wrote when
   every draft was accepted (that token is fed first in the next round).
 
-`speculative_loop` runs many draft-verify-accept rounds as one XLA program, as
-`engine.decode_loop` runs many decode steps; K is static, so each K is its own program.
+`speculative_dispatch` runs many draft-verify-accept rounds as one XLA program, as
+`rjax.slots.decode_dispatch` runs many decode steps; K is static, so each K is its own program.
+The server calls it over all its slots, `speculative_ids` (rjax.generate, rjax chat) over a
+batch of one row.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Iterator
 
@@ -41,7 +43,7 @@ from rjax.paged_cache import put_row_view, row_view
 from rjax.params import Params
 from rjax.programs import device_program
 from rjax.sampling import SamplingParams, filtered_logits
-from rjax.slots import put_rows, take_rows
+from rjax.slots import init_slots, prefill_into_slots, put_rows, request_arrays, take_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,158 +139,6 @@ def accept(logits, drafts, n_drafts, key, sp: SamplingParams, draft_logq=None, g
     return greedy_rule() if greedy else jax.lax.cond(sp.temperature[0] > 0, sampled, greedy_rule)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SpecState:
-    """One sequence's state between rounds (slot 0 of the caches)."""
-    last: jax.Array       # [] int32: the newest token, in neither cache yet
-    pending: jax.Array    # [] int32: the token at position length - 1 the draft model's cache lacks, or -1
-    hist: jax.Array       # [max_len + 1] int32: the prompt and every token generated (n-gram lookup)
-    n_hist: jax.Array     # [] int32: tokens in hist (the cache's length + 1)
-    done: jax.Array       # [] bool
-    remaining: jax.Array  # [] int32: tokens it may still generate
-    key: jax.Array
-    steps: jax.Array      # [] int32: verification passes so far
-    drafted: jax.Array    # [] int32: real drafts proposed
-    accepted: jax.Array   # [] int32: of those, kept
-
-
-def initial_state(prompt, first, max_new_tokens: int, stops, key, max_len: int) -> SpecState:
-    """The state after the prefill. `first` (the prefill's token) and `stops` may be device
-    arrays: nothing here waits for the prefill, so the host builds and sends this while it runs."""
-    hist = np.zeros(max_len + 1, np.int32)
-    hist[: len(prompt)] = prompt
-    ended = max_new_tokens <= 1 or len(prompt) >= max_len
-    return _start(jax.device_put(hist), first, stops, key, len(prompt), max_new_tokens, ended)
-
-
-@device_program(static_argnums=(4, 5, 6))
-def _start(hist, first, stops, key, n_prompt: int, max_new_tokens: int, ended: bool) -> SpecState:
-    first = jnp.asarray(first, jnp.int32)
-    z = jnp.int32(0)
-    return SpecState(first, jnp.int32(-1), hist.at[n_prompt].set(first), jnp.int32(n_prompt + 1),
-                     jnp.any(first == stops) | ended, jnp.int32(max_new_tokens - 1), key, z, z, z)
-
-
-def _propose(logits, key, sp: SamplingParams, greedy: bool):
-    """The draft model's token at one position: argmax (greedy), or a draw from its filtered
-    distribution with that distribution's log-probabilities [V] (sampling). greedy: as accept's."""
-    def argmax():
-        return jnp.argmax(logits).astype(jnp.int32), jnp.zeros_like(logits)
-
-    def sampled():
-        f = filtered_logits(logits[None], sp)[0]
-        return jax.random.categorical(key, f).astype(jnp.int32), jax.nn.log_softmax(f)
-
-    return argmax() if greedy else jax.lax.cond(sp.temperature[0] > 0, sampled, argmax)
-
-
-def _draft_with_model(dcfg: ModelConfig, dparams, dcache, last, pending, held, n, k: int, key, sp, greedy: bool):
-    """n (<= k) drafts from the draft model, which holds positions [0, held) but the pending
-    one. -> (drafts [k], log q [k, V], cache holding [0, held + n))."""
-    V = dcfg.vocab_size
-    keys = jax.random.split(key, k)
-    last_pos = jnp.where(n > 0, held, -1)
-
-    def with_pending():  # the pending token beside `last`: one pass of two positions
-        tokens = jnp.stack([pending, last])[None]
-        pos = jnp.stack([held - 1, last_pos])[None]
-        logits, c = forward(dcfg, dparams, dcache, tokens, pos, None, dcache.dtype)
-        return logits[0, 1], c
-
-    def alone():  # the usual case (a draft was rejected): a plain one-token step
-        logits, c = forward(dcfg, dparams, dcache, last[None, None], last_pos[None, None], None, dcache.dtype)
-        return logits[0, 0], c
-
-    logits0, dcache = jax.lax.cond(pending >= 0, with_pending, alone)
-    d0, q0 = _propose(logits0, keys[0], sp, greedy)
-    drafts = jnp.zeros(k, jnp.int32).at[0].set(d0)
-    logq = jnp.zeros((k, V), jnp.float32).at[0].set(q0)
-
-    def body(carry):
-        j, drafts, logq, dcache = carry
-        logits, dcache = forward(dcfg, dparams, dcache, drafts[j - 1][None, None], (held + j)[None, None], None,
-                                 dcache.dtype)
-        d, q = _propose(logits[0, 0], keys[j], sp, greedy)
-        return j + 1, drafts.at[j].set(d), logq.at[j].set(q), dcache
-
-    _, drafts, logq, dcache = jax.lax.while_loop(lambda c: c[0] < n, body, (jnp.int32(1), drafts, logq, dcache))
-    return drafts, logq, dcache
-
-
-def _round(cfg, params, cache: KVCache, st: SpecState, sp, stop_ids, drafter, dparams, dcache, k: int,
-           greedy: bool):
-    held, S = cache.lengths[0], cache.max_len
-    # Drafts must fit the cache (last + drafts) and the budget (the target adds one of its own).
-    room = jnp.clip(jnp.minimum(S - held - 1, st.remaining - 1), 0, k)
-    key, k_draft, k_accept = jax.random.split(st.key, 3)
-    if isinstance(drafter, ModelDrafter):
-        drafts, logq, dcache = _draft_with_model(drafter.cfg, dparams, dcache, st.last, st.pending, held, room, k,
-                                                 k_draft, sp, greedy)
-        n = room
-    else:
-        drafts, found = drafter.lookup(st.hist, st.n_hist, k)
-        logq, n = None, jnp.minimum(found, room)
-    t = jnp.arange(k + 1, dtype=jnp.int32)
-    tokens = jnp.concatenate([st.last[None], drafts])
-
-    def verify():
-        logits, c = forward(cfg, params, cache, tokens[None], jnp.where(t <= n, held + t, -1)[None], None,
-                            cache.dtype)
-        return logits[0], c
-
-    def step():  # nothing drafted: a plain one-token step, cheaper than K + 1 positions
-        logits, c = forward(cfg, params, cache, st.last[None, None], held[None, None], None, cache.dtype)
-        return jnp.broadcast_to(logits[0], (k + 1, logits.shape[-1])), c  # accept reads row 0 only
-
-    logits, cache = jax.lax.cond(n > 0, verify, step)
-    m, nxt = accept(logits, drafts, n, k_accept, sp, logq, greedy)
-    emitted = jnp.where(t < m, jnp.concatenate([drafts, jnp.zeros(1, jnp.int32)]), nxt)
-    stop = jnp.any(emitted[:, None] == stop_ids[None, :], axis=-1) & (t <= m)
-    e = jnp.minimum(jnp.where(jnp.any(stop), jnp.argmax(stop) + 1, m + 1), st.remaining)
-    out = jnp.where(t < e, emitted, -1)
-    # The cache keeps what was fed for the emitted tokens: all of them but the last. That is
-    # held + 1 + m unless a stop id or the budget cut the round short (and the sequence ends).
-    new_held = held + e
-    cache = dataclasses.replace(cache, lengths=cache.lengths.at[0].set(new_held))
-    pending = jnp.where(m == n, tokens[m], -1)
-    if dcache is not None:
-        dcache = dataclasses.replace(dcache, lengths=dcache.lengths.at[0].set(new_held - (pending >= 0)))
-    remaining = st.remaining - e
-    done = jnp.any(stop & (t < e)) | (remaining <= 0) | (new_held >= S)
-    hist = st.hist.at[st.n_hist + t].set(jnp.where(t <= m, emitted, 0), mode="drop")
-    st = SpecState(nxt, pending, hist, st.n_hist + 1 + m, done, remaining, key, st.steps + 1, st.drafted + n,
-                   st.accepted + m)
-    return out, st, cache, dcache
-
-
-def speculative_rounds(cfg: ModelConfig, params: Params, cache: KVCache, state: SpecState, sp: SamplingParams,
-                       stop_ids, drafter, draft_params, draft_cache, k: int, n_rounds: int, greedy: bool = False):
-    """Up to n_rounds draft-verify-accept rounds for slot 0 in one XLA program, stopping early
-    when the sequence is done (a stop id, its budget, or the end of the cache). `drafter`:
-    NgramDrafter, or ModelDrafter with its `draft_params` and one-slot `draft_cache` (else None).
-    greedy: every temperature is 0 (the program then holds no sampling conditional).
-    -> (tokens [n_rounds, k + 1] int32, -1 where nothing was emitted; state; cache; draft_cache)."""
-    out0 = jnp.full((n_rounds, k + 1), -1, jnp.int32)
-
-    def body(carry):
-        i, out, st, cache, dcache = carry
-        row, st, cache, dcache = _round(cfg, params, cache, st, sp, stop_ids, drafter, draft_params, dcache, k,
-                                        greedy)
-        return i + 1, out.at[i].set(row), st, cache, dcache
-
-    _, out, state, cache, draft_cache = jax.lax.while_loop(
-        lambda c: (c[0] < n_rounds) & ~c[2].done, body, (jnp.int32(0), out0, state, cache, draft_cache))
-    return out, state, cache, draft_cache
-
-
-# The program: `speculative_rounds` jitted (its body is traceable inside a caller's jit or vmap),
-# compiled as `engine.decode_loop` is, so that on a GPU the rounds are one CUDA graph.
-speculative_loop = device_program(speculative_rounds, static_argnames=("cfg", "drafter", "k", "n_rounds", "greedy"),
-                                  donate_argnames=("cache", "draft_cache"),
-                                  compiler_options=engine.DECODE_LOOP_COMPILER_OPTIONS)
-
-
 @dataclasses.dataclass
 class SpeculativeStats:
     steps: int = 0      # verification passes
@@ -338,64 +188,82 @@ def speculative_ids(cfg: ModelConfig, params: Params, cache: KVCache, prompt: li
     (one program per K used). A dispatch is launched before the previous one is read back when
     that rate picks the previous one's K (always, for one K), else after it."""
     stats = stats if stats is not None else SpeculativeStats()
-    if isinstance(drafter, ModelDrafter) and (draft_params is None or draft_cache is None):
+    model = isinstance(drafter, ModelDrafter)
+    if model and (draft_params is None or draft_cache is None):
         raise ValueError("drafter: a ModelDrafter needs draft_params and a draft_cache")
     if draft_cache is not None and draft_cache.max_len != cache.max_len:
         raise ValueError(f"draft_cache has max_len {draft_cache.max_len}, the target's cache {cache.max_len}")
     if not 0 <= held < len(prompt):
         raise ValueError(f"held must leave at least one of the prompt's {len(prompt)} tokens to prefill, got {held}")
-    key, sub = jax.random.split(jax.random.key(seed))
+    if not model:
+        draft_params = draft_cache = None
+    S = cache.max_len
+    stops = np.asarray(sorted(set(int(s) for s in stop_ids)) or [-1], np.int32)
     tokens, lengths = engine.pad_prompts([prompt[held:]])
-    tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
-    call = None
+    # The server's programs over a slot batch of one row: the request as the server runs it.
+    rows, seeds, index, rest = request_arrays(1, seed, [max_new_tokens], stops, cfg.vocab_size)
+    tokens, lengths, valid = jax.device_put((tokens, lengths, np.ones(1, bool)))
+    batch, call, draft = init_slots(1, len(stops), cfg.vocab_size), None, None
+    pending = jax.device_put(np.full(1, -1, np.int32)) if model else None
     try:
-        first, cache = engine.prefill_and_sample(cfg, params, cache, tokens, lengths, None, sub, sp)
-        if isinstance(drafter, ModelDrafter):
-            _, draft_cache = engine.prefill(drafter.cfg, draft_params, draft_cache, tokens, lengths)
+        first, _, batch, cache = prefill_into_slots(cfg, params, cache, batch, tokens, lengths, rows, valid, seeds,
+                                                    index, sp, *rest)
+        if model:
+            draft_cache, pending = draft_prefill(drafter.cfg, draft_params, draft_cache, pending, tokens, lengths, rows)
+        generated = [int(np.asarray(first)[0])]
+        yield list(generated)
+        if model:
+            draft = (draft_cache, pending)
         else:
-            draft_params = draft_cache = None
-        stops = jax.device_put(np.asarray(sorted(set(int(s) for s in stop_ids)) or [-1], np.int32))
-        state = initial_state(prompt, first[0], max_new_tokens, stops, key, cache.max_len)
-        yield [int(first[0])]
+            hist = np.zeros((1, S + 1), np.int32)
+            hist[0, : len(prompt) + 1] = prompt + generated
+            draft = jax.device_put((hist, np.asarray([len(prompt) + 1], np.int32)))
         candidates = tuple(draft_tokens) if isinstance(draft_tokens, (tuple, list)) else (draft_tokens,)
         cost_ratio = 0.0 if draft_params is None else _nbytes(draft_params) / max(_nbytes(params), 1)
         alpha = 0.5
-
         greedy = not np.any(np.asarray(sp.temperature) > 0)
 
-        def launch(k, state, cache, draft_cache):
-            programs, t = speculative_loop.compiled_count(), time.perf_counter()
-            call = speculative_loop(cfg, params, cache, state, sp, stops, drafter, draft_params, draft_cache, k,
-                                    rounds_per_dispatch, greedy=greedy)
-            if speculative_loop.compiled_count() > programs:  # compiled before it dispatched
+        def ended():  # the sequence's end, as the rounds decide it (the slot state is donated ahead)
+            return (generated[-1] in stops or len(generated) >= max_new_tokens
+                    or len(prompt) + len(generated) - 1 >= S)
+
+        def launch(k, cache, batch, draft):
+            programs, t = speculative_dispatch.compiled_count(), time.perf_counter()
+            call = speculative_dispatch(cfg, params, cache, batch, drafter, draft_params, draft, k,
+                                        rounds_per_dispatch, None, greedy)
+            if speculative_dispatch.compiled_count() > programs:  # compiled before it dispatched
                 stats.compile_s += time.perf_counter() - t
             return k, call
 
-        call = None if bool(state.done) else launch(choose_k(alpha, candidates, cost_ratio), state, cache, draft_cache)
+        call = None if ended() else launch(choose_k(alpha, candidates, cost_ratio), cache, batch, draft)
         while call is not None:
-            k, (out, state, cache, draft_cache) = call
+            k, (out, drafted, accepted, batch, cache, draft) = call
             # The next call is launched before this one is read back when its K is already known:
             # a launch is costly for the host (XLA updates the loop's CUDA graph), and then it
             # overlaps this call's rounds on the device. After the sequence has ended it runs no round.
             k_next = choose_k(alpha, candidates, cost_ratio)
-            call = launch(k, state, cache, draft_cache) if k_next == k else None
-            before = (stats.drafted, stats.accepted)
+            call = launch(k, cache, batch, draft) if k_next == k else None
             # One read back of everything the host needs: a sync per value costs one round trip each.
-            out, done, *counts = jax.device_get((out, state.done, state.steps, state.drafted, state.accepted))
-            stats.steps, stats.drafted, stats.accepted = (int(c) for c in counts)
+            out, drafted, accepted = jax.device_get((out, drafted, accepted))
+            rounds = out.reshape(-1, k + 1)
+            stats.steps += int((rounds[:, 0] >= 0).sum())  # a round that ran emitted a token
+            stats.drafted += int(drafted[0])
+            stats.accepted += int(accepted[0])
             stats.k_used.append(k)
-            if stats.drafted > before[0]:
-                alpha = 0.5 * alpha + 0.5 * (stats.accepted - before[1]) / (stats.drafted - before[0])
-            yield [int(t) for t in out.reshape(-1) if t >= 0]
+            if drafted[0]:
+                alpha = 0.5 * alpha + 0.5 * int(accepted[0]) / int(drafted[0])
+            new = [int(t) for t in out.reshape(-1) if t >= 0]
+            generated += new
+            yield new
             if call is not None:  # the caches are the launched call's (it adds nothing once done)
-                _, (_, _, cache, draft_cache) = call
-                if done:
+                _, (_, _, _, batch, cache, draft) = call
+                if ended():
                     call = None
-            elif not done:
-                call = launch(choose_k(alpha, candidates, cost_ratio), state, cache, draft_cache)
+            elif not ended():
+                call = launch(choose_k(alpha, candidates, cost_ratio), cache, batch, draft)
     finally:  # stopped early or not, nothing is left running on the device (engine.settle)
-        engine.settle(call, cache, draft_cache)
-    stats.cache, stats.draft_cache = cache, draft_cache
+        engine.settle(call, cache, draft)
+    stats.cache, stats.draft_cache = cache, draft[0] if model else None
 
 
 def _nbytes(tree) -> int:
@@ -409,19 +277,17 @@ def draft_cache_for(drafter: ModelDrafter, max_len: int, dtype) -> KVCache:
     return init_cache(drafter.cfg, 1, max_len, dtype)
 
 
-# -- many sequences: the serving engine's slots ------------------------------------------------
-#
 # A drafter's per-slot state (`draft` below) travels beside the slots: for NgramDrafter the
 # token histories (hist [R, max_len + 1], n_hist [R]: each row's prompt and generated tokens,
-# its cache length + 1), made on the host for each dispatch; for ModelDrafter the draft
+# its cache length + 1), made on the host (the server: for each dispatch); for ModelDrafter the draft
 # model's own cache (contiguous, or paged over its own pool with the target's block tables) and
 # pending [n_slots] (the token at a slot's position length - 1 that the draft cache lacks, or -1),
-# both kept by the engine between dispatches.
+# both kept by the caller between dispatches.
 
 
-def _propose_rows(logits, keys, sp: SamplingParams, greedy_only: bool):
-    """`_propose` for every row at once: logits [B, V], keys [B], sp [B] -> (tokens [B], log q
-    [B, V]; zeros for greedy rows). greedy_only (every row is known greedy): the argmax alone;
+def _propose(logits, keys, sp: SamplingParams, greedy_only: bool):
+    """The draft model's token at one position of every row: logits [B, V], keys [B], sp [B] ->
+    (tokens [B], log q [B, V] of the filtered distribution drawn from; zeros for greedy rows). greedy_only (every row is known greedy): the argmax alone;
     else the sampling filters run for every row, with no conditional."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if greedy_only:
@@ -436,9 +302,9 @@ def _propose_rows(logits, keys, sp: SamplingParams, greedy_only: bool):
     return sampled()
 
 
-def _draft_rows(dcfg: ModelConfig, dparams, dcache, last, pending, held, n, k: int, keys, sp: SamplingParams,
+def _draft_with_model(dcfg: ModelConfig, dparams, dcache, last, pending, held, n, k: int, keys, sp: SamplingParams,
                 greedy: bool):
-    """`_draft_with_model` for every row at once, one draft decode step for all rows at a time:
+    """Drafts from the draft model for every row at once, one draft decode step for all rows at a time:
     row b drafts n[b] (<= k) tokens after last[b]; its draft cache holds [0, held[b]) but the
     pending token (pending[b] >= 0, at position held[b] - 1; -1 where the row writes nothing).
     -> (drafts [B, k], log q [B, k, V], cache holding [0, held + n) of every drafting row)."""
@@ -460,7 +326,7 @@ def _draft_rows(dcfg: ModelConfig, dparams, dcache, last, pending, held, n, k: i
         return logits[:, 0], c
 
     logits0, dcache = jax.lax.cond(jnp.any(has), with_pending, alone)
-    d0, q0 = _propose_rows(logits0, keys[:, 0], sp, greedy)
+    d0, q0 = _propose(logits0, keys[:, 0], sp, greedy)
     drafts = jnp.zeros((B, k), jnp.int32).at[:, 0].set(d0)
     logq = jnp.zeros((B, k, V), jnp.float32).at[:, 0].set(q0)
 
@@ -468,7 +334,7 @@ def _draft_rows(dcfg: ModelConfig, dparams, dcache, last, pending, held, n, k: i
         j, drafts, logq, dcache = carry
         p = jnp.where(j < n, held + j, -1)
         logits, dcache = forward(dcfg, dparams, dcache, drafts[:, j - 1][:, None], p[:, None], None, dcache.dtype)
-        d, q = _propose_rows(logits[:, 0], keys[:, j], sp, greedy)
+        d, q = _propose(logits[:, 0], keys[:, j], sp, greedy)
         return j + 1, drafts.at[:, j].set(d), logq.at[:, j].set(q), dcache
 
     _, drafts, logq, dcache = jax.lax.while_loop(lambda c: c[0] < jnp.max(n), body,
@@ -492,7 +358,7 @@ def _slots_round(cfg, params, cache, state, sampling: SamplingParams, stop_ids, 
         dcache, pending = draft
         split = jax.vmap(lambda key: jax.random.split(key, 3))(state.key)
         keys, k_draft, subs = split[:, 0], split[:, 1], split[:, 2]
-        drafts, logq, dcache = _draft_rows(drafter.cfg, draft_params, dcache, state.last_token,
+        drafts, logq, dcache = _draft_with_model(drafter.cfg, draft_params, dcache, state.last_token,
                                            jnp.where(active, pending, -1), held, room, k, k_draft, sampling, greedy)
         n = room
     else:
@@ -512,7 +378,7 @@ def _slots_round(cfg, params, cache, state, sampling: SamplingParams, stop_ids, 
     m, nxt = jax.vmap(one)(logits, drafts, n, subs, sampling.temperature, sampling.top_k, sampling.top_p, logq)
     ext = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
     emitted = jnp.where(t < m[:, None], ext, nxt[:, None])
-    stop = jnp.any(emitted[:, :, None] == stop_ids[:, None, :], axis=-1) & (t <= m[:, None])
+    stop = engine.is_stop(emitted, stop_ids) & (t <= m[:, None])
     e = jnp.minimum(jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1) + 1, m + 1), state.remaining)
     e = jnp.where(active, e, 0)
     out = jnp.where(t < e[:, None], emitted, -1)
@@ -529,7 +395,7 @@ def _slots_round(cfg, params, cache, state, sampling: SamplingParams, stop_ids, 
         hist = hist.at[jnp.arange(hist.shape[0])[:, None], cols].set(emitted, mode="drop")
         draft = (hist, jnp.where(active, n_hist + 1 + m, n_hist))
     remaining = state.remaining - e
-    done = state.done | (active & (jnp.any(stop & (t < e[:, None]), axis=1) | (remaining <= 0) | (new_held >= S)))
+    done = state.done | (active & engine.finished(jnp.any(stop & (t < e[:, None]), axis=1), remaining, new_held, S))
     state = dataclasses.replace(state, last_token=jnp.where(active, nxt, state.last_token), done=done,
                                 remaining=remaining, key=jnp.where(active, keys, state.key))
     return out, jnp.where(active, n, 0), jnp.where(active, m, 0), state, cache, draft

@@ -453,9 +453,10 @@ def test_gpu_decode_matches_longer_prefill(tmp_path, shape, quant, batch):
 
 
 def test_generation_launches_each_dispatch_before_reading_back_the_last(tmp_path, monkeypatch):
-    """Greedy generation runs greedy_decode_loop, launching a dispatch before it reads the one
+    """Greedy generation runs the server's decode_dispatch, launching a dispatch before it reads the one
     before back and none past the token budget, and yields the tokens one long dispatch gives;
     after a stop token the dispatch launched ahead adds nothing to the final cache."""
+    from rjax import slots
     from rjax.generation import stream_ids
     from rjax.synth import write_synthetic
 
@@ -471,7 +472,7 @@ def test_generation_launches_each_dispatch_before_reading_back_the_last(tmp_path
 
     whole = joined(stream_ids(m, prompts, max_new_tokens=11, steps_per_dispatch=16))
     events = []
-    real_loop, real_get = engine.greedy_decode_loop, jax.device_get
+    real_loop, real_get = slots.decode_dispatch, jax.device_get
 
     class Counted:  # the loop, noting each call (precompiling reaches through it for .trace)
         def __call__(self, *a):
@@ -481,7 +482,7 @@ def test_generation_launches_each_dispatch_before_reading_back_the_last(tmp_path
         def __getattr__(self, name):
             return getattr(real_loop, name)
 
-    monkeypatch.setattr(engine, "greedy_decode_loop", Counted())
+    monkeypatch.setattr(slots, "decode_dispatch", Counted())
     monkeypatch.setattr(jax, "device_get", lambda x: (events.append("read"), real_get(x))[1])
     stats: dict = {}
     assert joined(stream_ids(m, prompts, max_new_tokens=11, steps_per_dispatch=3, stats=stats)) == whole
@@ -500,3 +501,25 @@ def test_generation_launches_each_dispatch_before_reading_back_the_last(tmp_path
     reads = -(-(end - 1) // 3)
     assert events.count("read") == reads and events.count("launch") == reads + 1
     assert np.asarray(stats["cache"].lengths).tolist() == [len(prompts[0]) + end - 1]
+
+
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_generate_of_one_prompt_samples_as_the_server_with_the_same_seed(tiny_path, speculative):
+    """rjax.generate of one prompt runs the server's slot programs over a batch of one row, so a
+    sampled generation of seed s gives the tokens a ServingEngine gives a request of seed s
+    (plain decoding and speculative decoding alike)."""
+    from rjax.generation import cache_length
+    from rjax.serving import ServingConfig, ServingEngine
+
+    m = rjax.load(tiny_path, progress=False)
+    text = "a b c a b c a"
+    ids = m.tokenizer.encode(text)
+    kw = dict(max_new_tokens=12, temperature=0.9, top_p=0.95)
+    got = rjax.generate(m, text, raw=True, seed=2**40 + 7, speculative=speculative, steps_per_dispatch=4,
+                        **kw, **(dict(draft_tokens=3) if speculative else {}))
+    config = ServingConfig(n_slots=1, max_len=cache_length(len(ids) + 12, m.config.context_length), page_size=None,
+                           steps_per_dispatch=4, speculative=speculative, draft_tokens=3, prefix_cache=False)
+    eng = ServingEngine(m.config, m.params, config, stop_ids=sorted(m.tokenizer.eos_ids))
+    eng.submit(ids, seed=2**40 + 7, **kw)
+    [want] = [e.completion for e in eng.run() if e.finished]
+    assert got.tokens == want.tokens and len(got.tokens) > 1

@@ -122,9 +122,9 @@ def test_generation_compiles_each_program_once_ahead(model, tmp_path):
     stats: dict = {}
     with count_compiles() as compiles:
         steps = list(stream_ids(m, [[1, 2, 3, 4, 5]], max_new_tokens=6, steps_per_dispatch=2, stats=stats))
-    # Greedy: the decode program is greedy_decode_loop's.
-    assert compiles.count("jit(prefill_and_sample)") == 1 and compiles.count("jit(greedy_decode_loop)") == 1
-    assert "jit(decode_loop)" not in compiles
+    # The server's slot programs, a batch of one row, each compiled once.
+    assert compiles.count("jit(prefill_into_slots)") == 1 and compiles.count("jit(decode_dispatch)") == 1
+    assert not {"jit(prefill_and_sample)", "jit(decode_loop)", "jit(greedy_decode_loop)"} & set(compiles)
     assert stats["compile_s"] > 0 and sum(len(s[0]) for s in steps) == 6
 
 

@@ -22,9 +22,10 @@ from rjax.config import ModelConfig
 from rjax.model import forward
 from rjax.params import LayerParams, Params
 from rjax.plan import decode_positions
-from rjax.sampling import sample
-from rjax.speculative import (ModelDrafter, NgramDrafter, SpecState, SpeculativeStats, accept, speculative_ids,
-                              speculative_loop, speculative_rounds)
+from rjax.sampling import LogitAdjust
+from rjax.slots import init_slots, prefill_into_slots
+from rjax.speculative import (ModelDrafter, NgramDrafter, SpeculativeStats, accept, draft_prefill, speculative_dispatch,
+                              speculative_ids)
 
 REPEATING = [5, 6, 7, 8, 9, 10] * 3 + [5, 6]
 PLAIN = [3, 141, 59, 26, 5, 35, 89, 79, 32, 38]
@@ -116,6 +117,26 @@ def test_drafts_past_a_stop_id_the_token_limit_and_the_cache_end(tiny, drafts, w
     assert _speculative(cfg, params, REPEATING, 40, 32, 4, draft=draft) == _greedy(cfg, params, REPEATING, 40, 32)
 
 
+def _slot_batch(cfg, params, prompts, S, sp, budget, drafter=NgramDrafter(), dparams=None):
+    """`prompts` prefilled into a contiguous cache of one row each and started as the server
+    starts requests (`prefill_into_slots`, row i of seed i), with each row's drafter state.
+    -> (cache, slots, draft, first tokens [P])."""
+    P = len(prompts)
+    t, l = engine.pad_prompts(prompts)
+    args = (jnp.asarray(t), jnp.asarray(l), jnp.arange(P, dtype=jnp.int32))
+    seeds = jnp.stack([jnp.arange(P), jnp.zeros(P, jnp.int32)], 1).astype(jnp.uint32)
+    first, _, batch, cache = prefill_into_slots(
+        cfg, params, init_cache(cfg, P, S), init_slots(P, 1, cfg.vocab_size), *args, jnp.ones(P, bool), seeds,
+        jnp.zeros(P, jnp.uint32), sp, jnp.full(P, budget, jnp.int32), jnp.full((P, 1), -1, jnp.int32),
+        LogitAdjust.make(P), jnp.full((P, (cfg.vocab_size + 31) // 32), -1, jnp.int32))
+    if isinstance(drafter, ModelDrafter):
+        return cache, batch, draft_prefill(drafter.cfg, dparams, init_cache(drafter.cfg, P, S),
+                                           jnp.full(P, -1, jnp.int32), *args), first
+    hist = jnp.zeros((P, S + 1), jnp.int32).at[:, : t.shape[1]].set(jnp.asarray(t))
+    hist = hist.at[jnp.arange(P), jnp.asarray(l)].set(first)
+    return cache, batch, (hist, jnp.asarray(l) + 1), first
+
+
 def _poison(cache, value=1e4):
     """K and V past each slot's length set to `value`: if any attention saw them, logits would move."""
     S = cache.max_len
@@ -132,29 +153,21 @@ def test_rolled_back_kv_is_never_visible(tiny, drafts, which):
     cfg, params = tiny
     prompt, S, k = PLAIN, 128, 4
     want = _greedy(cfg, params, prompt, 30, S)
-    cache, sp = init_cache(cfg, 1, S), SamplingParams.make(1)
-    t, l = engine.pad_prompts([prompt])
-    logits, cache = engine.prefill(cfg, params, cache, jnp.asarray(t), jnp.asarray(l))
-    drafter, dparams, dcache = NgramDrafter(), None, None
+    drafter, dparams = NgramDrafter(), None
     if which is not None:
         dcfg, dparams = drafts[which]
         drafter = ModelDrafter(dcfg)
-        _, dcache = engine.prefill(dcfg, dparams, init_cache(dcfg, 1, S), jnp.asarray(t), jnp.asarray(l))
-    first = int(jnp.argmax(logits[0]))
-    hist = np.zeros(S + 1, np.int32)
-    hist[: len(prompt) + 1] = prompt + [first]
-    z = jnp.int32(0)
-    st = SpecState(jnp.int32(first), jnp.int32(-1), jnp.asarray(hist), jnp.int32(len(prompt) + 1), jnp.bool_(False),
-                   jnp.int32(29), jax.random.key(0), z, z, z)
-    out = [first]
-    while not bool(st.done):
+    cache, batch, draft, first = _slot_batch(cfg, params, [prompt], S, SamplingParams.make(1), 30, drafter, dparams)
+    out, drafted, accepted = [int(first[0])], 0, 0
+    while not bool(batch.state.done[0]):
         cache = _poison(cache)
-        dcache = None if dcache is None else _poison(dcache)
-        rows, st, cache, dcache = speculative_loop(cfg, params, cache, st, sp, jnp.asarray([-1], jnp.int32), drafter,
-                                                   dparams, dcache, k, 1)
+        if which is not None:
+            draft = (_poison(draft[0]), draft[1])
+        rows, n, m, batch, cache, draft = speculative_dispatch(cfg, params, cache, batch, drafter, dparams, draft, k, 1)
         out += [int(x) for x in np.asarray(rows).ravel() if x >= 0]
+        drafted, accepted = drafted + int(n[0]), accepted + int(m[0])
     assert out == want
-    assert int(st.accepted) < int(st.drafted)
+    assert accepted < drafted
 
 
 @pytest.mark.parametrize("model_drafter", [False, True])
@@ -164,17 +177,11 @@ def test_greedy_program_holds_no_sampling(tiny, model_drafter):
     decides by the temperature at run time."""
     cfg, params = tiny
     S, k = 64, 4
-    cache, sp, stop = init_cache(cfg, 1, S), SamplingParams.make(1), jnp.asarray([-1], jnp.int32)
-    z = jnp.int32(0)
-    st = SpecState(z, jnp.int32(-1), jnp.zeros(S + 1, jnp.int32), jnp.int32(1), jnp.bool_(False), jnp.int32(8),
-                   jax.random.key(0), z, z, z)
-    drafter, dparams, dcache = NgramDrafter(), None, None
-    if model_drafter:
-        drafter, dparams, dcache = ModelDrafter(cfg), params, init_cache(cfg, 1, S)
-    text = {greedy: speculative_loop.trace(cfg, params, cache, st, sp, stop, drafter, dparams, dcache, k, 2,
-                                           greedy=greedy).lower().as_text() for greedy in (False, True)}
+    drafter, dparams = (ModelDrafter(cfg), params) if model_drafter else (NgramDrafter(), None)
+    cache, batch, draft, _ = _slot_batch(cfg, params, [PLAIN], S, SamplingParams.make(1), 8, drafter, dparams)
+    text = {greedy: speculative_dispatch.trace(cfg, params, cache, batch, drafter, dparams, draft, k, 2, None,
+                                               greedy).lower().as_text() for greedy in (False, True)}
     assert "@filtered_logits" in text[False] and "@filtered_logits" not in text[True]
-    assert text[True].count("stablehlo.case") < text[False].count("stablehlo.case")
 
 
 @pytest.mark.parametrize("k", [1, 4])
@@ -329,33 +336,15 @@ def _exact_joint(cfg, params, prompt, n, sp):
 
 
 def _speculative_samples(cfg, params, prompt, n, sp, drafter, dparams, k, n_runs):
-    """n_runs independent speculative generations (one key each), vmapped into one program.
-    -> [n_runs, n] tokens."""
-    S = 16
-    dcfg = drafter.cfg if isinstance(drafter, ModelDrafter) else None
-
-    def one(key):
-        t = jnp.asarray([prompt], jnp.int32)
-        pos = jnp.arange(len(prompt))[None]
-        logits, cache = forward(cfg, params, init_cache(cfg, 1, S), t, pos)
-        cache = dataclasses.replace(cache, lengths=jnp.asarray([len(prompt)], jnp.int32))
-        dcache = None
-        if dcfg is not None:
-            _, dcache = forward(dcfg, dparams, init_cache(dcfg, 1, S), t, pos)
-            dcache = dataclasses.replace(dcache, lengths=jnp.asarray([len(prompt)], jnp.int32))
-        k0, k1 = jax.random.split(key)
-        first = sample(logits[:, -1], k0, sp)[0]
-        hist = jnp.zeros(S + 1, jnp.int32).at[: len(prompt)].set(jnp.asarray(prompt)).at[len(prompt)].set(first)
-        z = jnp.int32(0)
-        st = SpecState(first, jnp.int32(-1), hist, jnp.int32(len(prompt) + 1), jnp.bool_(False), jnp.int32(n - 1), k1,
-                       z, z, z)
-        rows, st, _, _ = speculative_rounds(cfg, params, cache, st, sp, jnp.asarray([-1], jnp.int32), drafter,
-                                            dparams, dcache, k, n)
-        flat = rows.reshape(-1)
-        order = jnp.argsort(flat < 0, stable=True)   # emitted tokens first, in order
-        return jnp.concatenate([first[None], flat[order][: n - 1]]), st.drafted, st.accepted
-
-    return jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(7), n_runs))
+    """n_runs independent speculative generations (a slot batch of n_runs rows, one seed each)
+    in one dispatch. -> ([n_runs, n] tokens, drafted [n_runs], accepted [n_runs])."""
+    sp = jax.tree.map(lambda a: jnp.broadcast_to(a, (n_runs,)), sp)
+    cache, batch, draft, first = _slot_batch(cfg, params, [prompt] * n_runs, 16, sp, n, drafter, dparams)
+    rows, drafted, accepted, *_ = speculative_dispatch(cfg, params, cache, batch, drafter, dparams, draft, k, n)
+    rows = np.asarray(rows)
+    order = np.argsort(rows < 0, axis=1, kind="stable")   # emitted tokens first, in order
+    seqs = np.concatenate([np.asarray(first)[:, None], np.take_along_axis(rows, order, 1)[:, : n - 1]], axis=1)
+    return seqs, drafted, accepted
 
 
 @pytest.mark.parametrize("drafter_kind, temperature, top_k, top_p", [("ngram", 1.0, 0, 1.0), ("model", 0.8, 3, 0.9)])
