@@ -382,7 +382,9 @@ def _slots_round(cfg, params, cache, state, sampling: SamplingParams, stop_ids, 
     e = jnp.minimum(jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1) + 1, m + 1), state.remaining)
     e = jnp.where(active, e, 0)
     out = jnp.where(t < e[:, None], emitted, -1)
-    new_held = jnp.where(active, held + 1 + m, held)
+    # The cache keeps what was fed for the emitted tokens: all of them but the last. That is
+    # held + 1 + m unless a stop id or the budget cut the round short (and the sequence ends).
+    new_held = held + e
     cache = dataclasses.replace(cache, lengths=new_held)
     if isinstance(drafter, ModelDrafter):
         # All drafts kept: the last one is in the target's cache but was never fed to the draft model.

@@ -53,12 +53,14 @@ def _greedy(cfg, params, prompt, n, max_len):
 
 def _speculative(cfg, params, prompt, n, max_len, k, stats=None, draft=None, stop_ids=()):
     """draft: None (prompt lookup) or (config, params) of a draft model."""
-    out = []
+    out, stats = [], stats if stats is not None else SpeculativeStats()
     kw = {} if draft is None else dict(drafter=ModelDrafter(draft[0]), draft_params=draft[1],
                                        draft_cache=init_cache(draft[0], 1, max_len))
     for new in speculative_ids(cfg, params, init_cache(cfg, 1, max_len), prompt, max_new_tokens=n,
                                sp=SamplingParams.make(1), draft_tokens=k, stats=stats, stop_ids=stop_ids, **kw):
         out += new
+    # The final cache holds the prompt and every token but the last, however the last round ended.
+    assert int(stats.cache.lengths[0]) == len(prompt) + len(out) - 1
     return out
 
 
