@@ -300,9 +300,10 @@ class DeviceProgram:
         return directory / "programs" / f"{self._name.rsplit('.', 1)[-1]}-{digest}.bin"
 
 
-# Whether the compile running in this thread was read from JAX's persistent cache. An executable
-# read back from there and serialized again loses part of itself on the CPU (run in a later
-# process, it fails with "Function wrapped_reduce not found"), so only fresh compiles are stored.
+# Whether the compile running in this thread was read from JAX's persistent cache. On the CPU an
+# executable read back from there and serialized again loses part of itself (run in a later
+# process, it fails with "Function wrapped_reduce not found"), so there only fresh compiles are
+# stored; a GPU's runs as it should.
 _THIS_THREAD = threading.local()
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
@@ -316,11 +317,11 @@ jax.monitoring.register_event_listener(_note_cache_hit)
 
 
 def compile_lowered(lowered) -> tuple[Any, bool]:
-    """XLA's compile of a lowered program -> (executable, whether it may be stored: it was
-    compiled now, not read from JAX's persistent cache)."""
+    """XLA's compile of a lowered program -> (executable, whether it may be stored: not on the
+    CPU when it was read from JAX's persistent cache)."""
     _THIS_THREAD.cache_hit = False
     executable = lowered.compile()
-    return executable, not _THIS_THREAD.cache_hit
+    return executable, not _THIS_THREAD.cache_hit or jax.default_backend() != "cpu"
 
 
 def device_program(fun: Callable | None = None, **options):
