@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rjax import engine, slots, request as checks
+from rjax import engine, request, slots
 from rjax.config import ModelConfig
 from rjax.tensor_parallel import place_cache
 from rjax.cache import KVCache, check_kv_dtype, init_cache
@@ -112,7 +112,7 @@ def check_prompt_lengths(model: Model, prompts: Sequence[Sequence[int]]) -> None
 
 def check_token_ids(model: Model, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
     """Each prompt as a list of ints in [0, vocab_size), else ValueError naming the first bad id."""
-    return [checks.check_token_ids(p, model.config.vocab_size, f"prompt {i}") for i, p in enumerate(prompts)]
+    return [request.check_token_ids(p, model.config.vocab_size, f"prompt {i}") for i, p in enumerate(prompts)]
 
 
 def check_request(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens, temperature, top_k, top_p,
@@ -124,10 +124,10 @@ def check_request(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tok
     OpenAI API asks); with one (a conversation's next turn), each prompt must leave a free
     position after what its slot holds, and generation stops at the end of the cache
     (finish reason "context")."""
-    checks.check_max_new_tokens(max_new_tokens)
-    if not checks.is_int(steps_per_dispatch) or steps_per_dispatch < 1:
+    request.check_max_new_tokens(max_new_tokens)
+    if not request.is_int(steps_per_dispatch) or steps_per_dispatch < 1:
         raise ValueError(f"steps_per_dispatch must be an integer >= 1, got {steps_per_dispatch!r}")
-    if not checks.is_int(seed) or not -2**63 <= seed < 2**63:
+    if not request.is_int(seed) or not -2**63 <= seed < 2**63:
         raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {seed!r}")
     check_sampling(temperature, top_k, top_p)
     if not len(prompts):
@@ -295,7 +295,7 @@ SELF_DRAFT_TYPES = ("q8_0", "q4_0")
 
 
 def check_draft_tokens(draft_tokens) -> None:
-    if draft_tokens not in ("auto", None) and (not checks.is_int(draft_tokens)
+    if draft_tokens not in ("auto", None) and (not request.is_int(draft_tokens)
                                                 or not 1 <= draft_tokens <= MAX_DRAFT_TOKENS):
         raise ValueError(f"draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], 'auto' or None, "
                          f"got {draft_tokens!r}")
@@ -406,7 +406,7 @@ def serve_ids(model: Model, prompts: Sequence[Sequence[int]], *, max_new_tokens:
     drafter `load_drafter` takes: "ngram" (prompt lookup), "self:q4_0" / "self:q8_0", a draft
     model's catalog name or path, or a loaded Model (the draft model gets a cache of its own
     beside the target's: ServingEngine's `draft`). -> list of `serving.Completion`."""
-    if not checks.is_int(n_slots) or n_slots < 1:
+    if not request.is_int(n_slots) or n_slots < 1:
         raise ValueError(f"n_slots must be an integer >= 1, got {n_slots!r}")
     prompts = check_request(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                             top_p=top_p, seed=seed, steps_per_dispatch=steps_per_dispatch)

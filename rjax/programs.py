@@ -20,8 +20,8 @@ by another key or version) is built again, with a log line saying why, and repla
 never run.
 
 Calls under an outer trace (a caller's own `jax.jit`, `vmap`, `grad`) go to the jitted function
-as they are, and so does a call on parameters split over several devices (the jitted function
-places and caches those).
+as they are, and so does a call with arrays placed anywhere but the default device (parameters
+split over a mesh: the jitted function places and caches those).
 """
 from __future__ import annotations
 
@@ -123,10 +123,10 @@ def _leaf_signature(x) -> tuple:
 class _Signature:
     """An argument's tree and its leaves' signatures, hashed once."""
 
-    __slots__ = ("tree", "leaves", "traced", "_hash")
+    __slots__ = ("tree", "leaves", "tracer", "elsewhere", "_hash")
 
-    def __init__(self, tree, leaves: tuple, traced: bool):
-        self.tree, self.leaves, self.traced = tree, leaves, traced
+    def __init__(self, tree, leaves: tuple, tracer: bool = False, elsewhere: bool = False):
+        self.tree, self.leaves, self.tracer, self.elsewhere = tree, leaves, tracer, elsewhere
         self._hash = hash((tree, leaves))
 
     def __hash__(self):
@@ -152,8 +152,10 @@ def _signature_of(value) -> _Signature:
         return entry[1]
     leaves, tree = jax.tree.flatten(value)
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
-        return _Signature(tree, (), True)
-    found = _Signature(tree, tuple(_leaf_signature(x) for x in leaves), False)
+        return _Signature(tree, (), tracer=True)
+    signatures = tuple(_leaf_signature(x) for x in leaves)
+    # Arrays on another device or over a mesh: the jitted function places and caches those.
+    found = _Signature(tree, signatures, elsewhere=any(sig[-1] is not None for sig in signatures if len(sig) == 4))
     if len(leaves) > _LARGE:
         try:
             ref = weakref.ref(value, lambda _, key=id(value): _SIGNATURES.pop(key, None))
@@ -170,8 +172,8 @@ class Call:
     statics: dict
     dynamic: dict
     key: tuple | None     # in-memory key: the program, its statics, the dynamic tree and leaves
-    traced: bool          # under an outer trace, or placed: no executable of its own
-    placed: bool          # the arguments were placed on a mesh (`place`)
+    traced: bool          # no executable of its own: the jitted function's call (below)
+    as_made: bool         # under an outer trace: the jitted function called as the caller called
 
 
 class DeviceProgram:
@@ -210,14 +212,17 @@ class DeviceProgram:
         statics = {k: v for k, v in arguments.items() if k in self._static}
         dynamic = {k: v for k, v in arguments.items() if k not in self._static}
         signatures = tuple((name, _signature_of(value)) for name, value in dynamic.items())
-        traced = not keep or any(sig.traced for _, sig in signatures)
+        tracer = any(sig.tracer for _, sig in signatures)
+        traced = not keep or tracer or any(sig.elsewhere for _, sig in signatures)
         key = None if traced else (self, tuple(statics.items()), signatures)
-        return Call(statics, dynamic, key, traced, placed is not None)
+        return Call(statics, dynamic, key, traced, tracer and keep)
 
     def __call__(self, *args, **kwargs):
         call = self.bind(*args, **kwargs)
-        if call.traced:  # as the caller made it, so that the caller's program is the bare jit's
-            return self.jitted(**call.statics, **call.dynamic) if call.placed else self.jitted(*args, **kwargs)
+        if call.as_made:  # under the caller's trace: the caller's program is then the bare jit's
+            return self.jitted(*args, **kwargs)
+        if call.traced:  # by name, as `lowered` lowers it (precompile), so that JAX's cache serves both
+            return self.jitted(**call.statics, **call.dynamic)
         executable = _EXECUTABLES.by_key.get(call.key)
         if executable is None:
             executable = self.load(call)
