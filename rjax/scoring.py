@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import sys
@@ -32,6 +31,7 @@ from rjax.generation import activation_dtype, check_text
 from rjax.loaders import load
 from rjax.model import hidden_states, logits_from_hidden
 from rjax.params import Params
+from rjax.programs import device_program
 from rjax.request import check_token_ids
 
 # Largest [rows, vocab] float32 logits block materialized at once (64 MiB): long batches are
@@ -75,7 +75,7 @@ def token_logprobs(cfg: ModelConfig, params: Params, tokens: jax.Array, lengths:
     return _token_logprobs(cfg, params, tokens, lengths, jnp.dtype(dtype), check_kv_dtype(kv_dtype))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+@device_program(static_argnums=(0, 4, 5))
 def _token_logprobs(cfg, params, tokens, lengths, dtype, kv_dtype="bf16"):
     B, T = tokens.shape
     t = jnp.arange(T, dtype=jnp.int32)[None, :]
@@ -98,7 +98,7 @@ def continuation_logprob(cfg: ModelConfig, params: Params, tokens: jax.Array, le
     return jnp.sum(jnp.where(target >= jnp.asarray(starts)[:, None], lp, 0.0), axis=-1)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4))
+@device_program(static_argnums=(0, 4))
 def pooled_embeddings(cfg: ModelConfig, params: Params, tokens: jax.Array, lengths: jax.Array, dtype=jnp.float32):
     """Embeddings of a right-padded batch (tokens [B, T], lengths [B] >= 1) -> [B, d_model]
     float32: the final-normed hidden states averaged over each sequence's tokens (mean pooling,
