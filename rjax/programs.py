@@ -372,7 +372,10 @@ def _load(path: Path, key_text: str):
             if stored_key != key_text:
                 why = "stored for another key"
             else:
-                return serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
+                # Stored programs run on the default device alone (calls placed elsewhere are not
+                # stored); without this a process of several devices would load them for all.
+                return serialize_executable.deserialize_and_load(serialized, in_tree, out_tree,
+                                                                 execution_devices=[jax.devices()[0]])
         except Exception as e:
             why = f"unreadable ({type(e).__name__}: {e})"
     log.warning("stored program %s is %s: building it again", path, why)

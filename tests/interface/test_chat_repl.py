@@ -32,10 +32,16 @@ def tiny_model(tiny_path):
     return rjax.load(tiny_path, progress=False)
 
 
+def _restore_sigint() -> None:
+    # As a terminal starts it: a test run launched in the background (`make test &`) ignores
+    # SIGINT, and a child Python that inherits that never raises KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _spawn(home: Path, *argv: str) -> subprocess.Popen:
     env = dict(os.environ, RJAX_HOME=str(home), PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, "-m", "rjax.cli", *argv], cwd=REPO, env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_restore_sigint)
 
 
 def _read_until(p: subprocess.Popen, done, out: bytes = b"", timeout: float = 240) -> bytes:
