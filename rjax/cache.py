@@ -147,6 +147,13 @@ class KVCache:
         kv_len = jnp.max(pos, axis=1) + 1
         return attention(q, k, v, pos, kv_len, scale=scale, window=window, k_scale=ks, v_scale=vs)
 
+    def layer_view(self, layer: int):
+        """(this cache as layer `layer` alone, None): what a layer call attends over (index 0 of
+        the view), its K/V the layer's own buffers."""
+        one = lambda arrays: None if arrays is None else (arrays[layer],)  # noqa: E731
+        return dataclasses.replace(self, k=one(self.k), v=one(self.v), k_scale=one(self.k_scale),
+                                   v_scale=one(self.v_scale)), None
+
     def advance(self, slots, n_new):
         """lengths[slots] += n_new (n_new [B] int32)."""
         if slots is None:

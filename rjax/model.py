@@ -19,9 +19,14 @@ kernels run these ops, and which ops one kernel does together, is the plan's bus
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from gguf_blocks import reference
+from gguf_blocks.qtensor import QTensor
 from rjax import ops, tensor_parallel
 from rjax.config import ModelConfig
 from rjax.params import LayerParams, Params
@@ -52,21 +57,78 @@ def _layer(cfg: ModelConfig, plan: Plan, lp: LayerPlan, i: int, p: LayerParams, 
            next_norm: jax.Array) -> tuple[ops.Stream, object]:
     """One transformer layer on the stream s (x and norm(x) for its q/k/v) -> the stream after
     the layer, normed by `next_norm` for the next layer (or the LM head), and the cache."""
+    if plan.layer_calls:
+        return _layer_by_calls(cfg, plan, lp, i, p, s, cache, pos, slots, next_norm)
     qkv, s = ops.project(plan, s, [p.wqkv] if p.wqkv is not None else [p.wq, p.wk, p.wv],
                          partials=lp.attention != "xla")
     attn, cache = ops.attention(plan, lp, i, qkv, _bias(p), p.q_norm, p.k_norm, cache, pos, slots,
                                 rope_inv_freq(cfg, cfg.layer_rope_theta[i], cfg.layer_rope_linear[i]),
                                 n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, eps=cfg.rms_eps,
                                 pairing=cfg.rope_pairing, scale=cfg.attn_scale, window=cfg.layer_windows[i])
+    return _after_attention(cfg, plan, lp, p, s, attn, next_norm), cache
+
+
+def _after_attention(cfg: ModelConfig, plan: Plan, lp: LayerPlan, p: LayerParams, s: ops.Stream, attn,
+                     next_norm: jax.Array) -> ops.Stream:
+    """The rest of a layer after its attention output `attn`: the output product and its add +
+    norm, then the MLP (or the mixture of experts) and its add + norm by `next_norm`."""
     s = ops.add_norm(plan, lp.ffn_norm, s, attn, p.wo, p.post_attn_norm, p.ffn_norm, cfg.rms_eps)
     if cfg.n_experts:
         out = ops.experts(s.h, p.router, p.w_gate_exps, p.w_up_exps, p.w_down_exps, k=cfg.n_experts_used,
                           normalize=cfg.expert_norm, act=cfg.activation)
-        return ops.add_norm_sum(plan, s, out, next_norm, cfg.rms_eps), cache
+        return ops.add_norm_sum(plan, s, out, next_norm, cfg.rms_eps)
     gate_up, s = ops.project(plan, s, [p.w_gate_up] if p.w_gate_up is not None else [p.w_gate, p.w_up])
     gated = ops.glu(plan, lp.glu, gate_up, cfg.activation)
-    s = ops.add_norm(plan, lp.out_norm, s, gated, p.w_down, p.post_ffn_norm, next_norm, cfg.rms_eps)
-    return s, cache
+    return ops.add_norm(plan, lp.out_norm, s, gated, p.w_down, p.post_ffn_norm, next_norm, cfg.rms_eps)
+
+
+# Layer calls (a plan's `layer_calls`: the XLA path): each layer runs as two calls of computations
+# that every layer of the same shapes and settings shares, so XLA traces, lowers and compiles a
+# layer once per program instead of once per layer. The K/V write runs between the calls, in the
+# calling program, where it updates the cache in place (a call's outputs are buffers of their own).
+
+@functools.cache
+def _layer_config(cfg: ModelConfig, i: int) -> ModelConfig:
+    """cfg as one layer sees it: equal for layers of equal window and rope settings."""
+    return dataclasses.replace(cfg, n_layers=1, layer_windows=(cfg.layer_windows[i],),
+                               layer_rope_theta=(cfg.layer_rope_theta[i],), layer_rope_linear=(cfg.layer_rope_linear[i],))
+
+
+def _dense(p: LayerParams, dtype) -> LayerParams:
+    """The layer's weights dequantized, as its products would dequantize them. Done in the calling
+    program, where XLA hoists it out of a decode loop (inside a call it would run every step)."""
+    return jax.tree.map(lambda w: reference.dequantize(w).astype(dtype) if isinstance(w, QTensor) else w, p,
+                        is_leaf=lambda w: isinstance(w, QTensor))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), inline=jax.Inline.XLA_LATE)
+def _attention_in(cfg: ModelConfig, plan: Plan, p: LayerParams, x, h, pos):
+    """A layer's queries, keys and values [B, T, heads, D], normed (Gemma) and rotated."""
+    qkv, _ = ops.project(plan, ops.Stream(x, h), [p.wqkv] if p.wqkv is not None else [p.wq, p.wk, p.wv])
+    inv_freq = rope_inv_freq(cfg, cfg.layer_rope_theta[0], cfg.layer_rope_linear[0])
+    return ops.qkv_heads(qkv, _bias(p), p.q_norm, p.k_norm, pos, inv_freq, n_heads=cfg.n_heads,
+                         n_kv_heads=cfg.n_kv_heads, eps=cfg.rms_eps, pairing=cfg.rope_pairing)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), inline=jax.Inline.XLA_LATE)
+def _attention_out(cfg: ModelConfig, plan: Plan, lp: LayerPlan, p: LayerParams, x, h, q, view, at, pos, slots,
+                   next_norm):
+    """Attention of q over the layer's K/V (`view`, `at`: `layer_view`'s), then the rest of the layer."""
+    B, T = pos.shape
+    attn = view.attend(0 if at is None else at, q, pos, slots, scale=cfg.attn_scale, window=cfg.layer_windows[0])
+    s = _after_attention(cfg, plan, lp, p, ops.Stream(x, h), attn.reshape(B, T, -1), next_norm)
+    return s.x, s.h
+
+
+def _layer_by_calls(cfg: ModelConfig, plan: Plan, lp: LayerPlan, i: int, p: LayerParams, s: ops.Stream, cache,
+                    pos, slots, next_norm):
+    one = _layer_config(cfg, i)
+    p = _dense(p, jnp.dtype(plan.dtype))
+    q, k, v = _attention_in(one, plan, p, s.x, s.h, pos)
+    cache = cache.write(i, k, v, pos, slots)
+    view, at = cache.layer_view(i)
+    x, h = _attention_out(one, plan, lp, p, s.x, s.h, q, view, at, pos, slots, next_norm)
+    return ops.Stream(x, h), cache
 
 
 def embed(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:

@@ -147,6 +147,18 @@ def glu(plan: Plan, how: str, gate_up: jax.Array, act: str):
     return activation(act, gate_up[..., :f]) * gate_up[..., f:]
 
 
+def qkv_heads(qkv, bias, q_norm, k_norm, pos, inv_freq, *, n_heads: int, n_kv_heads: int, eps: float,
+              pairing: str):
+    """qkv [B, T, (Hq + 2 Hkv) D] (plus `bias`) -> q, k, v [B, T, heads, D]: q and k RMS-normed
+    per head (q_norm, k_norm: Gemma's weights, or None) and rotated for positions pos [B, T]."""
+    if bias is not None:
+        qkv = qkv + bias.astype(qkv.dtype)
+    q, k, v = split_qkv(qkv, n_heads, n_kv_heads)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    return apply_rope(q, pos, inv_freq, pairing), apply_rope(k, pos, inv_freq, pairing), v
+
+
 def attention(plan: Plan, lp: LayerPlan, layer: int, qkv, bias, q_norm, k_norm, cache, pos, slots, inv_freq, *,
               n_heads: int, n_kv_heads: int, eps: float, pairing: str, scale: float, window: int | None):
     """softmax(rope(q) rope(k)^T * scale) v over the cache, with the chunk's k and v written into it
@@ -163,16 +175,12 @@ def attention(plan: Plan, lp: LayerPlan, layer: int, qkv, bias, q_norm, k_norm, 
     if lp.attention == "rope_append":
         q, cache = cache.rope_write(layer, qkv, bias, pos, slots, inv_freq, **kw)
     else:
-        if bias is not None:
-            qkv = qkv + bias.astype(qkv.dtype)
-        q, k, v = split_qkv(qkv, n_heads, n_kv_heads)
-        if q_norm is not None:
-            q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
-        q, k = apply_rope(q, pos, inv_freq, pairing), apply_rope(k, pos, inv_freq, pairing)
+        q, k, v = qkv_heads(qkv, bias, q_norm, k_norm, pos, inv_freq, n_heads=n_heads, n_kv_heads=n_kv_heads, eps=eps,
+                            pairing=pairing)
         cache = cache.write(layer, k, v, pos, slots)
     out = cache.attend(layer, q, pos, slots, scale=scale, window=window)
     return out.reshape(B, T, -1), cache
 
 
 __all__ = ["Stream", "matmul", "take_rows", "norm", "project", "add_norm", "add_norm_sum", "experts", "activation", "glu",
-           "attention"]
+           "qkv_heads", "attention"]

@@ -176,6 +176,11 @@ class PagedKVCache:
         tables, k, v, ks, vs = self._layer_view(layer, slots)
         return paged_attention(q, k, v, tables, pos, kv_len, scale=scale, window=window, k_scale=ks, v_scale=vs)
 
+    def layer_view(self, layer: int):
+        """(this cache, layer as an int32 array): what a layer call attends over. Every layer's pages
+        are one pool, passed whole; the index, traced in the call, picks the layer's part."""
+        return self, jnp.int32(layer)
+
     def advance(self, slots, n_new):
         """lengths[slots] += n_new (n_new [B] int32)."""
         if slots is None:

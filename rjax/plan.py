@@ -64,6 +64,10 @@ class Plan:
     tuning: Tuning = TUNING
     # The mesh axis a split model's row-parallel products (output, down) are summed over.
     tp_axis: str | None = None
+    # Each layer as calls of computations the layers share (rjax.model), so that XLA compiles a
+    # layer once, not once per layer: on the XLA path (no kernels, one device), where no kernel
+    # needs a layer's cache whole inside its own program.
+    layer_calls: bool = False
 
     @property
     def rows(self) -> int:
@@ -86,6 +90,7 @@ class Plan:
         widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
         lines = [f"plan: {self.batch} x {self.tokens} tokens, {self.dtype}, {'gpu' if self.gpu else 'cpu'}"
                  f"{', paged' if self.paged else ''}{', slots' if self.slots else ''}, {self.implementation}"
+                 f"{', layer calls' if self.layer_calls else ''}"
                  f"; first norm {self.first_norm}; head {self.head}"]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         return "\n".join(lines)
@@ -189,7 +194,8 @@ def plan_for(cfg: ModelConfig, params, batch: int, tokens: int, dtype, *, paged:
                   else "norm")
     head = params.embed if params.lm_head is None else params.lm_head
     return Plan(batch, tokens, dtype.name, gpu, paged, slots, implementation, first_norm, tuple(plans),
-                qm.kernel_for(head, rows, dtype, **kw), tuning, tp_axis)
+                qm.kernel_for(head, rows, dtype, **kw), tuning, tp_axis,
+                layer_calls=not gpu and implementation == "reference" and tp_axis is None)
 
 
 def decode_positions(cfg: ModelConfig) -> int:
