@@ -22,8 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .decode import (decode_attention, decode_rope_attention, paged_decode_attention, paged_decode_rope_attention,
-                     token_rows)
+from .decode import decode_attention, decode_rope_attention, paged_decode_attention, paged_decode_rope_attention
+from .decode_tiling import token_rows
 from .prefill import paged_prefill_attention, prefill_attention
 from .prefill_mgpu import mgpu_prefill_attention, supports as mgpu_prefill_supports
 from pallas_kernels.kv_append import rope_append_reference
@@ -40,7 +40,7 @@ __all__ = [
 
 # Query tokens per sequence up to which the decode kernel is used: always up to 8, and up to 16
 # while the tile's query rows (tokens x query heads per KV head, each padded to a power of two:
-# decode.token_rows) hold at most 64 x 128 values, as llama-8b's 16 x 4 rows of 128 do. A speculative
+# decode_tiling.token_rows) hold at most 64 x 128 values, as llama-8b's 16 x 4 rows of 128 do. A speculative
 # verification of 9-16 positions runs several times faster there than on the prefill kernel
 # (docs/kernels.md, "Decode").
 MAX_DECODE_TOKENS = 16

@@ -207,7 +207,7 @@ def test_decode_kernel_default_tiles_at_head_dim_128(kind):
     H100's batch-1 launch); a paged cache's take 3 stages, and 128-key blocks and 16 splits
     except fp8 at batch 1; the output is the reference's on the same cache, contiguous and
     paged."""
-    from pallas_kernels.attention import decode as decode_mod
+    from pallas_kernels.attention import decode_tiling as decode_mod
 
     S, D = 2048, 128
     assert decode_mod.default_tiles(D, kind) == dict(block_k=64, num_warps=4, num_stages=4)
