@@ -285,9 +285,6 @@ def test_model_decode_step_takes_it_when_planned(tmp_path, monkeypatch, kernels,
                            tokenizer_from="builtin")
     cfg, params, _ = load_for_bench(path, progress=False)
     params = fuse_projections(params)  # as on a GPU: the path needs the fused QKV weight
-    if kernels == "interpret":
-        resolve = attention._resolve
-        monkeypatch.setattr(attention, "_resolve", lambda impl: "interpret" if impl is None else resolve(impl))
     calls = []
     name = "paged_rope_attention" if paged else "rope_attention"
     fused = getattr(attention, name)
