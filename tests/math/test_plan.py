@@ -95,6 +95,7 @@ def test_plan_choices(gpu_models):
     p5 = plan_for(sm.config, sm.params, 1, 5, jnp.bfloat16, gpu=True)
     assert (p5.layers[0].ffn_norm, p5.layers[0].out_norm, p5.layers[-1].out_norm, p5.counts) == \
         ("product_rows", "product_rows", "norm", True)
+    assert p5.layers[0].attend == "decode" and "rope_append/decode" in str(p5)
     paged = plan_for(sm.config, sm.params, 1, 1, jnp.bfloat16, gpu=True, paged=True, slots=True)
     assert paged.layers[0].out_norm == "pending" and paged.layers[0].attention == "rope_attention"
     assert paged.layers[0].ffn_norm == "pending"
