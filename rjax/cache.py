@@ -106,35 +106,41 @@ class KVCache:
         return dataclasses.replace(self, k=_replace(self.k, layer, k), v=_replace(self.v, layer, v), **changes)
 
     def rope_write(self, layer: int, parts, bias, pos, slots, inv_freq, *, n_heads: int, pairing: str, dtype,
-                   qk_norm=None, eps: float = 0.0):
+                   qk_norm=None, eps: float = 0.0, implementation: str | None = None):
         """The fused QKV product as partial sums parts [S, B, T, (Hq + 2 Hkv) D] (plus bias or
         None), summed and rounded to `dtype`: queries and keys (RMS-normed per head by qk_norm's
         weights where given) rotated for positions pos [B, T],
         keys and values written as `write` does (quantized for an int8 or fp8 cache); one kernel
-        at decode (pallas_kernels.kv_append). -> (q [B, T, Hq, D], cache)."""
+        (pallas_kernels.kv_append), or its reference, as `implementation` says (the plan's).
+        -> (q [B, T, Hq, D], cache)."""
         rows = jnp.arange(pos.shape[0]) if slots is None else slots
         q, k, v, ks, vs = rope_append(parts, bias, pos, self.k[layer], self.v[layer], inv_freq, rows, n_heads=n_heads,
                                       pairing=pairing, dtype=dtype, k_scale=self._scale(self.k_scale, layer),
-                                      v_scale=self._scale(self.v_scale, layer), qk_norm=qk_norm, eps=eps)
+                                      v_scale=self._scale(self.v_scale, layer), qk_norm=qk_norm, eps=eps,
+                                      implementation=implementation)
         return q, self._with(layer, k, v, ks, vs)
 
     def rope_write_attend(self, layer: int, parts, bias, pos, inv_freq, *, n_heads: int, pairing: str, dtype,
                           scale: float, window: int | None, quantize_out: bool = False, qk_norm=None,
-                          eps: float = 0.0, slots=None):
+                          eps: float = 0.0, slots=None, implementation: str | None = None):
         """`rope_write`, then `attend`, for one token per sequence in rows 0..B-1 (parts
         [S, B, 1, (Hq + 2 Hkv) D], pos [B, 1]), as one kernel on the GPU
         (pallas_kernels.attention.rope_attention). -> (attention output [B, 1, Hq, D], or
         with quantize_out possibly a QuantizedX [B, 1] of it, cache). slots: None (the kernel
-        writes rows 0..B-1 only)."""
+        writes rows 0..B-1 only). implementation: what runs it (the plan's)."""
         if slots is not None:
             raise ValueError("KVCache.rope_write_attend: the fused kernel takes rows 0..B-1 (slots=None)")
         out, k, v, arrivals, ks, vs = rope_attention(
             parts[:, :, 0], bias, pos[:, 0], self.k[layer], self.v[layer], inv_freq, n_heads=n_heads, pairing=pairing,
             dtype=dtype, scale=scale, window=window, arrivals=self.arrivals, quantize_out=quantize_out,
-            qk_norm=qk_norm, eps=eps, k_scale=self._scale(self.k_scale, layer), v_scale=self._scale(self.v_scale, layer))
+            qk_norm=qk_norm, eps=eps, k_scale=self._scale(self.k_scale, layer), v_scale=self._scale(self.v_scale, layer),
+            implementation=implementation)
         return out, self._with(layer, k, v, ks, vs, arrivals=arrivals)
 
-    def attend(self, layer: int, q, pos, slots, *, scale: float, window: int | None):
+    def attend(self, layer: int, q, pos, slots, *, scale: float, window: int | None, kernel=None,
+               implementation: str | None = None):
+        """Attention of q [B, T, Hq, D] at positions pos [B, T] over cache rows `slots`, on the
+        plan's `kernel` (a pallas_kernels.attention.AttentionKernel) run as `implementation` says."""
         k, v = self.k[layer], self.v[layer]
         ks = vs = None
         if self.quantized:
@@ -145,7 +151,8 @@ class KVCache:
                 ks, vs = ks[slots], vs[slots]
         # Visible length: everything up to the newest query position of each sequence.
         kv_len = jnp.max(pos, axis=1) + 1
-        return attention(q, k, v, pos, kv_len, scale=scale, window=window, k_scale=ks, v_scale=vs)
+        return attention(q, k, v, pos, kv_len, scale=scale, window=window, k_scale=ks, v_scale=vs, kernel=kernel,
+                         implementation=implementation)
 
     def layer_view(self, layer: int):
         """(this cache as layer `layer` alone, None): what a layer call attends over (index 0 of

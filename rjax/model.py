@@ -30,7 +30,7 @@ from gguf_blocks.qtensor import QTensor
 from rjax import ops, tensor_parallel
 from rjax.config import ModelConfig
 from rjax.params import LayerParams, Params
-from rjax.plan import TUNING, LayerPlan, Plan, Tuning, plan_for
+from rjax.plan import TUNING, Attention, LayerPlan, Plan, Tuning, plan_for
 
 
 def rope_inv_freq(cfg: ModelConfig, theta: float, linear: float = 1.0) -> jax.Array:
@@ -60,7 +60,7 @@ def _layer(cfg: ModelConfig, plan: Plan, lp: LayerPlan, i: int, p: LayerParams, 
     if plan.layer_calls:
         return _layer_by_calls(cfg, plan, lp, i, p, s, cache, pos, slots, next_norm)
     qkv, s = ops.project(plan, s, [p.wqkv] if p.wqkv is not None else [p.wq, p.wk, p.wv],
-                         partials=lp.attention != "xla")
+                         partials=lp.attention != Attention.XLA)
     attn, cache = ops.attention(plan, lp, i, qkv, _bias(p), p.q_norm, p.k_norm, cache, pos, slots,
                                 rope_inv_freq(cfg, cfg.layer_rope_theta[i], cfg.layer_rope_linear[i]),
                                 n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, eps=cfg.rms_eps,
@@ -141,11 +141,11 @@ def embed(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
 
 def plan_of(cfg: ModelConfig, params: Params, cache, tokens: jax.Array, slots, dtype, tuning: Tuning = TUNING,
             tp_axis: str | None = None) -> Plan:
-    """The plan for this call's shapes, cache kind and backend (on one device's shard of a split
-    model: `tp_axis` names the mesh axis its row-parallel products are summed over)."""
+    """The plan for this call's shapes, cache (kind, length, dtype) and backend (on one device's
+    shard of a split model: `tp_axis` names the mesh axis its row-parallel products are summed over)."""
     B, T = tokens.shape
     return plan_for(cfg, params, B, T, dtype, paged=cache.paged, slots=slots is not None, tuning=tuning,
-                    tp_axis=tp_axis)
+                    tp_axis=tp_axis, cache_len=cache.max_len, cache_dtype=cache.storage_dtype)
 
 
 def hidden_states(cfg: ModelConfig, params: Params, cache, tokens: jax.Array, pos: jax.Array,

@@ -22,7 +22,7 @@ from pallas_kernels.quant_matmul import qmatmul, qmatmul_add_norm, qmatmul_pendi
 from pallas_kernels.rms_norm import NormedRows, PendingNorm, add_rms_norm, rms_norm
 from gguf_blocks import reference
 from gguf_blocks.qtensor import QTensor, Weight
-from rjax.plan import LayerPlan, Plan
+from rjax.plan import Attention, Glu, LayerPlan, Norm, Plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +71,7 @@ def take_rows(w: Weight, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
 
 def norm(plan: Plan, x: jax.Array, w: jax.Array, eps: float) -> Stream:
     """The stream x and rms_norm(x) * w for the first products."""
-    x, h = add_rms_norm(x, None, w, eps, plan.dtype, quantize=plan.first_norm == "norm_int8",
+    x, h = add_rms_norm(x, None, w, eps, plan.dtype, quantize=plan.first_norm == Norm.NORM_INT8,
                         implementation=_impl(plan))
     counts = jnp.zeros((x.shape[-1] // 32,), jnp.int32) if plan.counts else None
     return Stream(x, h, counts)
@@ -89,11 +89,11 @@ def project(plan: Plan, s: Stream, ws: list, *, partials: bool = False):
     return (outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=-1)), s
 
 
-def add_norm(plan: Plan, how: str, s: Stream, a, w: Weight, post_norm, norm_w: jax.Array, eps: float) -> Stream:
+def add_norm(plan: Plan, how: Norm, s: Stream, a, w: Weight, post_norm, norm_w: jax.Array, eps: float) -> Stream:
     """x + post_norm(a @ w.T) (post_norm: None, or the block output's own RMS norm weight), and
     that sum RMS-normed by norm_w for the next products, the fusion `how` as planned."""
-    if how in ("product", "product_rows"):
-        x, h, counts = qmatmul_add_norm(a, w, s.x, norm_w, eps, s.counts, plan.dtype, rows=how == "product_rows",
+    if how in (Norm.PRODUCT, Norm.PRODUCT_ROWS):
+        x, h, counts = qmatmul_add_norm(a, w, s.x, norm_w, eps, s.counts, plan.dtype, rows=how == Norm.PRODUCT_ROWS,
                                         implementation=_impl(plan), tuning=plan.tuning)
         return Stream(x, h, counts)
     parts = matmul(a, w, partials=True, plan=plan)
@@ -101,9 +101,9 @@ def add_norm(plan: Plan, how: str, s: Stream, a, w: Weight, post_norm, norm_w: j
         parts = jax.lax.psum(parts.sum(axis=0), plan.tp_axis)[None]
     if post_norm is not None:
         parts = rms_norm(parts.sum(axis=0), post_norm, eps, jnp.float32)[None]
-    if how == "pending":
+    if how == Norm.PENDING:
         return Stream(None, PendingNorm(s.x, parts, norm_w, eps, jnp.dtype(plan.dtype)), s.counts)
-    x, h = add_rms_norm(s.x, parts, norm_w, eps, plan.dtype, quantize=how == "norm_int8", implementation=_impl(plan))
+    x, h = add_rms_norm(s.x, parts, norm_w, eps, plan.dtype, quantize=how == Norm.NORM_INT8, implementation=_impl(plan))
     return Stream(x, h, s.counts)
 
 
@@ -136,12 +136,12 @@ def activation(name: str, x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=True) if name == "gelu_tanh" else jax.nn.silu(x)
 
 
-def glu(plan: Plan, how: str, gate_up: jax.Array, act: str):
+def glu(plan: Plan, how: Glu, gate_up: jax.Array, act: str):
     """act(gate) * up for gate_up = [gate | up] (..., 2F): computed here, rounded to int8 for an
     int8 down product in the same pass, or left to the down product's kernel."""
-    if how == "int8":
+    if how == Glu.INT8:
         return quantize(gate_up, act, implementation=_impl(plan))
-    if how == "down":
+    if how == Glu.DOWN:
         return GatedX(gate_up, act)
     f = gate_up.shape[-1] // 2
     return activation(act, gate_up[..., :f]) * gate_up[..., f:]
@@ -164,21 +164,25 @@ def attention(plan: Plan, lp: LayerPlan, layer: int, qkv, bias, q_norm, k_norm, 
     """softmax(rope(q) rope(k)^T * scale) v over the cache, with the chunk's k and v written into it
     first: qkv [B, T, (Hq + 2 Hkv) D] (or its split-K partial sums [S, B, T, ...] where the plan
     has the rotation kernel sum them), plus `bias`; q_norm, k_norm: per-head RMS norms (Gemma)
-    or None. -> (output [B, T, Hq D], or rounded to int8 for the output product; cache)."""
+    or None. -> (output [B, T, Hq D], or rounded to int8 for the output product; cache). The
+    caches run the kernels the layer's plan names, as the plan's implementation says."""
     B, T = pos.shape
     kw = dict(n_heads=n_heads, pairing=pairing, dtype=jnp.dtype(plan.dtype),
               qk_norm=None if q_norm is None else (q_norm, k_norm), eps=eps)
-    if lp.attention == "rope_attention":
+    if lp.attention == Attention.ROPE_ATTENTION:
         out, cache = cache.rope_write_attend(layer, qkv, bias, pos, inv_freq, **kw, scale=scale, window=window,
-                                             quantize_out=lp.attn_out_int8, slots=slots)
+                                             quantize_out=lp.attn_out_int8, slots=slots,
+                                             implementation=plan.implementation)
         return (out if isinstance(out, QuantizedX) else out.reshape(B, T, -1)), cache
-    if lp.attention == "rope_append":
-        q, cache = cache.rope_write(layer, qkv, bias, pos, slots, inv_freq, **kw)
+    if lp.attention in (Attention.ROPE_APPEND, Attention.ROPE_APPEND_XLA):
+        append = plan.implementation if lp.attention == Attention.ROPE_APPEND else "reference"
+        q, cache = cache.rope_write(layer, qkv, bias, pos, slots, inv_freq, **kw, implementation=append)
     else:
         q, k, v = qkv_heads(qkv, bias, q_norm, k_norm, pos, inv_freq, n_heads=n_heads, n_kv_heads=n_kv_heads, eps=eps,
                             pairing=pairing)
         cache = cache.write(layer, k, v, pos, slots)
-    out = cache.attend(layer, q, pos, slots, scale=scale, window=window)
+    out = cache.attend(layer, q, pos, slots, scale=scale, window=window, kernel=lp.attend,
+                       implementation=plan.implementation)
     return out.reshape(B, T, -1), cache
 
 

@@ -122,7 +122,7 @@ class PagedKVCache:
         return dataclasses.replace(self, k=k, v=v, k_scale=k_scale, v_scale=v_scale)
 
     def rope_write(self, layer: int, parts, bias, pos, slots, inv_freq, *, n_heads: int, pairing: str, dtype,
-                   qk_norm=None, eps: float = 0.0):
+                   qk_norm=None, eps: float = 0.0, implementation: str | None = None):
         """rjax.cache.KVCache.rope_write into the pages: the kernel takes the layer's part of the
         pool as its cache rows, each token's page as its row and its offset in the page as where
         in the row it is written. -> (q [B, T, Hq, D], cache)."""
@@ -130,7 +130,8 @@ class PagedKVCache:
         rows, at = layer * self.n_pages + jnp.maximum(page, 0), jnp.where(page >= 0, off, -1)
         _, k, v, ks, vs = self._layer_view(layer, slots)
         q, k, v, ks, vs = rope_append(parts, bias, pos, k, v, inv_freq, rows, n_heads=n_heads, pairing=pairing,
-                                      dtype=dtype, k_scale=ks, v_scale=vs, qk_norm=qk_norm, eps=eps, at=at)
+                                      dtype=dtype, k_scale=ks, v_scale=vs, qk_norm=qk_norm, eps=eps, at=at,
+                                      implementation=implementation)
         return q, self._with_pool(k, v, ks, vs)
 
     def _layer_view(self, layer: int, slots):
@@ -155,7 +156,7 @@ class PagedKVCache:
 
     def rope_write_attend(self, layer: int, parts, bias, pos, inv_freq, *, n_heads: int, pairing: str, dtype,
                           scale: float, window: int | None, quantize_out: bool = False, qk_norm=None,
-                          eps: float = 0.0, slots=None):
+                          eps: float = 0.0, slots=None, implementation: str | None = None):
         """`rope_write`, then `attend`, for one token per sequence (parts [S, B, 1, (Hq + 2 Hkv) D],
         pos [B, 1]) of slots `slots` (None: 0..B-1), as one kernel on the GPU
         (pallas_kernels.attention.paged_rope_attention). -> (attention output [B, 1, Hq, D], or
@@ -166,15 +167,18 @@ class PagedKVCache:
         out, k, v, arrivals_out, ks, vs = paged_rope_attention(
             parts[:, :, 0], bias, pos[:, 0], k, v, tables, inv_freq, n_heads=n_heads, pairing=pairing, dtype=dtype,
             scale=scale, window=window, arrivals=arrivals, quantize_out=quantize_out, qk_norm=qk_norm, eps=eps,
-            k_scale=ks, v_scale=vs)
+            k_scale=ks, v_scale=vs, implementation=implementation)
         changes = {} if arrivals is None else dict(arrivals=arrivals_out)
         return out, self._with_pool(k, v, ks, vs, **changes)
 
-    def attend(self, layer: int, q, pos, slots, *, scale: float, window: int | None):
+    def attend(self, layer: int, q, pos, slots, *, scale: float, window: int | None, kernel=None,
+               implementation: str | None = None):
+        """rjax.cache.KVCache.attend over the pages."""
         # Visible length: everything up to the newest query position of each sequence.
         kv_len = jnp.max(pos, axis=1) + 1
         tables, k, v, ks, vs = self._layer_view(layer, slots)
-        return paged_attention(q, k, v, tables, pos, kv_len, scale=scale, window=window, k_scale=ks, v_scale=vs)
+        return paged_attention(q, k, v, tables, pos, kv_len, scale=scale, window=window, k_scale=ks, v_scale=vs,
+                               kernel=kernel, implementation=implementation)
 
     def layer_view(self, layer: int):
         """(this cache, layer as an int32 array): what a layer call attends over. Every layer's pages

@@ -14,9 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from rjax import engine
-from rjax.precompile import BackgroundCompile, Program, compile_programs
-from rjax.sampling import MAX_LOGIT_BIAS, LogitAdjust, SamplingParams
-from rjax.slots import decode_dispatch, prefill_into_slots
+from rjax.precompile import (BackgroundCompile, Program, compile_programs, decode_dispatch_program,
+                             prefill_into_slots_program)
 from rjax.speculative import draft_prefill, speculative_dispatch
 
 log = logging.getLogger("rjax.serving")
@@ -59,21 +58,17 @@ class ServingPrograms:
         ("prefill", prompts, tokens) (with a draft model: also ("draft prefill", prompts, tokens))."""
         c, r = self.config, self.runner
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-        u32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.uint32)  # noqa: E731
-        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
         # Sampling (with and without top-k / top-p filters) and greedy variants, and the one with
         # logit adjustments and masks (see Scheduler.sampling), also of one step, which constrained
         # requests decode by (the host computes each next mask). Adjusted with log-probabilities,
         # a rarer mix, compiles on first use.
         N = c.steps_per_dispatch
-        plain = ((False, True, ""), (False, False, " unfiltered"), (True, True, " greedy"))
-        variants = [(N, lp, g, f, False, name) for lp in ((False, True) if logprobs else (False,))
-                    for g, f, name in plain]
-        variants += [(n, False, False, True, True, " adjusted") for n in sorted({N, 1})]
-        programs = {("decode", b, n, lp, g, f, a): Program(
-            f"decode B={b} N={n}{' logprobs' if lp else ''}{name}", decode_dispatch,
-            (r.cfg, r.params, r.cache, r.slots, n, lp, i32(b) if c.paged else None, g, f, a))
-            for b in c.decode_buckets for n, lp, g, f, a, name in variants}
+        variants = [(N, lp, g, f, False) for lp in ((False, True) if logprobs else (False,))
+                    for g, f in ((False, True), (False, False), (True, True))]
+        variants += [(n, False, False, True, True) for n in sorted({N, 1})]
+        programs = {("decode", b, n, lp, g, f, a): decode_dispatch_program(
+            r.cfg, r.params, r.cache, r.slots, n, lp, b if c.paged else None, g, f, a)
+            for b in c.decode_buckets for n, lp, g, f, a in variants}
         model = r.draft_model
         if c.speculative:
             programs |= {("speculative", b, g): Program(
@@ -90,12 +85,7 @@ class ServingPrograms:
                                                    i32(b, T), i32(b), i32(b)))
                          for b in c.decode_buckets if (b, T) not in shapes}
         for p, t in shapes:
-            programs["prefill", p, t] = Program(f"prefill P={p} T={t}", prefill_into_slots, (
-                r.cfg, r.params, r.cache, r.slots, i32(p, t), i32(p), i32(p),
-                jax.ShapeDtypeStruct((p,), jnp.bool_), u32(p, 2), u32(p),
-                SamplingParams(f32(p), i32(p), f32(p)), i32(p), i32(p, c.max_stop_ids),
-                LogitAdjust(f32(p), f32(p), f32(p), f32(p), i32(p, MAX_LOGIT_BIAS), f32(p, MAX_LOGIT_BIAS)),
-                i32(p, r.slots.mask.shape[1])))
+            programs["prefill", p, t] = prefill_into_slots_program(r.cfg, r.params, r.cache, r.slots, p, t)
             if model:
                 programs["draft prefill", p, t] = Program(f"draft prefill P={p} T={t}", draft_prefill, (
                     r.drafter.cfg, r.draft_params, r.draft_cache, r.pending, i32(p, t), i32(p), i32(p)))

@@ -182,7 +182,7 @@ def test_decode_and_prefill_logits_against_the_reference(models, shape, rows):
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     outs = []
     for dtype, gpu in ((jnp.bfloat16, True), (jnp.float32, False)):
-        plan = plan_for(cfg, params, B, T, dtype, gpu=gpu)
+        plan = plan_for(cfg, params, B, T, dtype, gpu=gpu, cache_len=128)
         logits, _ = jax.jit(forward, static_argnames=("cfg", "dtype", "plan"))(
             cfg, params, init_cache(cfg, B, 128, dtype), toks, pos, dtype=dtype, plan=plan)
         outs.append(np.asarray(logits, np.float32))

@@ -8,24 +8,30 @@ read by the decode kernel and the Triton prefill kernel.
 K/V append, then the attention, as one kernel (`decode_rope_attention`; the model's plan says
 for how many sequences); `paged_rope_attention` the same over a paged cache.
 
-implementation:
-  None         choose: on a GPU backend the Pallas kernel (prefill kernel when T > 8, decode kernel
-               otherwise), elsewhere the reference. The contiguous prefill uses the Mosaic GPU kernel
-               (prefill_mgpu.py) where it applies (16-bit inputs, head dim 64/128/192/256, cache
-               length a multiple of its key block), else the Triton-lowered one (prefill.py).
+Which kernel attends is an `AttentionKernel`: the decode kernel for a few positions per sequence
+(`takes_decode`), else for a contiguous cache the Mosaic GPU prefill kernel (prefill_mgpu.py)
+where it applies (16-bit inputs, head dim 64/128/192/256, cache length a multiple of its key
+block), else the Triton-lowered one (prefill.py). `attention_kernel` states that rule from the
+shapes; the model's plan (rjax.plan) asks it once and passes its answer as `kernel`, and a call
+without one (a test, a benchmark) is answered by the same rule from its arrays.
+
+implementation (what runs the kernel):
+  None         on a GPU backend the Pallas kernel, elsewhere the reference
   "reference"  the pure-JAX reference
   "pallas"     the Pallas kernel, compiled for the GPU
   "interpret"  the Pallas kernel in interpret mode (runs on the CPU; for tests)
 """
 from __future__ import annotations
 
+import enum
+
 import jax
 import jax.numpy as jnp
 
-from .decode import (decode_attention, decode_rope_attention, paged_decode_attention, paged_decode_rope_attention,
-                     token_rows)
+from .decode import decode_attention, decode_rope_attention, paged_decode_attention, paged_decode_rope_attention
+from .decode_tiling import token_rows
 from .prefill import paged_prefill_attention, prefill_attention
-from .prefill_mgpu import mgpu_prefill_attention, supports as mgpu_prefill_supports
+from .prefill_mgpu import mgpu_prefill_attention, supports as mgpu_prefill_supports, supports_shapes
 from pallas_kernels.kv_append import rope_append_reference
 from pallas_kernels.kv_quant import dequantize, kind_of, quantize_fp8, quantize_int8
 from .reference import attention_reference, paged_attention_reference
@@ -35,12 +41,12 @@ __all__ = [
     "prefill_attention", "mgpu_prefill_attention", "paged_prefill_attention", "decode_attention",
     "paged_decode_attention", "decode_rope_attention", "rope_attention", "paged_decode_rope_attention",
     "paged_rope_attention",
-    "MAX_DECODE_TOKENS", "takes_decode", "kind_of", "quantize_int8", "quantize_fp8", "dequantize",
+    "MAX_DECODE_TOKENS", "takes_decode", "AttentionKernel", "attention_kernel", "kind_of", "quantize_int8", "quantize_fp8", "dequantize",
 ]
 
 # Query tokens per sequence up to which the decode kernel is used: always up to 8, and up to 16
 # while the tile's query rows (tokens x query heads per KV head, each padded to a power of two:
-# decode.token_rows) hold at most 64 x 128 values, as llama-8b's 16 x 4 rows of 128 do. A speculative
+# decode_tiling.token_rows) hold at most 64 x 128 values, as llama-8b's 16 x 4 rows of 128 do. A speculative
 # verification of 9-16 positions runs several times faster there than on the prefill kernel
 # (docs/kernels.md, "Decode").
 MAX_DECODE_TOKENS = 16
@@ -54,6 +60,29 @@ def takes_decode(T: int, q_heads: int, kv_heads: int, head_dim: int) -> bool:
     return T <= 8 or (T <= MAX_DECODE_TOKENS and Tp * Gp * head_dim <= _DECODE_TILE)
 
 
+class AttentionKernel(enum.StrEnum):
+    """The kernel that attends a chunk of query positions over a KV cache."""
+    REFERENCE = "reference"        # the pure-JAX reference (reference.py)
+    DECODE = "decode"              # decode.py: up to MAX_DECODE_TOKENS positions per sequence, keys split
+    PREFILL = "prefill"            # prefill.py, lowered by Triton: any cache, dtype and head dim
+    PREFILL_MGPU = "prefill_mgpu"  # prefill_mgpu.py, Mosaic GPU: a contiguous 16-bit cache (supports_shapes)
+
+
+def attention_kernel(tokens: int, q_heads: int, kv_heads: int, head_dim: int, *, gpu: bool, paged: bool, dtype,
+                     cache_dtype=None, cache_len: int | None = None) -> AttentionKernel:
+    """The kernel for `tokens` query positions per sequence in `dtype` over a cache (paged or
+    contiguous; `cache_len` positions per row stored in `cache_dtype`, default `dtype`) on a GPU
+    (`gpu`) or elsewhere. Without `cache_len` the Mosaic kernel, which needs it, is not chosen."""
+    if not gpu:
+        return AttentionKernel.REFERENCE
+    if takes_decode(tokens, q_heads, kv_heads, head_dim):
+        return AttentionKernel.DECODE
+    if not paged and cache_len is not None and supports_shapes(
+            dtype, dtype if cache_dtype is None else cache_dtype, head_dim, cache_len):
+        return AttentionKernel.PREFILL_MGPU
+    return AttentionKernel.PREFILL
+
+
 _IMPLEMENTATIONS = (None, "reference", "pallas", "interpret")
 
 
@@ -65,22 +94,34 @@ def _resolve(implementation):
     return implementation
 
 
-def attention(q, k, v, q_pos, kv_len, *, scale: float, window: int | None = None, implementation=None,
-              k_scale=None, v_scale=None):
-    """q [B, T, Hq, D] over the contiguous cache k, v [B, Hkv, S, D]; returns [B, T, Hq, D]."""
-    impl = _resolve(implementation)
-    scales = dict(k_scale=k_scale, v_scale=v_scale)
+def _kernel_of(kernel: AttentionKernel | None, impl: str, q, k, paged: bool) -> AttentionKernel:
+    """The kernel given, or the rule's for these arrays; the reference where `impl` says so."""
     if impl == "reference":
+        return AttentionKernel.REFERENCE
+    if kernel is None:
+        B, T, Hq, D = q.shape
+        return attention_kernel(T, Hq, k.shape[1], D, gpu=True, paged=paged, dtype=q.dtype, cache_dtype=k.dtype,
+                                cache_len=None if paged else k.shape[2])
+    return AttentionKernel(kernel)
+
+
+def attention(q, k, v, q_pos, kv_len, *, scale: float, window: int | None = None,
+              kernel: AttentionKernel | None = None, implementation=None, k_scale=None, v_scale=None):
+    """q [B, T, Hq, D] over the contiguous cache k, v [B, Hkv, S, D]; returns [B, T, Hq, D].
+    kernel: the plan's choice (None: `attention_kernel` for these arrays)."""
+    impl = _resolve(implementation)
+    kernel = _kernel_of(kernel, impl, q, k, paged=False)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    if kernel == AttentionKernel.REFERENCE:
         return attention_reference(q, k, v, q_pos, kv_len, scale=scale, window=window, **scales)
-    if takes_decode(q.shape[1], q.shape[2], k.shape[1], q.shape[3]):
-        kernel = decode_attention
-    elif k_scale is None and mgpu_prefill_supports(q, k):
-        kernel = mgpu_prefill_attention
-    else:
-        kernel = prefill_attention
+    if kernel == AttentionKernel.PREFILL_MGPU and (k_scale is not None or not mgpu_prefill_supports(q, k)):
+        raise ValueError(f"attention: the Mosaic prefill kernel does not take q {q.dtype.name} {q.shape} over a "
+                         f"cache {k.dtype.name} {k.shape} (a plan made for another cache?)")
+    run = {AttentionKernel.DECODE: decode_attention, AttentionKernel.PREFILL_MGPU: mgpu_prefill_attention,
+           AttentionKernel.PREFILL: prefill_attention}[kernel]
     if k_scale is None:
         scales = {}
-    return kernel(q, k, v, q_pos, kv_len, scale=scale, window=window, interpret=impl == "interpret", **scales)
+    return run(q, k, v, q_pos, kv_len, scale=scale, window=window, interpret=impl == "interpret", **scales)
 
 
 def rope_attention(parts, bias, pos, k_cache, v_cache, inv_freq, *, n_heads: int, pairing: str, dtype,
@@ -136,14 +177,17 @@ def paged_rope_attention(parts, bias, pos, k_pages, v_pages, block_tables, inv_f
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, q_pos, kv_len, *, scale: float, window: int | None = None,
-                    implementation=None, k_scale=None, v_scale=None):
-    """q [B, T, Hq, D] over the paged cache k_pages, v_pages [P, Hkv, page_size, D]; returns [B, T, Hq, D]."""
+                    kernel: AttentionKernel | None = None, implementation=None, k_scale=None, v_scale=None):
+    """q [B, T, Hq, D] over the paged cache k_pages, v_pages [P, Hkv, page_size, D]; returns [B, T, Hq, D].
+    kernel: the plan's choice (None: `attention_kernel` for these arrays)."""
     impl = _resolve(implementation)
+    kernel = _kernel_of(kernel, impl, q, k_pages, paged=True)
     scales = dict(k_scale=k_scale, v_scale=v_scale)
-    if impl == "reference":
+    if kernel == AttentionKernel.REFERENCE:
         return paged_attention_reference(q, k_pages, v_pages, block_tables, q_pos, kv_len, scale=scale,
                                          window=window, **scales)
-    decode = takes_decode(q.shape[1], q.shape[2], k_pages.shape[1], q.shape[3])
-    kernel = paged_decode_attention if decode else paged_prefill_attention
-    return kernel(q, k_pages, v_pages, block_tables, q_pos, kv_len, scale=scale, window=window,
-                  interpret=impl == "interpret", **(scales if k_scale is not None else {}))
+    run = {AttentionKernel.DECODE: paged_decode_attention, AttentionKernel.PREFILL: paged_prefill_attention}.get(kernel)
+    if run is None:
+        raise ValueError(f"paged_attention: no {kernel} kernel over a paged cache")
+    return run(q, k_pages, v_pages, block_tables, q_pos, kv_len, scale=scale, window=window,
+               interpret=impl == "interpret", **(scales if k_scale is not None else {}))

@@ -52,10 +52,15 @@ def default_tiles(head_dim: int) -> dict:
 
 def supports(q, k, *, block_kv: int | None = None) -> bool:
     """Whether this kernel handles the call (else use the Triton-lowered `prefill.prefill_attention`)."""
-    D = q.shape[-1]
-    block_kv = block_kv or default_tiles(D)["block_kv"]
-    return (q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and D % 64 == 0 and D <= 256
-            and k.shape[2] % block_kv == 0)
+    return supports_shapes(q.dtype, k.dtype, q.shape[-1], k.shape[2], block_kv=block_kv)
+
+
+def supports_shapes(dtype, cache_dtype, head_dim: int, cache_len: int, *, block_kv: int | None = None) -> bool:
+    """`supports` from the shapes alone: queries in `dtype` over a cache of `cache_len` positions
+    stored in `cache_dtype`."""
+    block_kv = block_kv or default_tiles(head_dim)["block_kv"]
+    return (jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and jnp.dtype(cache_dtype) == jnp.dtype(dtype)
+            and head_dim % 64 == 0 and head_dim <= 256 and cache_len % block_kv == 0)
 
 
 def tile_ranges(q_pos, kv_len, *, block_q: int, block_kv: int, window: int | None):

@@ -25,6 +25,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
 from pallas_kernels.int8_activations import GatedX
+from pallas_kernels.quant_matmul import int8_formats
 from pallas_kernels.quant_matmul import int8_gemv as int8
 from pallas_kernels.quant_matmul import wgmma_skinny as wgmma
 from pallas_kernels.quant_matmul.kernel import TileConfig, fused_qmatmul
@@ -150,7 +151,7 @@ def _half(dtype) -> bool:
 def uses_int8(qtype: QType, m: int, n: int, k: int, dtype, tuning: Tuning = TUNING) -> bool:
     """Whether the decode product goes to the int8 kernel: half-precision activations (f32 ones
     keep the exact float kernel), a type and M it wins at, and a weight large enough."""
-    if qtype not in int8.TYPES or not _half(dtype) or m > Tuning.get(tuning.int8_max_m, qtype, 0):
+    if qtype not in int8_formats.TYPES or not _half(dtype) or m > Tuning.get(tuning.int8_max_m, qtype, 0):
         return False
     least = (Tuning.get(tuning.int8_min_values, qtype, 0) if m <= int8.ROUNDS_IN_KERNEL_MAX_M
              else tuning.int8_min_values_rounded_first)

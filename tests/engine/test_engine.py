@@ -355,10 +355,10 @@ def _decode_logits_with(cfg, params, ids, nxt, tuning, max_len=512):
     B, T = t.shape
     pos = jnp.where(jnp.arange(T)[None] < jnp.asarray(l)[:, None], jnp.arange(T)[None], -1)
     cache = init_cache(cfg, B, max_len, dtype=jnp.bfloat16)
-    plan = plan_for(cfg, params, B, T, jnp.bfloat16, tuning=tuning)
+    plan = plan_for(cfg, params, B, T, jnp.bfloat16, tuning=tuning, cache_len=max_len)
     _, cache = run(cfg, params, cache, jnp.asarray(t), pos, dtype=jnp.bfloat16, plan=plan)
     cache = cache.advance(None, jnp.asarray(l))
-    plan = plan_for(cfg, params, B, 1, jnp.bfloat16, tuning=tuning)
+    plan = plan_for(cfg, params, B, 1, jnp.bfloat16, tuning=tuning, cache_len=max_len)
     logits, _ = run(cfg, params, cache, jnp.asarray(nxt, jnp.int32)[:, None], cache.lengths[:, None],
                     dtype=jnp.bfloat16, plan=plan)
     return np.asarray(logits[:, 0], np.float32)

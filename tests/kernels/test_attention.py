@@ -23,7 +23,7 @@ from pallas_kernels.attention import (
     attention, attention_reference, decode_attention, paged_attention, paged_attention_reference,
     paged_decode_attention, paged_prefill_attention, prefill_attention,
 )
-from pallas_kernels.attention import decode as decode_mod
+from pallas_kernels.attention import decode_tiling as decode_mod
 from pallas_kernels.attention.prefill_mgpu import mgpu_prefill_attention
 from pallas_kernels.attention.reference import gather_pages
 

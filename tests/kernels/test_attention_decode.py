@@ -77,7 +77,7 @@ def test_query_key_norms_and_the_merge_interpret(pairing, S, window, merged):
     """Gemma's shape: q and k RMS-normed per head before the rotation, one KV head at batch 1.
     Over many blocks the splits' partials go to XLA's combine (`merges_in_kernel`), over a
     window or a short cache the kernel merges them; either way the references' output and caches."""
-    from pallas_kernels.attention import decode as decode_mod
+    from pallas_kernels.attention import decode_tiling as decode_mod
 
     hq, hkv, d, dtype, eps, block_k = 4, 1, 64, jnp.float32, 1e-6, 16
     visible = decode_mod.visible_keys(S, window, block_k)
@@ -285,9 +285,6 @@ def test_model_decode_step_takes_it_when_planned(tmp_path, monkeypatch, kernels,
                            tokenizer_from="builtin")
     cfg, params, _ = load_for_bench(path, progress=False)
     params = fuse_projections(params)  # as on a GPU: the path needs the fused QKV weight
-    if kernels == "interpret":
-        resolve = attention._resolve
-        monkeypatch.setattr(attention, "_resolve", lambda impl: "interpret" if impl is None else resolve(impl))
     calls = []
     name = "paged_rope_attention" if paged else "rope_attention"
     fused = getattr(attention, name)

@@ -207,7 +207,7 @@ def test_decode_kernel_default_tiles_at_head_dim_128(kind):
     H100's batch-1 launch); a paged cache's take 3 stages, and 128-key blocks and 16 splits
     except fp8 at batch 1; the output is the reference's on the same cache, contiguous and
     paged."""
-    from pallas_kernels.attention import decode as decode_mod
+    from pallas_kernels.attention import decode_tiling as decode_mod
 
     S, D = 2048, 128
     assert decode_mod.default_tiles(D, kind) == dict(block_k=64, num_warps=4, num_stages=4)
@@ -431,11 +431,12 @@ def test_quantized_decode_step_through_the_kernels(tmp_path, monkeypatch, kv_dty
 
     import pallas_kernels.attention as attention
     import pallas_kernels.kv_append as kv_append
+    from pallas_kernels.attention import AttentionKernel
     from pallas_kernels.quant_matmul import TUNING
     from rjax.bench import load_for_bench
     from rjax.layout import fuse_projections
     from rjax.model import forward
-    from rjax.plan import plan_for
+    from rjax.plan import Attention, Norm, plan_for
     from rjax.synth import write_synthetic
 
     path = write_synthetic(tmp_path / "m.gguf", "smollm2-135m", "q4_1", n_layers=2, vocab_size=512,
@@ -448,21 +449,17 @@ def test_quantized_decode_step_through_the_kernels(tmp_path, monkeypatch, kv_dty
 
     calls = []
     if fused:
-        resolve = attention._resolve
-        monkeypatch.setattr(attention, "_resolve", lambda impl: "interpret" if impl is None else resolve(impl))
         kernel = attention.rope_attention
         monkeypatch.setattr("rjax.cache.rope_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     else:
         kernel = kv_append.rope_append_kernel
-        monkeypatch.setattr(kv_append, "pick_implementation",
-                            lambda op, impl, rows, most: impl or ("interpret" if rows <= most else "reference"))
         monkeypatch.setattr(kv_append, "rope_append_kernel", lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    in_xla = dataclasses.replace(plan, layers=tuple(dataclasses.replace(lp, attention="xla", out_norm="norm")
-                                                    for lp in plan.layers))
+    in_xla = dataclasses.replace(plan, layers=tuple(
+        dataclasses.replace(lp, attention=Attention.XLA, out_norm=Norm.NORM, attend=AttentionKernel.DECODE)
+        for lp in plan.layers))
     tokens, lengths = engine.pad_prompts([[5, 6, 7, 8, 9], [11, 12]])
     cache = init_cache(cfg, 2, 64, kv_dtype=kv_dtype)
     _, cache = engine.prefill(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
-    calls.clear()  # the prefill's few positions took the append kernel too; count the step's
     step, pos = jnp.asarray([[3], [4]], jnp.int32), jnp.asarray(lengths)[:, None]
     got_logits, got = forward(cfg, params, cache, step, pos, plan=plan)
     assert len(calls) == cfg.n_layers, "the kernel did not run"

@@ -18,8 +18,8 @@ import pytest
 from gguf import GGMLQuantizationType as QType
 
 from pallas_kernels.quant_matmul import gemv, int8_gemv, qmatmul
-from pallas_kernels.quant_matmul.int8_gemv import (Int8GemvConfig, as_words, dequantize_x, dp4a,
-                                                   quantize_x)
+from pallas_kernels.quant_matmul.int8_formats import dp4a
+from pallas_kernels.quant_matmul.int8_gemv import Int8GemvConfig, as_words, dequantize_x, quantize_x
 from pallas_kernels.quant_matmul.testing import dequantized_product, random_qtensor, rel_error
 from gguf_blocks.reference import q4_k_chunks
 

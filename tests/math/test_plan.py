@@ -9,6 +9,9 @@ CPU plan's float32 logits.
 """
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,6 +95,7 @@ def test_plan_choices(gpu_models):
     p5 = plan_for(sm.config, sm.params, 1, 5, jnp.bfloat16, gpu=True)
     assert (p5.layers[0].ffn_norm, p5.layers[0].out_norm, p5.layers[-1].out_norm, p5.counts) == \
         ("product_rows", "product_rows", "norm", True)
+    assert p5.layers[0].attend == "decode" and "rope_append/decode" in str(p5)
     paged = plan_for(sm.config, sm.params, 1, 1, jnp.bfloat16, gpu=True, paged=True, slots=True)
     assert paged.layers[0].out_norm == "pending" and paged.layers[0].attention == "rope_attention"
     assert paged.layers[0].ffn_norm == "pending"
@@ -150,3 +154,88 @@ def test_gpu_plan_runs_like_the_cpu_plan(gpu_models, shape, mix, implementation,
     top2 = np.sort(want, axis=-1)[..., -2:]
     clear = (top2[..., 1] - top2[..., 0]) > 4e-2 * scale
     assert (np.argmax(got, -1) == np.argmax(want, -1))[clear].all()
+
+
+
+def _old_attention_choice(q, k, k_scale, paged: bool) -> str:
+    """The kernel the attention entry picked for these arrays on a GPU backend before the plan
+    named it (its rule then, written out here as the record of that behaviour)."""
+    from pallas_kernels.attention import takes_decode
+    from pallas_kernels.attention.prefill_mgpu import supports
+
+    if takes_decode(q.shape[1], q.shape[2], k.shape[1], q.shape[3]):
+        return "decode"
+    if not paged and k_scale is None and supports(q, k):
+        return "prefill_mgpu"
+    return "prefill"
+
+
+# Decode at 1..64 rows, 16 positions (the decode kernel or the prefill by the heads), prefill
+# chunks, and past the append kernel's 256 rows.
+KERNEL_CALLS = ((1, 1), (2, 1), (64, 1), (1, 16), (1, 32), (2, 160))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_plan_names_the_kernels_the_entry_points_picked(gpu_models, monkeypatch, shape):
+    """For every call shape and cache (contiguous with rows given or not, paged; 64 and 256
+    positions; bf16 and int8), the GPU plan names the kernels that the attention and append
+    entry points picked from their arrays on a GPU before the plan chose them, and the caches
+    hand the plan's choices to the entry points (traced, each kernel's reference standing in)."""
+    import pallas_kernels.attention as attention
+    import pallas_kernels.kv_append as kv_append
+    import rjax.cache
+    import rjax.paged_cache
+
+    seen = []  # (entry, what the plan passed, what the old rule picked)
+
+    def spy(name, fn, paged=False):
+        def run(*args, **kw):
+            if name == "attend":
+                old = _old_attention_choice(args[0], args[1], kw.get("k_scale"), paged)
+                seen.append((name, (str(kw["kernel"]), kw["implementation"]), (old, "pallas")))
+                kw["kernel"] = None
+            elif name == "append":
+                rows = args[0].shape[1] * args[0].shape[2]
+                seen.append((name, kw["implementation"], "pallas" if rows <= kv_append.MAX_ROWS else "reference"))
+            else:
+                seen.append((name, kw["implementation"], "pallas"))
+            return fn(*args, **{**kw, "implementation": "reference"})
+        return run
+
+    monkeypatch.setattr(rjax.cache, "attention", spy("attend", attention.attention))
+    monkeypatch.setattr(rjax.paged_cache, "paged_attention", spy("attend", attention.paged_attention, paged=True))
+    monkeypatch.setattr(rjax.cache, "rope_attention", spy("rope_attention", attention.rope_attention))
+    monkeypatch.setattr(rjax.paged_cache, "paged_rope_attention",
+                        spy("rope_attention", attention.paged_rope_attention))
+    monkeypatch.setattr(rjax.cache, "rope_append", spy("append", kv_append.rope_append))
+    monkeypatch.setattr(rjax.paged_cache, "rope_append", spy("append", kv_append.rope_append))
+    model = gpu_models(shape, "q8_0")
+    cfg = model.config
+    params = dataclasses.replace(model.params, layers=model.params.layers[:1])  # every layer plans alike
+    reached = set()
+    for batch, tokens in KERNEL_CALLS:
+        ids, pos = _inputs(batch, tokens)
+        for (max_len, kv_dtype), (paged, slots) in itertools.product(
+                ((64, "bf16"), (256, "bf16"), (256, "int8")),
+                ((False, None), (False, jnp.arange(batch)), (True, jnp.arange(batch)))):
+            if tokens > max_len:
+                continue
+            if paged:
+                tables = jnp.arange(batch * max_len // 16, dtype=jnp.int32).reshape(batch, max_len // 16)
+                cache = init_paged_cache(cfg, batch, batch * max_len // 16, 16, max_len, jnp.bfloat16,
+                                         kv_dtype=kv_dtype)
+                cache = rjax.paged_cache.set_block_tables(cache, jnp.arange(batch), tables)
+            else:
+                cache = init_cache(cfg, batch, max_len, jnp.bfloat16, kv_dtype=kv_dtype)
+            plan = plan_for(cfg, params, batch, tokens, jnp.bfloat16, paged=paged, slots=slots is not None, gpu=True,
+                            cache_len=cache.max_len, cache_dtype=cache.storage_dtype)
+            seen.clear()
+            jax.eval_shape(lambda p, c, t, q, s: forward(cfg, p, c, t, q, s, jnp.bfloat16, plan), params, cache,
+                           ids, pos, slots)
+            where = (batch, tokens, max_len, kv_dtype, paged, slots is not None)
+            assert [e[0] for e in seen].count("attend") == (plan.layers[0].attend is not None), where
+            assert [(name, got) for name, got, _ in seen] == [(name, want) for name, _, want in seen], where
+            reached |= {f"{name}:{got}" for name, got, _ in seen}
+    # every kernel of the rules was reached (the Mosaic prefill over the 256-position caches)
+    assert {"attend:('decode', 'pallas')", "attend:('prefill', 'pallas')", "attend:('prefill_mgpu', 'pallas')",
+            "rope_attention:pallas", "append:pallas", "append:reference"} <= reached, reached
