@@ -115,7 +115,8 @@ def _attention_out(cfg: ModelConfig, plan: Plan, lp: LayerPlan, p: LayerParams, 
                    next_norm):
     """Attention of q over the layer's K/V (`view`, `at`: `layer_view`'s), then the rest of the layer."""
     B, T = pos.shape
-    attn = view.attend(0 if at is None else at, q, pos, slots, scale=cfg.attn_scale, window=cfg.layer_windows[0])
+    attn = view.attend(0 if at is None else at, q, pos, slots, scale=cfg.attn_scale, window=cfg.layer_windows[0],
+                       kernel=lp.attend, implementation=plan.implementation)
     s = _after_attention(cfg, plan, lp, p, ops.Stream(x, h), attn.reshape(B, T, -1), next_norm)
     return s.x, s.h
 
