@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from gguf import GGUFReader
 from tqdm.auto import tqdm
 
@@ -37,11 +38,20 @@ class TensorFileError(ModelFileError, formats.TensorFormatError):
     which callers of `gguf_blocks.formats` catch)."""
 
 
-def _to_device(w):
-    """Host weight (numpy array, or QTensor of numpy planes) -> the same on the default device, as
-    a plain transfer (`jnp.asarray` would compile a small program for every new shape)."""
+# One small program per type and shape: a jitted call, where eager slicing would run one per operation.
+_planes_from_bytes = jax.jit(formats.planes_from_bytes, static_argnums=0)
+
+
+def _to_device(w, data):
+    """Host weight (numpy array, or QTensor of plane views of `data`) -> the same on the default
+    device, as a plain transfer (`jnp.asarray` would compile a small program for every new
+    shape). A quantized weight's block bytes travel in one piece, straight from the mapped
+    file, and are split into planes on the device: no host copy, one transfer instead of one
+    per plane."""
     if isinstance(w, QTensor):
-        return QTensor(jax.device_put(w.planes), w.qtype, w.shape)
+        raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        return QTensor(_planes_from_bytes(w.qtype, jax.device_put(raw.reshape(w.planes[0].shape[0], -1))),
+                       w.qtype, w.shape)
     return jax.device_put(w)
 
 
@@ -100,7 +110,7 @@ def _load_tensor(t, cfg: ModelConfig, path, on_device: bool):
                              f"{list(want)} (embedding {cfg.d_model}, heads {cfg.n_heads}/{cfg.n_kv_heads} of "
                              f"{cfg.head_dim}, feed-forward {cfg.d_ff}, vocabulary {cfg.vocab_size})")
     try:
-        host = formats.to_host_weight(t.name, t.tensor_type, t.data, shape)
+        host = formats.to_host_weight(t.name, t.tensor_type, t.data, shape, views=on_device and field not in EXPERT_FIELDS)
     except formats.TensorFormatError as e:
         raise TensorFileError(f"{path}: {e}") from e
     if field in NORM_FIELDS | BIAS_FIELDS and isinstance(host, QTensor):
@@ -109,7 +119,7 @@ def _load_tensor(t, cfg: ModelConfig, path, on_device: bool):
     check_finite(path, t.name, host)
     if field in EXPERT_FIELDS:  # the reference mixture multiplies dense experts: dequantized once here
         host = reference.dequantize(host).astype(jnp.bfloat16) if isinstance(host, QTensor) else host
-    return layer, field, _to_device(host) if on_device else host
+    return layer, field, _to_device(host, t.data) if on_device else host
 
 
 def load_params(reader: GGUFReader, cfg: ModelConfig, progress: bool = True, on_device: bool = True) -> Params:
