@@ -266,6 +266,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="catalog name or model file (default: the default model)")
     ap.add_argument("--what", default=",".join(WHATS), help=f"comma-separated, of {WHATS}")
     ap.add_argument("--runs", type=int, default=3, help="runs per row, cold and warm (default 3; medians)")
+    ap.add_argument("--cold-runs", type=int, default=None, help="cold runs per row (default: --runs)")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--raw", action="store_true", help="prompt without the chat template (a synthetic model has none)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
@@ -292,7 +293,7 @@ def main(argv=None) -> int:
     raw: dict[str, list] = {}
     for what in whats:
         cold = []
-        for i in range(a.runs):
+        for i in range(a.runs if a.cold_runs is None else max(1, a.cold_runs)):
             home = _home_with_models(base)
             cold.append(run_once(what, a.model, home, a.max_new_tokens, a.timeout, a.raw))
             print(f"[startup] {what} cold run {i + 1}: {cold[-1]['wall_s']:.1f} s", file=sys.stderr, flush=True)
