@@ -12,7 +12,7 @@ if TYPE_CHECKING:  # the tokenizer and `rjax info` import this package without j
     from rjax.config import ModelConfig
     from rjax.params import Params
 
-__all__ = ["Model", "ModelFileError", "for_backend", "load"]
+__all__ = ["Model", "ModelFileError", "for_backend", "load", "start_device"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,13 +48,7 @@ def load(model: str | os.PathLike, *, progress: bool = True, home: str | os.Path
 
     Compiled programs are kept in `$RJAX_HOME/xla-cache` (under `home` if given) unless the
     process chose otherwise: see `rjax.compile_cache`."""
-    import threading
-
-    import jax
-
-    # Starting the device (CUDA's start on a GPU: over a second) runs beside the host work
-    # until the first weight goes to it: the imports below, the header and the tokenizer.
-    threading.Thread(target=_start_backend, args=(jax,), name="rjax-backend-start", daemon=True).start()
+    start_device()
     from rjax.catalog import CatalogError, resolve_model
     from rjax.tokenizer import Tokenizer
     from rjax.xla_cache import use_default_compile_cache
@@ -96,8 +90,19 @@ def load(model: str | os.PathLike, *, progress: bool = True, home: str | os.Path
     return Model(cfg, for_backend(params, fuse=fuse, gpu_layout=gpu_layout, consume=True), tokenizer, path)
 
 
-def _start_backend(jax) -> None:
+def start_device() -> None:
+    """Start JAX's backend in a thread: on a GPU that is CUDA's start, over a second, which then
+    runs beside the host work before the first weight goes to the device (imports, the file's
+    header, the tokenizer). Calling it again costs a thread that finds the backend started."""
+    import threading
+
+    threading.Thread(target=_start_backend, name="rjax-device-start", daemon=True).start()
+
+
+def _start_backend() -> None:
     try:
+        import jax
+
         jax.devices()
     except Exception:  # noqa: BLE001 - the caller's own first use of the device reports it
         pass

@@ -29,6 +29,7 @@ from rjax.loaders.fields import BIAS_FIELDS, NORM_FIELDS, assemble_params, expec
 from rjax.loaders.gguf_header import (GGUF_MAGIC, config_from_metadata, config_from_reader,  # noqa: F401
                                       metadata, open_gguf)
 from rjax.params import Params
+from rjax.programs import device_program
 from gguf_blocks import formats, reference
 from gguf_blocks.qtensor import QTensor
 
@@ -38,8 +39,10 @@ class TensorFileError(ModelFileError, formats.TensorFormatError):
     which callers of `gguf_blocks.formats` catch)."""
 
 
-# One small program per type and shape: a jitted call, where eager slicing would run one per operation.
-_planes_from_bytes = jax.jit(formats.planes_from_bytes, static_argnums=0)
+# One small program per type and shape (eager slicing would run one per operation), stored like
+# the engine's: a warm start neither traces nor lowers it, which the loading threads would do
+# one at a time (they hold Python's lock while they trace).
+_planes_from_bytes = device_program(formats.planes_from_bytes, static_argnames=("qtype",))
 
 
 def _to_device(w, data):
