@@ -96,13 +96,13 @@ def start_device() -> None:
     header, the tokenizer). Calling it again costs a thread that finds the backend started."""
     import threading
 
-    threading.Thread(target=_start_backend, name="rjax-device-start", daemon=True).start()
+    import jax  # here, not in the thread: two threads importing one package can see it half made
+
+    threading.Thread(target=_start_backend, args=(jax,), name="rjax-device-start", daemon=True).start()
 
 
-def _start_backend() -> None:
+def _start_backend(jax) -> None:
     try:
-        import jax
-
         jax.devices()
     except Exception:  # noqa: BLE001 - the caller's own first use of the device reports it
         pass

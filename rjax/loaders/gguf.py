@@ -58,6 +58,8 @@ def _to_device(w, data):
     return jax.device_put(w)
 
 
+LOAD_THREADS = 8  # tensors checked and sent at a time (each thread's numpy and transfers release the GIL)
+
 LAYER_TENSORS = {
     "attn_norm": "attn_norm", "attn_qkv": "wqkv", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
     "ffn_norm": "ffn_norm", "ffn_gate": "w_gate", "ffn_up": "w_up", "ffn_down": "w_down",
@@ -135,7 +137,7 @@ def load_params(reader: GGUFReader, cfg: ModelConfig, progress: bool = True, on_
     # work that releases the interpreter lock: a few tensors at a time in threads, in file
     # order, so that the first bad tensor of the file is the one reported and host memory
     # holds only the window's copies.
-    workers = max(1, min(8, os.cpu_count() or 1))
+    workers = max(1, min(LOAD_THREADS, os.cpu_count() or 1))
     tensors = iter(reader.tensors)
     with ThreadPoolExecutor(workers) as pool, tqdm(total=len(reader.tensors), desc="loading tensors", unit="tensor",
                                                    disable=not progress, leave=False) as bar:
