@@ -40,6 +40,7 @@ def _stack_rows(ws: list[Weight]) -> Weight | None:
 
 
 def _gpu_layout(w: QTensor) -> QTensor:
+    """The GPU layout of one weight, as `gpu_weight_layout` describes it."""
     new = q4_k_chunks(w)
     return as_words(new) if reads_words(new.qtype, *new.shape) else new
 

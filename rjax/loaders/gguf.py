@@ -115,7 +115,8 @@ def _load_tensor(t, cfg: ModelConfig, path, on_device: bool):
                              f"{list(want)} (embedding {cfg.d_model}, heads {cfg.n_heads}/{cfg.n_kv_heads} of "
                              f"{cfg.head_dim}, feed-forward {cfg.d_ff}, vocabulary {cfg.vocab_size})")
     try:
-        host = formats.to_host_weight(t.name, t.tensor_type, t.data, shape, views=on_device and field not in EXPERT_FIELDS)
+        views = on_device and field not in EXPERT_FIELDS  # the bytes move whole (`_to_device`)
+        host = formats.to_host_weight(t.name, t.tensor_type, t.data, shape, views=views)
     except formats.TensorFormatError as e:
         raise TensorFileError(f"{path}: {e}") from e
     if field in NORM_FIELDS | BIAS_FIELDS and isinstance(host, QTensor):

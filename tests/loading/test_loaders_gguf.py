@@ -61,14 +61,16 @@ def test_gpu_layout_programs_give_the_eager_layout(q4_k_path):
         assert stacked.shape[0] == sum(w.shape[0] for w in parts) + (stacked is got.wqkv) * layer.wv.shape[0]
         top = np.concatenate([np.asarray(w.planes.qs) for w in parts], axis=0)
         np.testing.assert_array_equal(np.asarray(stacked.planes.qs)[:top.shape[0]], top)
-    converted = 0
+    converted, seen = 0, set()
     for before, after in zip(_leaves(fused), _leaves(laid)):
         if not isinstance(before, QTensor):
             assert after is before
             continue
-        want = q4_k_chunks(before)
-        want = as_words(want) if reads_words(want.qtype, *want.shape) else want
-        _assert_same_bits(after, want)
+        if (before.qtype, before.shape) not in seen:  # one program per type and shape: each checked once
+            seen.add((before.qtype, before.shape))
+            want = q4_k_chunks(before)
+            want = as_words(want) if reads_words(want.qtype, *want.shape) else want
+            _assert_same_bits(after, want)
         for name, plane in after.planes._asdict().items():
             if name in before.planes._fields and plane.dtype == getattr(before.planes, name).dtype:
                 assert plane is getattr(before.planes, name)  # kept, not copied
