@@ -14,8 +14,10 @@ Cold: an empty compile cache (a new $RJAX_HOME per run). Warm: the cache the col
 
 Each child runs under this script (`--child`), which listens to JAX's monitoring events and
 writes them with their times, so every row breaks down into: Python start and imports, model
-load, tracing, lowering to MLIR, XLA compile (persistent-cache reads included), cache hits and
-misses, programs built, and the rest (the first calls themselves, the tokenizer, host work).
+load (and within it: the header, the weights to the device, the tokenizer, fusing projections,
+the GPU layout), tracing, lowering to MLIR, XLA compile (persistent-cache reads included),
+reading stored programs, cache hits and misses, programs built, and the rest (the first calls
+themselves, host work).
 Tracing, lowering and compiling are sums over programs; compiles run in threads beside the
 lowering of the next program (rjax.precompile), so their sum can exceed the time they took.
 """
@@ -46,6 +48,14 @@ CACHE_READ = "/jax/compilation_cache/cache_retrieval_time_sec"
 HIT = "/jax/compilation_cache/cache_hits"
 MISS = "/jax/compilation_cache/cache_misses"
 
+# The model load and the stored programs, broken down by the functions that do them: (column,
+# module, attribute). Each is timed from its call until its result is on the device (the
+# breakdown waits for it there, which a plain run would do at its first call anyway).
+SPANS = (("header_s", "rjax.loaders.gguf", "open_gguf"), ("header_s", "rjax.loaders.gguf", "config_from_reader"),
+         ("weights_s", "rjax.loaders.gguf", "load_params"), ("tokenizer_s", "rjax.tokenizer", "Tokenizer.from_gguf"),
+         ("fuse_s", "rjax.layout", "fuse_projections"), ("layout_s", "rjax.layout", "gpu_weight_layout"),
+         ("program_read_s", "rjax.programs", "_load"))
+
 
 # -- the child: one measured process ----------------------------------------------------------------
 
@@ -70,6 +80,9 @@ def _child(what: str, model: str, max_new_tokens: int, port: int, record: str, r
     import rjax
     import rjax.cli  # noqa: F401
     marks["import"] = now()
+    spans: list = []
+    marks["spans"] = spans
+    _time_spans(spans, now)
     load = rjax.load
 
     def timed_load(*a, **kw):
@@ -90,6 +103,36 @@ def _child(what: str, model: str, max_new_tokens: int, port: int, record: str, r
         sys.stdout.flush()
     marks["done"] = now()
     return 0
+
+
+def _time_spans(spans: list, now) -> None:
+    """Wrap each function of SPANS so that its calls land in `spans` as (column, start, end)."""
+    import importlib
+
+    import jax
+
+    for column, module, attribute in SPANS:
+        owner = importlib.import_module(module)
+        *path, name = attribute.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        fun = owner.__dict__.get(name)
+        if fun is None:
+            continue
+        method = isinstance(fun, classmethod)
+        inner = fun.__func__ if method else fun
+
+        def timed(*a, _inner=inner, _column=column, **kw):
+            start = now()
+            out = _inner(*a, **kw)
+            try:
+                jax.block_until_ready(out)
+            except Exception:  # not a tree of arrays (a reader, a tokenizer)
+                pass
+            spans.append((_column, start, now()))
+            return out
+
+        setattr(owner, name, classmethod(timed) if method else timed)
 
 
 # -- the parent -------------------------------------------------------------------------------------
@@ -178,6 +221,9 @@ def breakdown(rec: dict, milestone: float) -> dict:
            "cache_hits": count(HIT), "cache_misses": count(MISS), "programs": count(COMPILE)}
     row["rest_s"] = max(0.0, milestone - row["import_s"] - row["load_s"] - row["trace_s"] - row["lower_s"]
                         - row["compile_s"] - row["cache_read_s"])
+    for column, start, end in marks.get("spans", ()):
+        if end <= milestone + 1e-3:
+            row[column] = row.get(column, 0.0) + end - start
     if "load" in marks and "first_token" in marks:
         row["after_load_s"] = marks["first_token"] - marks["load"]
     programs: dict[str, dict] = {}
@@ -191,7 +237,7 @@ def breakdown(rec: dict, milestone: float) -> dict:
 
 
 COLUMNS = ("wall_s", "cpu_s", "import_s", "load_s", "trace_s", "lower_s", "compile_s", "cache_read_s", "rest_s", "programs",
-           "cache_hits", "cache_misses", "after_load_s")
+           "cache_hits", "cache_misses", "after_load_s") + tuple(dict.fromkeys(c for c, _, _ in SPANS))
 
 
 def median_row(rows: list[dict]) -> dict:
@@ -202,7 +248,7 @@ def median_row(rows: list[dict]) -> dict:
 
 def table(results: dict) -> str:
     head = ["what", "cache", "wall", "runs", "cpu", "import", "load", "trace", "lower", "compile", "cache rd", "rest",
-            "progs", "hits", "miss", "after load"]
+            "progs", "hits", "miss", "after load", "header", "weights", "tokenizer", "fuse", "layout", "prog rd"]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for key, r in results.items():
         what, cache = key.split(":")
@@ -210,7 +256,8 @@ def table(results: dict) -> str:
         lines.append(" | ".join([what, cache, f("wall_s"), "/".join(f"{w:.1f}" for w in r["runs_wall_s"]),
                                  f("cpu_s"), f("import_s"), f("load_s"), f("trace_s"), f("lower_s"), f("compile_s"),
                                  f("cache_read_s"), f("rest_s"), str(int(r["programs"])), str(int(r["cache_hits"])),
-                                 str(int(r["cache_misses"])), f("after_load_s")]))
+                                 str(int(r["cache_misses"])), f("after_load_s"), f("header_s"), f("weights_s"),
+                                 f("tokenizer_s"), f("fuse_s"), f("layout_s"), f("program_read_s")]))
     return "\n".join(lines)
 
 
@@ -219,6 +266,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="catalog name or model file (default: the default model)")
     ap.add_argument("--what", default=",".join(WHATS), help=f"comma-separated, of {WHATS}")
     ap.add_argument("--runs", type=int, default=3, help="runs per row, cold and warm (default 3; medians)")
+    ap.add_argument("--cold-runs", type=int, default=None, help="cold runs per row (default: --runs)")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--raw", action="store_true", help="prompt without the chat template (a synthetic model has none)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
@@ -245,7 +293,7 @@ def main(argv=None) -> int:
     raw: dict[str, list] = {}
     for what in whats:
         cold = []
-        for i in range(a.runs):
+        for i in range(a.runs if a.cold_runs is None else max(1, a.cold_runs)):
             home = _home_with_models(base)
             cold.append(run_once(what, a.model, home, a.max_new_tokens, a.timeout, a.raw))
             print(f"[startup] {what} cold run {i + 1}: {cold[-1]['wall_s']:.1f} s", file=sys.stderr, flush=True)

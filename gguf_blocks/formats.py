@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import jax
 import ml_dtypes
 import numpy as np
 from gguf import GGML_QUANT_SIZES
@@ -223,8 +224,9 @@ def tensor_nbytes(qtype: QType, shape: tuple[int, ...]) -> int:
     return math.prod(shape) // block_size * type_size
 
 
-def split_planes(qtype: QType, raw: np.ndarray):
-    """Raw block bytes (rows, n_blocks * type_size) uint8 -> the type's planes (numpy, copies)."""
+def plane_views(qtype: QType, raw: np.ndarray):
+    """Raw block bytes (rows, n_blocks * type_size) uint8 -> the type's planes as strided views
+    of `raw` (no copy): what a check of the values reads without moving the bytes."""
     cls, fields = LAYOUTS[qtype]
     type_size = GGML_QUANT_SIZES[qtype][1]
     rows = raw.shape[0]
@@ -232,7 +234,33 @@ def split_planes(qtype: QType, raw: np.ndarray):
     out, off = [], 0
     for f in fields:
         n = np.dtype(f.dtype).itemsize * math.prod(f.shape)
-        field = np.ascontiguousarray(blocks[:, :, off:off + n]).view(f.dtype)
+        out.append(blocks[:, :, off:off + n].view(f.dtype).reshape(rows, blocks.shape[1], *f.shape))
+        off += n
+    return cls(*out)
+
+
+def split_planes(qtype: QType, raw: np.ndarray):
+    """Raw block bytes (rows, n_blocks * type_size) uint8 -> the type's planes (numpy, copies)."""
+    views = plane_views(qtype, raw)
+    return type(views)(*(np.ascontiguousarray(v) for v in views))
+
+
+def planes_from_bytes(qtype: QType, raw):
+    """`split_planes` for a JAX array (a traced one too): the block bytes moved to a device in
+    one piece and split into planes there. -> the same planes, as JAX arrays."""
+    cls, fields = LAYOUTS[qtype]
+    type_size = GGML_QUANT_SIZES[qtype][1]
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, type_size)
+    out, off = [], 0
+    for f in fields:
+        size = np.dtype(f.dtype).itemsize
+        n = size * math.prod(f.shape)
+        field = blocks[:, :, off:off + n]
+        if size > 1:
+            field = field.reshape(rows, blocks.shape[1], n // size, size)
+        if np.dtype(f.dtype) != np.uint8:
+            field = jax.lax.bitcast_convert_type(field, f.dtype)
         out.append(field.reshape(rows, blocks.shape[1], *f.shape))
         off += n
     return cls(*out)
@@ -247,13 +275,15 @@ def join_planes(qtype: QType, planes) -> np.ndarray:
     return np.concatenate(blocks, axis=-1).reshape(rows, -1)
 
 
-def to_host_weight(name: str, qtype: QType | int | str, data: np.ndarray, shape: tuple[int, ...]):
+def to_host_weight(name: str, qtype: QType | int | str, data: np.ndarray, shape: tuple[int, ...],
+                   views: bool = False):
     """One GGUF tensor -> what the model holds: a dense numpy array, or a QTensor of numpy planes.
 
     `shape` is the logical numpy shape (GGUF's ne reversed, e.g. (out, in)); `data` is
     `gguf.GGUFReader`'s `tensor.data` (typed for F32/F16, uint8 block bytes otherwise; any
     array with the right number of bytes works). Dense results may be views of `data` (e.g.
-    of the memory-mapped file); planes are fresh arrays. Nothing is put on a device.
+    of the memory-mapped file); planes are fresh arrays, or with `views` strided views of
+    `data` (`plane_views`). Nothing is put on a device.
     """
     t = resolve_type(qtype, name)
     shape = tuple(int(s) for s in shape)
@@ -272,5 +302,5 @@ def to_host_weight(name: str, qtype: QType | int | str, data: np.ndarray, shape:
     if t in DENSE_TYPES:
         return raw.view(DENSE_TYPES[t]).reshape(shape)
     rows = math.prod(shape[:-1])
-    planes = split_planes(t, raw.reshape(rows, shape[-1] // block_size * type_size))
+    planes = (plane_views if views else split_planes)(t, raw.reshape(rows, shape[-1] // block_size * type_size))
     return QTensor(planes, t, shape)

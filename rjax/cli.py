@@ -241,6 +241,10 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # pull, list and info read files and compile nothing: they run without importing jax
     header_only = bool(argv) and argv[0] in ("pull", "list", "info") and "--plan" not in argv
+    if not header_only and argv and not {"-h", "--help"} & set(argv):
+        from rjax.loaders import start_device
+
+        start_device()  # beside the imports of the subcommands and the model's header
     args = build_parser(extensions=not header_only).parse_args(argv)
     if not header_only:
         from rjax.xla_cache import use_default_compile_cache

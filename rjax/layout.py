@@ -3,6 +3,7 @@ and in the layouts the kernels read fastest. Applied once at load (`rjax.loaders
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,16 +17,51 @@ from rjax.config import ModelConfig
 from rjax.params import Params
 
 
+# The conversions below run as one jitted program per weight (a few distinct shapes per model):
+# run eagerly, each of their operations was a program of its own, read back from the compile
+# cache and dispatched once per weight, which was most of a GPU model's load.
+@jax.jit
+def _concatenate_rows(ws: list[Weight]) -> Weight:
+    if isinstance(ws[0], QTensor):
+        planes = jax.tree.map(lambda *p: jnp.concatenate(p, axis=0), *[w.planes for w in ws])
+        return QTensor(planes, ws[0].qtype, (sum(w.shape[0] for w in ws), ws[0].shape[1]))
+    return jnp.concatenate(ws, axis=0)
+
+
 def _stack_rows(ws: list[Weight]) -> Weight | None:
     """Weights (n_i, K) of one type -> one weight (sum n_i, K); None if their types differ."""
     if all(isinstance(w, QTensor) for w in ws):
         if len({(w.qtype, w.shape[1]) for w in ws}) != 1:
             return None
-        planes = jax.tree.map(lambda *p: jnp.concatenate(p, axis=0), *[w.planes for w in ws])
-        return QTensor(planes, ws[0].qtype, (sum(w.shape[0] for w in ws), ws[0].shape[1]))
+        return _concatenate_rows(ws)
     if any(isinstance(w, QTensor) for w in ws) or len({(w.dtype, w.shape[1]) for w in ws}) != 1:
         return None
-    return jnp.concatenate(ws, axis=0)
+    return _concatenate_rows(ws)
+
+
+def _gpu_layout(w: QTensor) -> QTensor:
+    """The GPU layout of one weight, as `gpu_weight_layout` describes it."""
+    new = q4_k_chunks(w)
+    return as_words(new) if reads_words(new.qtype, *new.shape) else new
+
+
+@functools.partial(jax.jit, static_argnames="kept")
+def _gpu_planes(w: QTensor, kept: frozenset) -> dict:
+    return {f: p for f, p in _gpu_layout(w).planes._asdict().items() if f not in kept}
+
+
+def _gpu_weight(w: QTensor) -> QTensor:
+    """`_gpu_layout(w)`, computing only the planes it changes: those it keeps (a Q4_K's scales,
+    a weight it leaves as it is) stay the same arrays, where XLA would copy them."""
+    want = jax.eval_shape(jax.jit(_gpu_layout), w)
+    same = lambda a, b: a.shape == b.shape and a.dtype == b.dtype  # noqa: E731
+    kept = frozenset(f for f, p in want.planes._asdict().items()
+                     if f in w.planes._fields and same(p, getattr(w.planes, f)))
+    if type(want.planes) is type(w.planes) and len(kept) == len(w.planes):
+        return w
+    made = _gpu_planes(w, kept)
+    planes = type(want.planes)(**{f: getattr(w.planes, f) if f in kept else made[f] for f in want.planes._fields})
+    return QTensor(planes, want.qtype, want.shape)
 
 
 def _fuse_layer(p):
@@ -61,8 +97,7 @@ def gpu_weight_layout(params: Params, *, consume: bool = False) -> Params:
         if not isinstance(w, QTensor):
             return w
         if id(w) not in done:
-            new = q4_k_chunks(w)
-            new = as_words(new) if reads_words(new.qtype, *new.shape) else new
+            new = _gpu_weight(w)
             if consume and new is not w:
                 kept = {id(x) for x in jax.tree.leaves(new.planes)}
                 for x in jax.tree.leaves(w.planes):

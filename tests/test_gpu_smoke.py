@@ -192,6 +192,32 @@ def test_decode_and_prefill_logits_against_the_reference(models, shape, rows):
 
 
 
+def test_loaded_weights_are_the_files_planes_in_the_gpu_layout(models):
+    """`rjax.load` on a GPU: block bytes split into planes on the device, q/k/v stacked and the
+    GPU layout made by jitted programs. The same bits as the file's planes split on the host,
+    stacked by numpy and laid out by the eager functions that define the layout."""
+    from gguf_blocks.qtensor import QTensor
+    from gguf_blocks.reference import q4_k_chunks
+    from gguf_blocks.words import as_words
+    from pallas_kernels.quant_matmul.gemv import reads_words
+    from rjax.loaders.gguf import config_from_reader, load_params, open_gguf
+
+    model = models["llama-1b"]
+    reader = open_gguf(model.source)
+    host = load_params(reader, config_from_reader(reader, model.source), progress=False, on_device=False)
+    layer = host.layers[0]
+    qkv = jax.tree.map(lambda *p: np.concatenate(p, axis=0), *[w.planes for w in (layer.wq, layer.wk, layer.wv)])
+    for got, w in ((model.params.layers[0].wqkv, QTensor(qkv, layer.wq.qtype, (sum(w.shape[0] for w in (
+            layer.wq, layer.wk, layer.wv)), layer.wq.shape[1]))), (model.params.embed, host.embed),
+            (model.params.layers[1].w_down, host.layers[1].w_down)):
+        want = q4_k_chunks(jax.tree.map(jnp.asarray, w))
+        want = as_words(want) if reads_words(want.qtype, *want.shape) else want
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for g, x in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert g.dtype == x.dtype and g.shape == x.shape
+            np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(x).view(np.uint8))
+
+
 def test_kernel_families_against_their_references():
     """Each kernel family once through its public entry point, compiled, against its reference."""
     from gguf import GGMLQuantizationType as QType

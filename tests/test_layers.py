@@ -25,10 +25,10 @@ LAYERS: dict[str, tuple[str, ...]] = {
                 "rjax.loaders.gguf", "rjax.loaders.hf_config", "rjax.loaders.hf_weights", "rjax.loaders.safetensors",
                 "rjax.tokenizer", "rjax.tokenizer.chat_template", "rjax.tokenizer.core", "rjax.tokenizer.gguf_vocab",
                 "rjax.tokenizer.stream", "rjax.catalog", "rjax.hub", "rjax.store", "rjax.pypi", "rjax.xla_cache",
-                "rjax.synth"),
+                "rjax.synth", "rjax.programs"),
     # The jitted device programs (prefill, decode loops, slot batches, speculative rounds), their
     # compilation, and what they need of the device's memory and bandwidth.
-    "engine": ("rjax.engine", "rjax.programs", "rjax.slots", "rjax.speculative", "rjax.precompile", "rjax.memory", "rjax.roofline"),
+    "engine": ("rjax.engine", "rjax.slots", "rjax.speculative", "rjax.precompile", "rjax.memory", "rjax.roofline"),
     # Host-side runtime over the programs: requests checked, scheduled, streamed; the public facade.
     "runtime": ("rjax", "rjax.request", "rjax.generation", "rjax.chat", "rjax.scoring", "rjax.grammar",
                 "rjax.pages", "rjax.scheduler", "rjax.runner", "rjax.serving_programs", "rjax.serving",

@@ -12,7 +12,7 @@ if TYPE_CHECKING:  # the tokenizer and `rjax info` import this package without j
     from rjax.config import ModelConfig
     from rjax.params import Params
 
-__all__ = ["Model", "ModelFileError", "for_backend", "load"]
+__all__ = ["Model", "ModelFileError", "for_backend", "load", "start_device"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +48,7 @@ def load(model: str | os.PathLike, *, progress: bool = True, home: str | os.Path
 
     Compiled programs are kept in `$RJAX_HOME/xla-cache` (under `home` if given) unless the
     process chose otherwise: see `rjax.compile_cache`."""
+    start_device()
     from rjax.catalog import CatalogError, resolve_model
     from rjax.tokenizer import Tokenizer
     from rjax.xla_cache import use_default_compile_cache
@@ -66,10 +67,12 @@ def load(model: str | os.PathLike, *, progress: bool = True, home: str | os.Path
         cfg, params = load_hf_dir(path, progress=progress)
         tokenizer = Tokenizer.from_hf_dir(path)
     else:
-        from rjax.loaders.gguf import load_gguf
+        from rjax.loaders.gguf import config_from_reader, load_params, open_gguf
 
-        cfg, params, reader = load_gguf(path, progress=progress, on_device=mesh is None or requantize is not None)
-        tokenizer = Tokenizer.from_gguf(reader)
+        reader = open_gguf(path)
+        cfg = config_from_reader(reader, path)
+        tokenizer = Tokenizer.from_gguf(reader)  # before the weights: host work beside the device's start
+        params = load_params(reader, cfg, progress, on_device=mesh is None or requantize is not None)
     if tokenizer.vocab_size > cfg.vocab_size:  # ids past the embedding would index nothing
         raise ModelFileError(f"{path}: the tokenizer has {tokenizer.vocab_size:,} tokens, but the embedding has "
                              f"{cfg.vocab_size:,} rows")
@@ -85,6 +88,24 @@ def load(model: str | os.PathLike, *, progress: bool = True, home: str | os.Path
         return Model(*split_for_backend(cfg, params, mesh, fuse=fuse, gpu_layout=gpu_layout, progress=progress),
                      tokenizer, path)
     return Model(cfg, for_backend(params, fuse=fuse, gpu_layout=gpu_layout, consume=True), tokenizer, path)
+
+
+def start_device() -> None:
+    """Start JAX's backend in a thread: on a GPU that is CUDA's start, over a second, which then
+    runs beside the host work before the first weight goes to the device (imports, the file's
+    header, the tokenizer). Calling it again costs a thread that finds the backend started."""
+    import threading
+
+    import jax  # here, not in the thread: two threads importing one package can see it half made
+
+    threading.Thread(target=_start_backend, args=(jax,), name="rjax-device-start", daemon=True).start()
+
+
+def _start_backend(jax) -> None:
+    try:
+        jax.devices()
+    except Exception:  # noqa: BLE001 - the caller's own first use of the device reports it
+        pass
 
 
 def split_for_backend(cfg, params, mesh, *, fuse: bool | None = None, gpu_layout: bool | None = None,

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from gguf import GGUFReader
 from tqdm.auto import tqdm
 
@@ -28,6 +29,7 @@ from rjax.loaders.fields import BIAS_FIELDS, NORM_FIELDS, assemble_params, expec
 from rjax.loaders.gguf_header import (GGUF_MAGIC, config_from_metadata, config_from_reader,  # noqa: F401
                                       metadata, open_gguf)
 from rjax.params import Params
+from rjax.programs import device_program
 from gguf_blocks import formats, reference
 from gguf_blocks.qtensor import QTensor
 
@@ -37,13 +39,26 @@ class TensorFileError(ModelFileError, formats.TensorFormatError):
     which callers of `gguf_blocks.formats` catch)."""
 
 
-def _to_device(w):
-    """Host weight (numpy array, or QTensor of numpy planes) -> the same on the default device, as
-    a plain transfer (`jnp.asarray` would compile a small program for every new shape)."""
+# One small program per type and shape (eager slicing would run one per operation), stored like
+# the engine's: a warm start neither traces nor lowers it, which the loading threads would do
+# one at a time (they hold Python's lock while they trace).
+_planes_from_bytes = device_program(formats.planes_from_bytes, static_argnames=("qtype",))
+
+
+def _to_device(w, data):
+    """Host weight (numpy array, or QTensor of plane views of `data`) -> the same on the default
+    device, as a plain transfer (`jnp.asarray` would compile a small program for every new
+    shape). A quantized weight's block bytes travel in one piece, straight from the mapped
+    file, and are split into planes on the device: no host copy, one transfer instead of one
+    per plane."""
     if isinstance(w, QTensor):
-        return QTensor(jax.device_put(w.planes), w.qtype, w.shape)
+        raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        return QTensor(_planes_from_bytes(w.qtype, jax.device_put(raw.reshape(w.planes[0].shape[0], -1))),
+                       w.qtype, w.shape)
     return jax.device_put(w)
 
+
+LOAD_THREADS = 8  # tensors checked and sent at a time (each thread's numpy and transfers release the GIL)
 
 LAYER_TENSORS = {
     "attn_norm": "attn_norm", "attn_qkv": "wqkv", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
@@ -100,7 +115,8 @@ def _load_tensor(t, cfg: ModelConfig, path, on_device: bool):
                              f"{list(want)} (embedding {cfg.d_model}, heads {cfg.n_heads}/{cfg.n_kv_heads} of "
                              f"{cfg.head_dim}, feed-forward {cfg.d_ff}, vocabulary {cfg.vocab_size})")
     try:
-        host = formats.to_host_weight(t.name, t.tensor_type, t.data, shape)
+        views = on_device and field not in EXPERT_FIELDS  # the bytes move whole (`_to_device`)
+        host = formats.to_host_weight(t.name, t.tensor_type, t.data, shape, views=views)
     except formats.TensorFormatError as e:
         raise TensorFileError(f"{path}: {e}") from e
     if field in NORM_FIELDS | BIAS_FIELDS and isinstance(host, QTensor):
@@ -109,7 +125,7 @@ def _load_tensor(t, cfg: ModelConfig, path, on_device: bool):
     check_finite(path, t.name, host)
     if field in EXPERT_FIELDS:  # the reference mixture multiplies dense experts: dequantized once here
         host = reference.dequantize(host).astype(jnp.bfloat16) if isinstance(host, QTensor) else host
-    return layer, field, _to_device(host) if on_device else host
+    return layer, field, _to_device(host, t.data) if on_device else host
 
 
 def load_params(reader: GGUFReader, cfg: ModelConfig, progress: bool = True, on_device: bool = True) -> Params:
@@ -122,7 +138,7 @@ def load_params(reader: GGUFReader, cfg: ModelConfig, progress: bool = True, on_
     # work that releases the interpreter lock: a few tensors at a time in threads, in file
     # order, so that the first bad tensor of the file is the one reported and host memory
     # holds only the window's copies.
-    workers = max(1, min(8, os.cpu_count() or 1))
+    workers = max(1, min(LOAD_THREADS, os.cpu_count() or 1))
     tensors = iter(reader.tensors)
     with ThreadPoolExecutor(workers) as pool, tqdm(total=len(reader.tensors), desc="loading tensors", unit="tensor",
                                                    disable=not progress, leave=False) as bar:

@@ -69,7 +69,7 @@ def _run(cfg, params):
 
 def test_precompiled_calls_compile_nothing_and_match(model):
     cfg, params = model
-    compile_cache(None)  # nothing stored: every program here is compiled (tests/engine/test_programs.py)
+    compile_cache(None)  # nothing stored: every program here is compiled (tests/loading/test_programs.py)
     jax.clear_caches()
     cold_first, cold_out, cold_prefill, cold_decode = _run(cfg, params)
     assert cold_prefill and cold_decode, "without precompiling, the calls compile their programs"
