@@ -60,8 +60,8 @@ def _layer(cfg: ModelConfig, plan: Plan, lp: LayerPlan, i: int, p: LayerParams, 
                                 pairing=cfg.rope_pairing, scale=cfg.attn_scale, window=cfg.layer_windows[i])
     s = ops.add_norm(plan, lp.ffn_norm, s, attn, p.wo, p.post_attn_norm, p.ffn_norm, cfg.rms_eps)
     if cfg.n_experts:
-        out = ops.experts(s.h, p.router, p.w_gate_exps, p.w_up_exps, p.w_down_exps, k=cfg.n_experts_used,
-                          normalize=cfg.expert_norm, act=cfg.activation)
+        out = ops.experts(lp.gate_up, s.h, p.router, p.w_gate_exps, p.w_up_exps, p.w_down_exps, k=cfg.n_experts_used,
+                          normalize=cfg.expert_norm, act=cfg.activation, tp_axis=plan.tp_axis)
         return ops.add_norm_sum(plan, s, out, next_norm, cfg.rms_eps), cache
     gate_up, s = ops.project(plan, s, [p.w_gate_up] if p.w_gate_up is not None else [p.w_gate, p.w_up])
     gated = ops.glu(plan, lp.glu, gate_up, cfg.activation)

@@ -17,7 +17,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 from gguf import GGUFReader
 from tqdm.auto import tqdm
 
@@ -43,6 +43,15 @@ def _to_device(w):
     if isinstance(w, QTensor):
         return QTensor(jax.device_put(w.planes), w.qtype, w.shape)
     return jax.device_put(w)
+
+
+def stack_experts(w: QTensor) -> QTensor:
+    """A stacked expert tensor (E, out, in) kept packed: its planes (E * out, blocks, ...) viewed
+    as (E, out, blocks, ...). One QTensor with a leading expert axis rather than E QTensors:
+    the routed product gathers the chosen experts' blocks with one take along that axis, and
+    tensor parallel splits every expert's rows (or blocks) with one slice of each plane."""
+    E, out = w.shape[0], w.shape[1]
+    return QTensor(jax.tree.map(lambda p: p.reshape(E, out, *p.shape[1:]), w.planes), w.qtype, w.shape)
 
 
 LAYER_TENSORS = {
@@ -107,8 +116,10 @@ def _load_tensor(t, cfg: ModelConfig, path, on_device: bool):
         raise ModelFileError(f"{path}: tensor {t.name!r} is {host.qtype.name}; norms and biases must be "
                              "F32, F16 or BF16")
     check_finite(path, t.name, host)
-    if field in EXPERT_FIELDS:  # the reference mixture multiplies dense experts: dequantized once here
-        host = reference.dequantize(host).astype(jnp.bfloat16) if isinstance(host, QTensor) else host
+    if field == "router" and isinstance(host, QTensor):  # a small matrix the routing reads whole, in float
+        host = np.asarray(reference.dequantize(host))
+    elif field in EXPERT_FIELDS and isinstance(host, QTensor):
+        host = stack_experts(host)
     return layer, field, _to_device(host) if on_device else host
 
 
