@@ -105,9 +105,11 @@ def _load_tensor(t, cfg: ModelConfig, path, on_device: bool):
         raise TensorFileError(f"{path}: {e}") from e
     want = expected_shape(cfg, field)
     if shape != want:
+        sizes = (f"{cfg.n_experts} experts of feed-forward {cfg.expert_d_ff} ({cfg.arch}.expert_count, "
+                 f"{cfg.arch}.expert_feed_forward_length)" if field in EXPERT_FIELDS else
+                 f"heads {cfg.n_heads}/{cfg.n_kv_heads} of {cfg.head_dim}, feed-forward {cfg.d_ff}")
         raise ModelFileError(f"{path}: tensor {t.name!r} has shape {list(shape)}, but the metadata implies "
-                             f"{list(want)} (embedding {cfg.d_model}, heads {cfg.n_heads}/{cfg.n_kv_heads} of "
-                             f"{cfg.head_dim}, feed-forward {cfg.d_ff}, vocabulary {cfg.vocab_size})")
+                             f"{list(want)} (embedding {cfg.d_model}, {sizes}, vocabulary {cfg.vocab_size})")
     try:
         host = formats.to_host_weight(t.name, t.tensor_type, t.data, shape)
     except formats.TensorFormatError as e:
