@@ -116,10 +116,11 @@ def workspace_bytes(cfg: ModelConfig, *, n_slots: int, max_len: int, prefill_tok
     logits = 6 * 4 * cfg.vocab_size
     decode = n_slots * (per_token + logits)
     prefill = prefill_tokens * per_token + prefill_prompts * logits
-    if cfg.n_experts:  # the experts a step dequantizes at once (float32 bound): each row's k, or a few tiles'
-        expert = 4 * 3 * cfg.expert_d_ff * cfg.d_model
-        decode += min(cfg.n_experts, n_slots * cfg.n_experts_used) * expert
-        prefill += min(cfg.n_experts, 8) * expert
+    if cfg.n_experts:  # the experts a step dequantizes at once (float32 bound), in the form plan.experts_form
+        expert = 4 * 3 * cfg.expert_d_ff * cfg.d_model  # picks: each row's k gathered, or 8 tiles' at a time
+        pairs = n_slots * cfg.n_experts_used
+        decode += (pairs if pairs < cfg.n_experts else 8) * expert
+        prefill += 8 * expert
     if backend != "gpu":
         gathered = 2 * cfg.n_kv_heads * max_len * cfg.head_dim * item
         decode += n_slots * (gathered + 2 * 4 * cfg.n_heads * max_len)
