@@ -94,7 +94,7 @@ def gpu_weight_layout(params: Params, *, consume: bool = False) -> Params:
     done: dict[int, Weight] = {}  # a weight met twice (tied) is converted, and freed, once
 
     def convert(w):
-        if not isinstance(w, QTensor):
+        if not isinstance(w, QTensor) or len(w.shape) != 2:  # stacked experts: read by XLA, as loaded
             return w
         if id(w) not in done:
             new = _gpu_weight(w)

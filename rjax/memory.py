@@ -111,11 +111,16 @@ def workspace_bytes(cfg: ModelConfig, *, n_slots: int, max_len: int, prefill_tok
 
         backend = jax.default_backend()
     item = _float_item(dtype)
-    ffn = max(cfg.d_ff, cfg.n_experts * cfg.expert_d_ff)  # the reference mixture runs every expert on every token
+    ffn = max(cfg.d_ff, cfg.n_experts_used * cfg.expert_d_ff)  # a mixture computes each token's k experts
     per_token = 4 * (4 * cfg.d_model + 3 * ffn + 2 * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim)
     logits = 6 * 4 * cfg.vocab_size
     decode = n_slots * (per_token + logits)
     prefill = prefill_tokens * per_token + prefill_prompts * logits
+    if cfg.n_experts:  # the experts a step dequantizes at once (float32 bound), in the form plan.experts_form
+        expert = 4 * 3 * cfg.expert_d_ff * cfg.d_model  # picks: each row's k gathered, or 8 tiles' at a time
+        pairs = n_slots * cfg.n_experts_used
+        decode += (pairs if pairs < cfg.n_experts else 8) * expert
+        prefill += 8 * expert
     if backend != "gpu":
         gathered = 2 * cfg.n_kv_heads * max_len * cfg.head_dim * item
         decode += n_slots * (gathered + 2 * 4 * cfg.n_heads * max_len)

@@ -74,8 +74,8 @@ def _after_attention(cfg: ModelConfig, plan: Plan, lp: LayerPlan, p: LayerParams
     norm, then the MLP (or the mixture of experts) and its add + norm by `next_norm`."""
     s = ops.add_norm(plan, lp.ffn_norm, s, attn, p.wo, p.post_attn_norm, p.ffn_norm, cfg.rms_eps)
     if cfg.n_experts:
-        out = ops.experts(s.h, p.router, p.w_gate_exps, p.w_up_exps, p.w_down_exps, k=cfg.n_experts_used,
-                          normalize=cfg.expert_norm, act=cfg.activation)
+        out = ops.experts(lp.gate_up, s.h, p.router, p.w_gate_exps, p.w_up_exps, p.w_down_exps, k=cfg.n_experts_used,
+                          normalize=cfg.expert_norm, act=cfg.activation, tp_axis=plan.tp_axis)
         return ops.add_norm_sum(plan, s, out, next_norm, cfg.rms_eps)
     gate_up, s = ops.project(plan, s, [p.w_gate_up] if p.w_gate_up is not None else [p.w_gate, p.w_up])
     gated = ops.glu(plan, lp.glu, gate_up, cfg.activation)
@@ -95,10 +95,11 @@ def _layer_config(cfg: ModelConfig, i: int) -> ModelConfig:
 
 
 def _dense(p: LayerParams, dtype) -> LayerParams:
-    """The layer's weights dequantized, as its products would dequantize them. Done in the calling
-    program, where XLA hoists it out of a decode loop (inside a call it would run every step)."""
-    return jax.tree.map(lambda w: reference.dequantize(w).astype(dtype) if isinstance(w, QTensor) else w, p,
-                        is_leaf=lambda w: isinstance(w, QTensor))
+    """The layer's weights dequantized, as its products would dequantize them (experts stay packed:
+    a step reads only those it routes to). Done in the calling program, where XLA hoists it out
+    of a decode loop (inside a call it would run every step)."""
+    return jax.tree.map(lambda w: reference.dequantize(w).astype(dtype) if isinstance(w, QTensor) and len(w.shape) == 2
+                        else w, p, is_leaf=lambda w: isinstance(w, QTensor))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), inline=jax.Inline.XLA_LATE)

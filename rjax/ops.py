@@ -114,22 +114,115 @@ def add_norm_sum(plan: Plan, s: Stream, out: jax.Array, norm_w: jax.Array, eps: 
     return Stream(x, h, s.counts)
 
 
-def experts(h, router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *, k: int,
-            normalize: bool, act: str) -> jax.Array:
-    """A mixture of E gated MLPs on the normed rows h (..., d): the router's softmax over the
-    experts, its top k (renormalized to sum to 1 with `normalize`), and the sum of those experts'
-    act(h @ gate.T) * (h @ up.T) @ down.T weighted by them. The reference form: every expert runs
-    on every row and the unchosen ones are weighted 0. w_gate, w_up: (E, F, d); w_down: (E, d, F)."""
-    h = _plain(h)
+def route(h: jax.Array, router: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """The router's choice for the rows h (..., d): softmax over the E experts' logits, then the top
+    k (as transformers' Mixtral and Qwen3-MoE do), renormalized to sum to 1 with `normalize`.
+    -> (weights (..., k) float32, expert ids (..., k) int32)."""
     probs = jax.nn.softmax(jnp.einsum("...d,ed->...e", h.astype(jnp.float32), router.astype(jnp.float32)), axis=-1)
     top, index = jax.lax.top_k(probs, k)
     if normalize:
         top = top / top.sum(axis=-1, keepdims=True)
+    return top, index
+
+
+def _dense(w: Weight, dtype) -> jax.Array:
+    return (reference.dequantize(w) if isinstance(w, QTensor) else w).astype(dtype)
+
+
+def experts_reference(h, router: jax.Array, w_gate: Weight, w_up: Weight, w_down: Weight, *, k: int,
+                      normalize: bool, act: str) -> jax.Array:
+    """A mixture of E gated MLPs on the normed rows h (..., d), by definition: every expert runs on
+    every row, weighted by the router (`route`) and 0 where not chosen. The ground truth `experts`
+    is tested against. w_gate, w_up: (E, F, d); w_down: (E, d, F)."""
+    h = _plain(h)
+    top, index = route(h, router, k, normalize)
     weights = jnp.einsum("...k,...ke->...e", top, jax.nn.one_hot(index, router.shape[0], dtype=top.dtype))
-    gate = jnp.einsum("...d,efd->...ef", h, w_gate.astype(h.dtype), preferred_element_type=jnp.float32)
-    up = jnp.einsum("...d,efd->...ef", h, w_up.astype(h.dtype), preferred_element_type=jnp.float32)
+    gate = jnp.einsum("...d,efd->...ef", h, _dense(w_gate, h.dtype), preferred_element_type=jnp.float32)
+    up = jnp.einsum("...d,efd->...ef", h, _dense(w_up, h.dtype), preferred_element_type=jnp.float32)
     mid = (activation(act, gate) * up * weights[..., None]).astype(h.dtype)
-    return jnp.einsum("...ef,edf->...d", mid, w_down.astype(h.dtype), preferred_element_type=jnp.float32)
+    return jnp.einsum("...ef,edf->...d", mid, _dense(w_down, h.dtype), preferred_element_type=jnp.float32)
+
+
+def _take_experts(w: Weight, ids: jax.Array, dtype) -> jax.Array:
+    """The experts `ids` (n,) of a stacked weight (E, out, in), dense in `dtype` -> (n, out, in):
+    a quantized one's packed blocks are gathered first, so only those experts' bytes are read."""
+    if isinstance(w, QTensor):
+        planes = jax.tree.map(lambda p: jnp.take(p, ids, axis=0), w.planes)
+        return reference.dequantize(QTensor(planes, w.qtype, (int(ids.shape[0]), *w.shape[1:]))).astype(dtype)
+    return jnp.take(w, ids, axis=0).astype(dtype)
+
+
+def _gathered(x, top, index, w_gate, w_up, w_down, act):
+    """Each row's k chosen experts' weights gathered and multiplied: a step reads n * k experts,
+    not E (decode). x (n, d), top and index (n, k)."""
+    n, k = index.shape
+    flat = index.reshape(-1)
+    gate = jnp.einsum("nd,nkfd->nkf", x, _take_experts(w_gate, flat, x.dtype).reshape(n, k, -1, x.shape[-1]),
+                      preferred_element_type=jnp.float32)
+    up = jnp.einsum("nd,nkfd->nkf", x, _take_experts(w_up, flat, x.dtype).reshape(n, k, -1, x.shape[-1]),
+                    preferred_element_type=jnp.float32)
+    mid = (activation(act, gate) * up * top[..., None]).astype(x.dtype)
+    down = _take_experts(w_down, flat, x.dtype).reshape(n, k, x.shape[-1], -1)
+    return jnp.einsum("nkf,nkdf->nd", mid, down, preferred_element_type=jnp.float32)
+
+
+def _grouped(x, top, index, w_gate, w_up, w_down, act):
+    """The n * k (row, expert) pairs sorted by expert and cut into tiles of T pairs of one expert
+    each (each expert's pairs padded to whole tiles), every tile multiplied by its expert's weights:
+    each expert's weights are read once per tile of its rows, an unchosen expert's never (prefill,
+    larger batches). Static shapes: at most n * k / T + E tiles, run a few at a time."""
+    n, k = index.shape
+    n_experts, pairs = w_gate.shape[0], n * k
+    tile = int(min(128, max(8, 1 << max(0, (pairs // n_experts - 1).bit_length()))))
+    n_tiles = -(-pairs // tile) + n_experts
+    flat = index.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # pair ids by expert
+    sizes = jnp.bincount(flat, length=n_experts)
+    tiles = -(-sizes // tile)
+    tile_end = jnp.cumsum(tiles)
+    expert = jnp.searchsorted(tile_end, jnp.arange(n_tiles), side="right")  # n_experts: a tile left empty
+    used = expert < n_experts
+    expert = jnp.minimum(expert, n_experts - 1)
+    r = (jnp.arange(n_tiles) - (tile_end - tiles)[expert])[:, None] * tile + jnp.arange(tile)  # rank in group
+    valid = used[:, None] & (r < sizes[expert][:, None])
+    pair = jnp.take(order, jnp.clip((jnp.cumsum(sizes) - sizes)[expert][:, None] + r, 0, pairs - 1))
+    rows = pair // k
+    weight = jnp.where(valid, jnp.take(top.reshape(-1), pair), 0)
+
+    def one(args):  # one tile: (expert, its rows (T, d), their router weights (T,)) -> (T, d)
+        e, xt, wt = args
+        ids = e[None]
+        gate = jnp.dot(xt, _take_experts(w_gate, ids, xt.dtype)[0].T, preferred_element_type=jnp.float32)
+        up = jnp.dot(xt, _take_experts(w_up, ids, xt.dtype)[0].T, preferred_element_type=jnp.float32)
+        mid = (activation(act, gate) * up * wt[:, None]).astype(xt.dtype)
+        return jnp.dot(mid, _take_experts(w_down, ids, xt.dtype)[0].T, preferred_element_type=jnp.float32)
+
+    out = jax.lax.map(one, (expert, jnp.take(x, rows, axis=0), weight), batch_size=8)
+    out = jnp.where(valid[..., None], out, 0).reshape(-1, x.shape[-1])
+    return jnp.zeros((n, x.shape[-1]), jnp.float32).at[rows.reshape(-1)].add(out)
+
+
+def experts(how: str, h, router: jax.Array, w_gate: Weight, w_up: Weight, w_down: Weight, *, k: int,
+            normalize: bool, act: str, tp_axis: str | None = None) -> jax.Array:
+    """A mixture of E gated MLPs on the normed rows h (..., d) -> float32 (..., d): the router's
+    top k experts per row (`route`), and the sum of act(h @ gate.T) * (h @ up.T) @ down.T over
+    them, weighted. Only the chosen experts are computed, in the form `how` the plan chose:
+    "gather" (each row's k experts' weights gathered: decode) or "grouped" (rows sorted by
+    expert: prefill); "reference" runs `experts_reference` (tests). w_gate, w_up: (E, F, d); w_down: (E, d, F), dense or packed QTensors with
+    a leading expert axis. On one device's shard of a split model (each expert's F split over
+    the mesh axis `tp_axis`), the devices' partial sums are added here. The one entry point a
+    grouped kernel would take over."""
+    if how == "reference":
+        out = experts_reference(h, router, w_gate, w_up, w_down, k=k, normalize=normalize, act=act)
+        return out if tp_axis is None else jax.lax.psum(out, tp_axis)
+    h = _plain(h)
+    top, index = route(h, router, k, normalize)
+    lead, d = h.shape[:-1], h.shape[-1]
+    x, top, index = h.reshape(-1, d), top.reshape(-1, k), index.reshape(-1, k)
+    out = (_gathered if how == "gather" else _grouped)(x, top, index, w_gate, w_up, w_down, act)
+    if tp_axis is not None:
+        out = jax.lax.psum(out, tp_axis)
+    return out.reshape(*lead, d)
 
 
 def activation(name: str, x: jax.Array) -> jax.Array:
@@ -186,5 +279,5 @@ def attention(plan: Plan, lp: LayerPlan, layer: int, qkv, bias, q_norm, k_norm, 
     return out.reshape(B, T, -1), cache
 
 
-__all__ = ["Stream", "matmul", "take_rows", "norm", "project", "add_norm", "add_norm_sum", "experts", "activation", "glu",
-           "qkv_heads", "attention"]
+__all__ = ["Stream", "matmul", "take_rows", "norm", "project", "add_norm", "add_norm_sum", "route", "experts",
+           "experts_reference", "activation", "glu", "qkv_heads", "attention"]

@@ -30,6 +30,8 @@ Where a norm can run (`Norm`):
 - "pending": left to the one product after it, whose kernel sums, norms and multiplies.
 Where the GLU act(gate) * up runs (`Glu`): "xla" (a fusion of its own), "int8" (the kernel that
 rounds x for an int8 down product), or "down" (the down product applies it as it loads x).
+A mixture of experts' products (`gate_up`, `down`) name the form its chosen experts run in
+(`experts_form`): "gather" or "grouped", both XLA today.
 """
 from __future__ import annotations
 
@@ -218,10 +220,11 @@ def plan_for(cfg: ModelConfig, params, batch: int, tokens: int, dtype, *, paged:
         attn_out_int8 = (attention == Attention.ROPE_ATTENTION and tuning.quantized_attention_out
                          and cfg.head_dim % 32 == 0 and qm.runs_int8_gemv(p.wo, rows, dtype, **kw))
         if p.router is not None:  # a mixture of experts: its products run in XLA on plain normed rows
+            form = experts_form(rows, cfg.n_experts_used, cfg.n_experts)
             plans.append(LayerPlan(
                 qkv=_kernels(_qkv_weights(p), rows, dtype, kw), attention=attention, attn_out_int8=attn_out_int8,
-                o=qm.kernel_for(p.wo, rows, dtype, **kw), ffn_norm=Norm.NORM, gate_up="experts", glu=Glu.XLA,
-                down="experts", out_norm=Norm.NORM, attend=layer_attend))
+                o=qm.kernel_for(p.wo, rows, dtype, **kw), ffn_norm=Norm.NORM, gate_up=form, glu=Glu.XLA,
+                down=form, out_norm=Norm.NORM, attend=layer_attend))
             continue
         ffn_in = _ffn_weights(p)
         ffn_norm = _norm_into(p.wo, p.post_attn_norm, ffn_in, rows, dtype, kw)
@@ -254,6 +257,13 @@ def plan_for(cfg: ModelConfig, params, batch: int, tokens: int, dtype, *, paged:
     return Plan(batch, tokens, dtype.name, gpu, paged, slots, implementation, first_norm, tuple(plans),
                 qm.kernel_for(head, rows, dtype, **kw), tuning, tp_axis,
                 layer_calls=not gpu and implementation == "reference" and tp_axis is None)
+
+
+def experts_form(rows: int, k: int, n_experts: int) -> str:
+    """How a mixture's chosen experts are computed for `rows` rows (rjax.ops.experts): "gather"
+    each row's k experts' weights while that reads fewer experts than all E (decode, small
+    batches), else "grouped" (rows sorted by expert, each expert's weights read once)."""
+    return "gather" if rows * k < n_experts else "grouped"
 
 
 def decode_positions(cfg: ModelConfig) -> int:

@@ -29,8 +29,12 @@ def weight_bytes(params: Params) -> int:
 
 def decode_weight_bytes(cfg: ModelConfig, params: Params, batch: int) -> int:
     """Weight bytes one decode step reads: everything, except that an untied embedding table
-    is only gathered from (`batch` rows of it)."""
+    is only gathered from (`batch` rows of it) and a mixture's experts are read only where
+    chosen (at most batch x k of the E experts per layer: the active parameters at batch 1)."""
     total = weight_bytes(params)
+    if cfg.n_experts:
+        experts = sum(_leaf_bytes((p.w_gate_exps, p.w_up_exps, p.w_down_exps)) for p in params.layers)
+        total -= experts - experts * min(cfg.n_experts, batch * cfg.n_experts_used) // cfg.n_experts
     if params.lm_head is None:  # tied: the embedding is read in full as the LM head
         return total
     embed = _leaf_bytes(params.embed)

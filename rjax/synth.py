@@ -406,21 +406,22 @@ def _add_architecture(w: GGUFWriter, shape: Shape, n_layers: int, vocab_size: in
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def write_synthetic(path: str | os.PathLike, shape_name: str, quant: str, seed: int = 0,
+def write_synthetic(path: str | os.PathLike, shape_name: str | Shape, quant: str, seed: int = 0,
                     n_layers: int | None = None, *, vocab_size: int | None = None,
                     tokenizer_from: str | os.PathLike | None = None, progress: bool = False) -> Path:
-    """Write a synthetic GGUF of shape `SHAPES[shape_name]` with quantization mix `MIXES[quant]`.
+    """Write a synthetic GGUF of shape `SHAPES[shape_name]` (or a `Shape` given whole: a tiny test
+    model) with quantization mix `MIXES[quant]`.
 
     `n_layers` overrides the shape's layer count (small test files); `vocab_size` its
     vocabulary (at least the tokenizer's); `tokenizer_from` names a GGUF to copy the tokenizer
     from (default: see `tokenizer_fields`). The file appears complete or not at all: it is
     written beside `path` and renamed. -> path.
     """
-    if shape_name not in SHAPES:
+    if not isinstance(shape_name, Shape) and shape_name not in SHAPES:
         raise SynthError(f"unknown shape {shape_name!r}; known: {', '.join(SHAPES)}")
     if quant not in MIXES:
         raise SynthError(f"unknown quantization mix {quant!r}; known: {', '.join(MIXES)}")
-    shape, mix = SHAPES[shape_name], MIXES[quant]
+    shape, mix = shape_name if isinstance(shape_name, Shape) else SHAPES[shape_name], MIXES[quant]
     L = shape.n_layers if n_layers is None else int(n_layers)
     if L < 1:
         raise SynthError(f"n_layers must be >= 1, got {L}")

@@ -2,7 +2,9 @@
 
 Layout (`param_specs`): q, k, v and gate, up are split by output rows (attention heads, FFN
 hidden units), the output and down products by input columns (whole GGUF blocks of them), each
-of those two followed by one all-reduce; the LM head is split over the vocabulary where it
+of those two followed by one all-reduce; a mixture of experts splits every expert's FFN hidden
+units the same way (its one all-reduce after the weighted sum of the chosen experts), the router
+replicated, so every device routes alike; the LM head is split over the vocabulary where it
 divides; norms and the embedding are replicated. The KV cache is split by KV heads
 (`cache_specs`).
 
@@ -22,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -36,6 +37,10 @@ from rjax.config import ModelConfig
 # Products split by output rows (column-parallel) and by input columns (row-parallel).
 ROW_SPLIT = frozenset({"wq", "wk", "wv", "wqkv", "w_gate", "w_up", "w_gate_up", "bq", "bk", "bv"})
 COL_SPLIT = frozenset({"wo", "w_down"})
+# A mixture's experts (E, out, in), each expert's F split as a dense MLP's is: gate and up by
+# their rows (axis 1), down by its columns (axis 2); the router stays whole on every device.
+EXPERT_ROWS = frozenset({"w_gate_exps", "w_up_exps"})
+EXPERT_COLS = frozenset({"w_down_exps"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,17 +106,19 @@ def head_layout(n_heads: int, n_kv_heads: int, n: int) -> HeadLayout:
 
 def split_config(cfg: ModelConfig, n: int) -> ModelConfig:
     """The model as the n devices hold it together: its heads padded as `head_layout` says."""
-    if cfg.n_experts:
-        raise ValueError(f"tp={n}: a mixture of experts ({cfg.n_experts} experts) is not split over devices yet")
     lay = head_layout(cfg.n_heads, cfg.n_kv_heads, n)
-    if cfg.d_ff % n:
+    if cfg.n_experts and cfg.expert_d_ff % n:
+        raise ValueError(f"tp={n}: the experts' feed-forward size {cfg.expert_d_ff} (expert_d_ff) does not split "
+                         f"into {n} equal parts")
+    if not cfg.n_experts and cfg.d_ff % n:
         raise ValueError(f"tp={n}: the feed-forward size {cfg.d_ff} does not split into {n} equal parts")
     return dataclasses.replace(cfg, n_heads=len(lay.q), n_kv_heads=len(lay.kv))
 
 
 def local_config(cfg: ModelConfig, n: int) -> ModelConfig:
     """One device's part of a split config (`split_config`)."""
-    return dataclasses.replace(cfg, n_heads=cfg.n_heads // n, n_kv_heads=cfg.n_kv_heads // n, d_ff=cfg.d_ff // n)
+    return dataclasses.replace(cfg, n_heads=cfg.n_heads // n, n_kv_heads=cfg.n_kv_heads // n, d_ff=cfg.d_ff // n,
+                               expert_d_ff=cfg.expert_d_ff // n)
 
 
 # -- rearranging weights ------------------------------------------------------------------------
@@ -138,7 +145,7 @@ def _columns(w, index: np.ndarray, width: int):
     if isinstance(w, QTensor):
         block = GGML_QUANT_SIZES[w.qtype][0]
         if width % block:
-            w = np.asarray(reference.dequantize(w, jnp.float32))
+            w = np.asarray(reference.dequantize(w))
         else:
             per = width // block
             cols = np.concatenate([np.arange(g * per, (g + 1) * per) if g >= 0 else np.full(per, -1)
@@ -186,6 +193,10 @@ def split_layer(cfg: ModelConfig, p, n: int):
     out["wo"] = p.wo if lay.identity else _columns(p.wo, np.array([-1 if h is None else h for h in lay.q]), D)
     if p.w_gate_up is not None:
         out["w_gate_up"] = _rows(p.w_gate_up, _interleave([np.arange(F), np.arange(F, 2 * F)], n))
+    down = p.w_down_exps
+    if isinstance(down, QTensor) and (cfg.expert_d_ff // n) % GGML_QUANT_SIZES[down.qtype][0]:
+        # a device's share of each expert's columns is not whole blocks: split the values instead
+        out["w_down_exps"] = np.asarray(reference.dequantize(down))
     return dataclasses.replace(p, **out)
 
 
@@ -193,17 +204,20 @@ def split_layer(cfg: ModelConfig, p, n: int):
 
 def _field(path) -> str | None:
     names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
-    return next((nm for nm in names if nm in ROW_SPLIT | COL_SPLIT | {"lm_head"}), None)
+    return next((nm for nm in names if nm in ROW_SPLIT | COL_SPLIT | EXPERT_ROWS | EXPERT_COLS | {"lm_head"}), None)
 
 
 def param_specs(params, tp: TensorParallel):
-    """A PartitionSpec per leaf of params (QTensor planes: rows on axis 0, blocks on axis 1)."""
+    """A PartitionSpec per leaf of params (QTensor planes: rows on axis 0, blocks on axis 1;
+    stacked experts' planes: experts, rows, blocks)."""
     def spec(path, leaf):
         field = _field(path)
         if field in ROW_SPLIT or (field == "lm_head" and leaf.shape[0] % tp.size == 0):
             return P(tp.axis, *[None] * (leaf.ndim - 1))
-        if field in COL_SPLIT:
+        if field in COL_SPLIT | EXPERT_ROWS:
             return P(None, tp.axis, *[None] * (leaf.ndim - 2))
+        if field in EXPERT_COLS:
+            return P(None, None, tp.axis, *[None] * (leaf.ndim - 3))
         return P()
 
     return jax.tree_util.tree_map_with_path(spec, params)
@@ -275,12 +289,12 @@ def _local(params):
         if not isinstance(w, QTensor):
             return w
         field = _field(path)
-        rows, cols = w.shape
-        if field in ROW_SPLIT or (field == "lm_head" and rows % n == 0):
+        *experts, rows, cols = w.shape
+        if field in ROW_SPLIT | EXPERT_ROWS or (field == "lm_head" and rows % n == 0):
             rows //= n
-        elif field in COL_SPLIT:
+        elif field in COL_SPLIT | EXPERT_COLS:
             cols //= n
-        return QTensor(w.planes, w.qtype, (rows, cols))
+        return QTensor(w.planes, w.qtype, (*experts, rows, cols))
 
     local = jax.tree_util.tree_map_with_path(shape, params, is_leaf=lambda x: isinstance(x, QTensor))
     return dataclasses.replace(local, tp=None)
@@ -314,7 +328,8 @@ def describe(cfg: ModelConfig, n: int) -> str:
     pad_q = sum(h is None for h in lay.q)
     return (f"tp={n}: {len(lay.q) // n} q and {len(lay.kv) // n} KV heads per device"
             + (f" ({pad_q} q heads padded, KV heads {cfg.n_kv_heads} -> {len(lay.kv)})" if not lay.identity else "")
-            + f", FFN {cfg.d_ff // n} per device")
+            + (f", {cfg.n_experts} experts of FFN {cfg.expert_d_ff // n} per device" if cfg.n_experts
+               else f", FFN {cfg.d_ff // n} per device"))
 
 
 __all__ = ["TensorParallel", "make_tp", "HeadLayout", "head_layout", "split_config", "local_config", "split_layer",

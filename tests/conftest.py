@@ -138,6 +138,23 @@ def tiny_path(tmp_path_factory) -> Path:
                            tokenizer_from="builtin")
 
 
+@pytest.fixture(scope="module", params=["mixtral", "qwen3moe"])
+def tiny_moe_path(request, tmp_path_factory) -> Path:
+    """A small synthetic mixture of experts of each architecture, 8 experts of which 2 per token,
+    one layer: Mixtral's (GGUF `llama` with experts; Q5_0 and Q8_0 blocks, as the q4_k mix falls
+    back on 64-wide rows) and Qwen3-MoE's (q/k norms, head dim 32, Q8_0)."""
+    from rjax.synth import Shape, write_synthetic
+
+    shape, quant = {
+        "mixtral": (Shape("tiny-mixtral", "llama", 1, 64, 64, 4, 2, 512, 256, 10000.0, 1e-5, tied_embeddings=False,
+                          n_experts=8, n_experts_used=2, expert_d_ff=64), "q4_k"),
+        "qwen3moe": (Shape("tiny-qwen3moe", "qwen3moe", 1, 64, 96, 4, 2, 512, 256, 1e6, 1e-6, head_dim=32,
+                           tied_embeddings=False, n_experts=8, n_experts_used=2, expert_d_ff=32), "q8_0"),
+    }[request.param]
+    path = tmp_path_factory.mktemp("synth") / f"{shape.name}.gguf"
+    return write_synthetic(path, shape, quant, seed=7, tokenizer_from="builtin")
+
+
 @pytest.fixture(scope="module")
 def tiny(tiny_path):
     """(config, params) of `tiny_path`."""

@@ -17,7 +17,6 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from gguf import GGUFReader
 from tqdm.auto import tqdm
@@ -59,6 +58,16 @@ def _to_device(w, data):
 
 
 LOAD_THREADS = 8  # tensors checked and sent at a time (each thread's numpy and transfers release the GIL)
+
+
+def stack_experts(w: QTensor) -> QTensor:
+    """A stacked expert tensor (E, out, in) kept packed: its planes (E * out, blocks, ...) viewed
+    as (E, out, blocks, ...). One QTensor with a leading expert axis rather than E QTensors:
+    the routed product gathers the chosen experts' blocks with one take along that axis, and
+    tensor parallel splits every expert's rows (or blocks) with one slice of each plane."""
+    E, out = w.shape[0], w.shape[1]
+    return QTensor(jax.tree.map(lambda p: p.reshape(E, out, *p.shape[1:]), w.planes), w.qtype, w.shape)
+
 
 LAYER_TENSORS = {
     "attn_norm": "attn_norm", "attn_qkv": "wqkv", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo",
@@ -111,9 +120,11 @@ def _load_tensor(t, cfg: ModelConfig, path, on_device: bool):
         raise TensorFileError(f"{path}: {e}") from e
     want = expected_shape(cfg, field)
     if shape != want:
+        sizes = (f"{cfg.n_experts} experts of feed-forward {cfg.expert_d_ff} ({cfg.arch}.expert_count, "
+                 f"{cfg.arch}.expert_feed_forward_length)" if field in EXPERT_FIELDS else
+                 f"heads {cfg.n_heads}/{cfg.n_kv_heads} of {cfg.head_dim}, feed-forward {cfg.d_ff}")
         raise ModelFileError(f"{path}: tensor {t.name!r} has shape {list(shape)}, but the metadata implies "
-                             f"{list(want)} (embedding {cfg.d_model}, heads {cfg.n_heads}/{cfg.n_kv_heads} of "
-                             f"{cfg.head_dim}, feed-forward {cfg.d_ff}, vocabulary {cfg.vocab_size})")
+                             f"{list(want)} (embedding {cfg.d_model}, {sizes}, vocabulary {cfg.vocab_size})")
     try:
         views = on_device and field not in EXPERT_FIELDS  # the bytes move whole (`_to_device`)
         host = formats.to_host_weight(t.name, t.tensor_type, t.data, shape, views=views)
@@ -123,9 +134,10 @@ def _load_tensor(t, cfg: ModelConfig, path, on_device: bool):
         raise ModelFileError(f"{path}: tensor {t.name!r} is {host.qtype.name}; norms and biases must be "
                              "F32, F16 or BF16")
     check_finite(path, t.name, host)
-    if field in EXPERT_FIELDS:  # the reference mixture multiplies dense experts: dequantized once here
-        host = reference.dequantize(host).astype(jnp.bfloat16) if isinstance(host, QTensor) else host
-    return layer, field, _to_device(host, t.data) if on_device else host
+    if field == "router" and isinstance(host, QTensor):  # a small matrix the routing reads whole, in float
+        host = np.asarray(reference.dequantize(host))
+    w = _to_device(host, t.data) if on_device else host
+    return layer, field, stack_experts(w) if field in EXPERT_FIELDS and isinstance(w, QTensor) else w
 
 
 def load_params(reader: GGUFReader, cfg: ModelConfig, progress: bool = True, on_device: bool = True) -> Params:

@@ -1,5 +1,6 @@
 """`rjax bench` on a tiny synthetic model (CPU): the JSON's fields, the roofline's byte counts
 against the file and hand-computed KV sizes, compiled-program counts, budget and plot."""
+import dataclasses
 import importlib.util
 import json
 import math
@@ -19,6 +20,7 @@ from rjax.cache import init_cache
 from rjax.config import ModelConfig
 from rjax.loaders.gguf import load_gguf
 from rjax.model import Params
+from rjax.params import LayerParams
 from rjax.sampling import SamplingParams
 from rjax.synth import write_synthetic
 
@@ -135,7 +137,7 @@ def test_no_recompile_across_prompt_lengths_in_a_bucket(model_path):
         before = size
 
 
-def test_untied_embedding_reads_only_its_rows():
+def test_decode_reads_only_the_embedding_rows_and_experts_it_uses():
     cfg = ModelConfig(arch="llama", n_layers=1, d_model=8, d_ff=16, n_heads=2, n_kv_heads=1, head_dim=4,
                       vocab_size=100, context_length=64, rms_eps=1e-5, rope_theta=1e4)
     emb = jnp.zeros((100, 8), jnp.float32)
@@ -144,6 +146,14 @@ def test_untied_embedding_reads_only_its_rows():
     assert decode_weight_bytes(cfg, untied, 4) == 1600 + 32 + 4 * 32
     tied = Params(embed=emb, layers=(), final_norm=jnp.ones(8, jnp.float32), lm_head=None)
     assert decode_weight_bytes(cfg, tied, 4) == 3200 + 32
+    # a mixture reads each token's experts: 2 of 8 at batch 1 (of 64 bytes each), all 8 from batch 4
+    moe = dataclasses.replace(cfg, n_experts=8, n_experts_used=2, expert_d_ff=1)
+    layer = LayerParams(attn_norm=None, wq=None, wk=None, wv=None, wo=None, ffn_norm=None, w_gate=None, w_up=None,
+                        w_down=None, w_gate_exps=jnp.zeros((8, 1, 8), jnp.float16),
+                        w_up_exps=jnp.zeros((8, 1, 8), jnp.float16), w_down_exps=jnp.zeros((8, 8, 1), jnp.float16))
+    mixture = dataclasses.replace(tied, layers=(layer,))
+    assert [decode_weight_bytes(moe, mixture, b) for b in (1, 2, 4, 8)] == [3232 + 2 * 48, 3232 + 4 * 48,
+                                                                            3232 + 8 * 48, 3232 + 8 * 48]
     rf = roofline(1000, 50.0, 4, 1e6)
     assert rf["bytes_per_step"] == 1200 and rf["tokens_per_s"] == pytest.approx(4 * 1e6 / 1200)
 

@@ -332,3 +332,25 @@ def test_gguf_router_without_experts_is_named(tmp_path):
     with pytest.raises(ModelFileError, match=r"tensor 'blk\.0\.ffn_gate_inp\.weight' belongs to a mixture of "
                                              r"experts, but the file has no llama\.expert_count"):
         load_gguf(path, progress=False)
+
+
+def test_gguf_expert_tensor_of_another_expert_count_is_named(tmp_path):
+    import gguf
+
+    path = tmp_path / "experts.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    for method, value in [("add_block_count", 1), ("add_embedding_length", 32), ("add_feed_forward_length", 64),
+                          ("add_head_count", 2), ("add_context_length", 64), ("add_layer_norm_rms_eps", 1e-6),
+                          ("add_expert_count", 4), ("add_expert_used_count", 2), ("add_expert_feed_forward_length", 16)]:
+        getattr(w, method)(value)
+    w.add_tensor("token_embd.weight", np.ones((16, 32), np.float32))
+    w.add_tensor("blk.0.ffn_gate_inp.weight", np.ones((4, 32), np.float32))
+    w.add_tensor("blk.0.ffn_gate_exps.weight", np.ones((3, 16, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelFileError, match=r"tensor 'blk\.0\.ffn_gate_exps\.weight' has shape \[3, 16, 32\], but the "
+                                             r"metadata implies \[4, 16, 32\] \(embedding 32, 4 experts of feed-forward "
+                                             r"16 \(llama\.expert_count, llama\.expert_feed_forward_length\)"):
+        load_gguf(path, progress=False)

@@ -4,8 +4,8 @@
 The runs need 8 devices, which the CPU platform only makes when told before JAX starts, so each
 model runs in a fresh process (tests/tp_worker.py) with 8 forced host devices; the test compares
 what it writes. Shapes cover even splits, padded heads (3 KV heads over 2, 4, 8 devices), one
-KV head copied onto every device (gemma3-270m), and q/k/v biases with stacked projections (a
-random Qwen2).
+KV head copied onto every device (gemma3-270m), q/k/v biases with stacked projections (a
+random Qwen2), and mixtures of experts (tiny Mixtral and Qwen3-MoE).
 """
 from __future__ import annotations
 
@@ -18,22 +18,23 @@ import pytest
 
 from rjax.memory import MemoryFitError, plan_memory
 from rjax.synth import write_synthetic
-from rjax.tensor_parallel import head_layout, split_config
+from rjax.config import ModelConfig
+from rjax.tensor_parallel import head_layout, local_config, split_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TPS = (2, 4, 8)
 
 
-def split_runs(model: Path, tmp_path: Path, *extra: str) -> dict:
+def split_runs(model: Path, tmp_path: Path, *extra: str, tps=TPS) -> dict:
     out = tmp_path / f"{model.stem}.npz"
     subprocess.run([sys.executable, str(ROOT / "tests" / "tp_worker.py"), str(model), str(out), "--tp",
-                    ",".join(map(str, TPS)), *extra], check=True, cwd=ROOT, timeout=3000)
+                    ",".join(map(str, tps)), *extra], check=True, cwd=ROOT, timeout=3000)
     return dict(np.load(out))
 
 
-def check_equal(r: dict, engines: bool = True) -> None:
+def check_equal(r: dict, engines: bool = True, tps=TPS) -> None:
     ref = r["1/logits"]
-    for n in TPS:
+    for n in tps:
         err = np.abs(r[f"{n}/logits"] - ref).max() / np.abs(ref).max()
         assert err < 1e-4, (n, err)
         assert (r[f"{n}/greedy"] == r["1/greedy"]).all(), n
@@ -88,6 +89,29 @@ def test_tiny_llama_split_over_2_4_8_devices(tiny_path, tmp_path):
         per_device, total = r[f"{n}/bytes"]
         # Replicated: the (small) embedding and the norms; everything else is split N ways.
         assert per_device <= total / n * 1.05 + 320_000, (n, per_device, total)
+
+
+def test_mixture_of_experts_split_over_2_4_8_devices(tiny_moe_path, tmp_path):
+    """Every expert's feed-forward units split over the devices, the router on each: Mixtral's
+    experts of 64 over 2 and 4 devices (Q5_0 down columns whole blocks over 2, split as values
+    over 4) and Qwen3-MoE's of 32 over 8 (Q8_0, 4 units per device, its 2 KV heads copied);
+    prefill grouped by expert, decode of 3 rows gathered."""
+    tps = (2, 4) if "mixtral" in tiny_moe_path.stem else (8,)
+    r = split_runs(tiny_moe_path, tmp_path, "--logits-only", "--steps", "3", tps=tps)
+    check_equal(r, engines=False, tps=tps)
+    for n in tps:
+        per_device, total = r[f"{n}/bytes"]
+        # replicated: the embedding, the router and the norms (about 30 kB); the experts are split N ways
+        assert per_device <= total / n + 40_000, (n, per_device, total)
+
+
+def test_split_config_refuses_experts_that_do_not_divide():
+    cfg = ModelConfig(arch="llama", n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=64,
+                      vocab_size=512, context_length=256, rope_theta=1e4, rms_eps=1e-5, n_experts=8,
+                      n_experts_used=2, expert_d_ff=48)
+    with pytest.raises(ValueError, match=r"experts' feed-forward size 48 \(expert_d_ff\) does not split into 5"):
+        split_config(cfg, 5)
+    assert split_config(cfg, 4).expert_d_ff == 48 and local_config(split_config(cfg, 4), 4).expert_d_ff == 12
 
 
 @pytest.mark.slow
