@@ -66,10 +66,11 @@ def test_a_second_process_loads_every_program_from_the_cache(tiny_path, tmp_path
     written = _entries(cache)
     stored = _entries(cache / "programs")
     # Every program is kept, the fast-compiling small ones included; the engine's (the slot batch's
-    # start, the prefill and the decode dispatch) are also stored whole (rjax.programs), and run
-    # from there without tracing.
+    # start, the prefill and the decode dispatch) and the loader's (a quantized tensor's bytes into
+    # its planes) are also stored whole (rjax.programs), and run from there without tracing.
     assert cold["hits"] == 0 and cold["written"] >= 3 and len(written - {"programs"}) >= cold["written"]
-    assert {name.split("-")[0] for name in stored} == {"init_slots", "prefill_into_slots", "decode_dispatch"}
+    assert {name.split("-")[0] for name in stored} == {"init_slots", "prefill_into_slots", "decode_dispatch",
+                                                            "planes_from_bytes"}
     warm = _run("default", tiny_path, home)
     assert warm["tokens"] == cold["tokens"]
     assert (warm["hits"], warm["written"]) == (cold["written"] - len(stored), 0)
