@@ -112,7 +112,7 @@ class Plan:
     # The mesh axis a split model's row-parallel products (output, down) are summed over.
     tp_axis: str | None = None
     # Each layer as calls of computations the layers share (rjax.model), so that XLA compiles a
-    # layer once, not once per layer: on the XLA path (no kernels, one device), where no kernel
+    # layer once, not once per layer: on the XLA path (no kernels; split models too), where no kernel
     # needs a layer's cache whole inside its own program.
     layer_calls: bool = False
 
@@ -256,7 +256,7 @@ def plan_for(cfg: ModelConfig, params, batch: int, tokens: int, dtype, *, paged:
     head = params.embed if params.lm_head is None else params.lm_head
     return Plan(batch, tokens, dtype.name, gpu, paged, slots, implementation, first_norm, tuple(plans),
                 qm.kernel_for(head, rows, dtype, **kw), tuning, tp_axis,
-                layer_calls=not gpu and implementation == "reference" and tp_axis is None)
+                layer_calls=not gpu and implementation == "reference")
 
 
 def experts_form(rows: int, k: int, n_experts: int) -> str:
