@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.int8_activations import QuantizedX
-from pallas_kernels.kv_append.kernel import split_view
+from pallas_kernels.kv_append import split_view
 from pallas_kernels.kv_quant import check_scales, kind_of
 
 from . import flash

@@ -12,10 +12,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.int8_activations import kernel as q8
-from pallas_kernels.kv_append.kernel import ProductRows, quantize_row
 from pallas_kernels.kv_quant import kind_of
 
 from . import flash
+from .decode_prologue import ProductRows, quantize_row
 from .decode_tiling import group_rows, n_outputs, token_rows
 from .kv_blocks import CacheLayout, load_block, load_scales, to_compute, walk_cache, widen, widened_unit
 

@@ -28,11 +28,11 @@ import jax.numpy as jnp
 
 from pallas_kernels.implementation import pick_implementation
 
-from .kernel import rope_append_kernel
+from .kernel import rope_append_kernel, split_view
 from .reference import apply_rope, rope_append_reference, split_qkv, write_entries, write_positions
 
 __all__ = ["rope_append", "rope_append_kernel", "rope_append_reference", "apply_rope", "split_qkv",
-           "write_positions", "write_entries", "MAX_ROWS"]
+           "write_positions", "write_entries", "split_view", "MAX_ROWS"]
 
 MAX_ROWS = 256  # tokens per call (sequences x positions) up to which the kernel is used
 

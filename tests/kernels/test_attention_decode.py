@@ -483,3 +483,12 @@ def test_gpu_paged_matches_the_two_kernels(kind, pairing, B, hq, hkv, d, S):
     np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(v2))
     if kind == "int8":
         np.testing.assert_array_equal(np.asarray(got[4]), np.asarray(ks2))
+
+
+def test_prologue_rounds_to_nearest_even():
+    """The Triton prologue's rounding of int8 codes (Triton lowers no round) is jnp.round's: ties
+    go to the even integer."""
+    from pallas_kernels.attention.decode_prologue import _rne
+
+    x = jnp.asarray([-127.0, -2.5, -1.5, -0.5, -0.49, 0.0, 0.5, 0.51, 1.5, 2.5, 3.5, 126.5, 127.0], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(_rne)(x)), np.asarray(jnp.round(x)))

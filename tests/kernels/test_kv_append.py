@@ -1,9 +1,7 @@
-"""pallas_kernels.kv_append: rotary embedding + cache append at decode, kernel against reference,
-and the reference against rotation written as complex multiplication in numpy."""
+"""pallas_kernels.kv_append: rotary embedding + cache append at decode, the Mosaic GPU kernel
+(in Mosaic GPU's interpreter on the CPU, and on the GPU) against the reference, and the
+reference against rotation written as complex multiplication in numpy."""
 from __future__ import annotations
-
-import warnings
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +9,6 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kv_append import rope_append, rope_append_kernel, rope_append_reference
-from pallas_kernels.kv_append.kernel import _rne
 from pallas_kernels.kv_quant import FP8, dequantize, quantize_int8
 
 THETA = 10000.0
@@ -181,12 +178,6 @@ def _quantized(kc, vc, kind, n_heads=None):
             (vc.astype(jnp.float32) / vs[:, None, None]).astype(FP8), ks, vs)
 
 
-def test_round_to_nearest_even():
-    """The kernel's rounding (Triton lowers no round) is jnp.round's: ties go to the even integer."""
-    x = jnp.asarray([-127.0, -2.5, -1.5, -0.5, -0.49, 0.0, 0.5, 0.51, 1.5, 2.5, 3.5, 126.5, 127.0], jnp.float32)
-    np.testing.assert_array_equal(np.asarray(jax.jit(_rne)(x)), np.asarray(jnp.round(x)))
-
-
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("pairing,dtype,bias", [("pairs", jnp.float32, False), ("halves", jnp.bfloat16, True)])
 def test_quantized_append_interpret(kind, pairing, dtype, bias):
@@ -243,27 +234,20 @@ def test_quantized_errors():
         rope_append_kernel(qkv[:, :, 0], None, pos[:, 0], kq, vq, inv, rows, **kw, k_scale=ks[0], v_scale=vs)
 
 
-def test_lowers_to_triton_for_h100():
-    from jax._src.pallas.triton import gpu_info
-
-    h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+@pytest.mark.parametrize("kind", [None, "int8", "fp8"])
+def test_lowers_to_mosaic_gpu(kind):
+    """Every cache format and both pairings lower to a Mosaic GPU kernel, none to Triton."""
     S = jax.ShapeDtypeStruct
     n = (9 + 6) * 64
-    args = (S((3, 1, n), jnp.float32), S((n,), jnp.float32), S((1,), jnp.int32), S((2, 3, 640, 64), jnp.bfloat16),
-            S((2, 3, 640, 64), jnp.bfloat16), S((32,), jnp.float32), S((1,), jnp.int32))
-    with warnings.catch_warnings(), mock.patch.object(gpu_info, "get_gpu_info", lambda: h100):
-        warnings.simplefilter("ignore")
-        for pairing in ("pairs", "halves"):
-            lowered = rope_append_kernel.trace(*args, n_heads=9, pairing=pairing, dtype=jnp.bfloat16).lower(
-                lowering_platforms=("cuda",))
-            assert "__gpu$xla.gpu.triton" in lowered.as_text()
-        for kind, dt, scale in (("int8", jnp.int8, S((2, 3, 640), jnp.float32)),
-                                ("fp8", jnp.float8_e4m3fn, S((3,), jnp.float32))):
-            cache = S((2, 3, 640, 64), dt)
-            lowered = rope_append_kernel.trace(*args[:3], cache, cache, *args[5:], n_heads=9, pairing="halves",
-                                               dtype=jnp.bfloat16, k_scale=scale, v_scale=scale).lower(
-                lowering_platforms=("cuda",))
-            assert "__gpu$xla.gpu.triton" in lowered.as_text(), kind
+    dt = {None: jnp.bfloat16, "int8": jnp.int8, "fp8": FP8}[kind]
+    scale = {None: None, "int8": S((2, 3, 640), jnp.float32), "fp8": S((3,), jnp.float32)}[kind]
+    cache = S((2, 3, 640, 64), dt)
+    args = (S((3, 1, n), jnp.float32), S((n,), jnp.float32), S((1,), jnp.int32), cache, cache, S((32,), jnp.float32),
+            S((1,), jnp.int32))
+    for pairing in ("pairs", "halves"):
+        text = rope_append_kernel.trace(*args, n_heads=9, pairing=pairing, dtype=jnp.bfloat16, k_scale=scale,
+                                        v_scale=scale).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text and "triton" not in text, (kind, pairing)
 
 
 @pytest.mark.gpu
