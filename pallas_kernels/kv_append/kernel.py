@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kv_quant import FP8, FP8_MAX, INT8_MAX, check_scales, kind_of
+from pallas_kernels.kv_quant import FP8_MAX, INT8_MAX, check_scales, kind_of
 
 _F32 = jnp.float32
 

@@ -236,7 +236,9 @@ def test_quantized_errors():
 
 @pytest.mark.parametrize("kind", [None, "int8", "fp8"])
 def test_lowers_to_mosaic_gpu(kind):
-    """Every cache format and both pairings lower to a Mosaic GPU kernel, none to Triton."""
+    """Every cache format and both pairings lower to a Mosaic GPU kernel, none to Triton, that
+    writes the caches in place: each cache array (and an int8 cache's scales) is an operand the
+    kernel's call aliases to an output."""
     S = jax.ShapeDtypeStruct
     n = (9 + 6) * 64
     dt = {None: jnp.bfloat16, "int8": jnp.int8, "fp8": FP8}[kind]
@@ -248,6 +250,8 @@ def test_lowers_to_mosaic_gpu(kind):
         text = rope_append_kernel.trace(*args, n_heads=9, pairing=pairing, dtype=jnp.bfloat16, k_scale=scale,
                                         v_scale=scale).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text and "triton" not in text, (kind, pairing)
+        aliases = text[text.index("output_operand_aliases"):].split("result_layouts")[0]
+        assert aliases.count("output_operand_alias<") == (4 if kind == "int8" else 2), aliases
 
 
 @pytest.mark.gpu
