@@ -18,6 +18,16 @@ from pallas_kernels.kv_append import rope_append_kernel, rope_append_reference
 THETA = 10000.0
 
 
+def _assert_same_entries(got, want, kind, n_new: int):
+    """The fused kernel's cache against kv_append's (Mosaic GPU) kernel's: the two rotate and
+    quantize in different code, so one of the n_new entries written may round to a neighbouring
+    value (a bf16 ulp, an int8 code, an e4m3 step); no other entry differs."""
+    g, w = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
+    step = {None: np.abs(w) * 2.0 ** -7, "int8": 1.0, "fp8": np.abs(w) / 8 + 2.0 ** -9}[kind]
+    assert np.all(np.abs(g - w) <= step), np.argwhere(np.abs(g - w) > step)[:5]
+    assert np.count_nonzero(g != w) <= n_new
+
+
 def _inputs(B, hq, hkv, d, S, dtype, seed, n_parts, bias, fill):
     """Partial sums of a QKV product, caches holding `fill` random positions per sequence, the
     new token's positions (right after them; the last sequence inactive when B > 1)."""
@@ -226,8 +236,8 @@ def test_gpu_matches_the_two_kernels(pairing, B, hq, hkv, d, splits):
     want = decode_attention(q[:, None], k2, v2, pos[:, None], pos + 1, scale=d ** -0.5, num_splits=splits)
     got = decode_rope_attention(parts, b, pos, kc, vc, inv, **kw, scale=d ** -0.5, num_splits=splits)
     np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
-    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(k2))
-    np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(v2))
+    _assert_same_entries(got[1], k2, None, B * hkv * d)
+    _assert_same_entries(got[2], v2, None, B * hkv * d)
     # The output rounded to int8 by the merge (QuantizedX): within a rounding step of the above.
     from pallas_kernels.int8_activations import QuantizedX, dequantize_x
 
@@ -259,8 +269,10 @@ def test_gpu_quantized_matches_the_two_kernels(kind, pairing, B, hq, hkv, d, S):
     want = decode_attention(q[:, None], k2, v2, pos[:, None], pos + 1, scale=d ** -0.5, k_scale=ks2, v_scale=vs2)
     got = decode_rope_attention(parts, b, pos, kc, vc, inv, **kw, scale=d ** -0.5, k_scale=ks, v_scale=vs)
     np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
-    for g, w in zip(got[1:3] + got[4:], (k2, v2, ks2, vs2)):
-        np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
+    _assert_same_entries(got[1], k2, kind, B * hkv * d)
+    _assert_same_entries(got[2], v2, kind, B * hkv * d)
+    for g, w in zip(got[4:], (ks2, vs2)):  # an int8 row's scale: its largest value / 127
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2.0 ** -7)
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -479,10 +491,10 @@ def test_gpu_paged_matches_the_two_kernels(kind, pairing, B, hq, hkv, d, S):
     got = paged_decode_rope_attention(parts, b, pos, kp, vp, table, inv, **kw, scale=d ** -0.5, k_scale=kps,
                                       v_scale=vps)
     np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
-    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(k2))
-    np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(v2))
+    _assert_same_entries(got[1], k2, kind, B * hkv * d)
+    _assert_same_entries(got[2], v2, kind, B * hkv * d)
     if kind == "int8":
-        np.testing.assert_array_equal(np.asarray(got[4]), np.asarray(ks2))
+        np.testing.assert_allclose(np.asarray(got[4]), np.asarray(ks2), rtol=2.0 ** -7)
 
 
 def test_prologue_rounds_to_nearest_even():
