@@ -14,7 +14,13 @@ measurement reads the cache and dispatch overhead is shared by the copies.
 Prefill reports TFLOP/s counting the causal half (4 * B * Hq * D * S^2 / 2); decode reports GB/s
 of K and V read (2 * B * Hkv * S * D * bytes).
 
-    PYTHONPATH=. python3 benchmarks/attention.py --json out.json [--quick] [--sweep]
+"append" rows time the decode step's rotate-and-append (pallas_kernels.kv_append: the kernel
+against its XLA reference, jitted with the cache donated) at smollm2's, llama-1b's and
+llama-8b's heads, per KV dtype, contiguous and paged: a launch of a few kilobytes, so the time
+is the GPU kernel time per call from a profiler trace of a chain of calls over distinct
+per-layer caches in one program, with the kernels per call beside it.
+
+    PYTHONPATH=. python3 benchmarks/attention.py --json out.json [--quick] [--sweep] [--only append]
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import statistics
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +42,7 @@ from rjax.roofline import measure_bandwidth
 from pallas_kernels.attention import (
     decode_attention, mgpu_prefill_attention, paged_decode_attention, prefill_attention,
 )
+from pallas_kernels.kv_append import rope_append
 
 ROTATE_BYTES = 200e6
 DTYPE = jnp.bfloat16
@@ -242,13 +250,77 @@ PAGED_SWEEP = [dict(block_k=64), dict(block_k=64, num_stages=4)]
 DECODE_SWEEP = [dict(block_k=128, num_stages=2)]
 
 
+APPEND_HEADS = {"smollm2": (9, 3, 64), "llama-1b": (32, 8, 64), "llama-8b": (32, 8, 128)}
+APPEND_LAYERS = 16  # distinct caches in the chain
+
+
+def append_case(rows, heads: str, B: int, kv: str, *, paged: bool, ctx=1024, page_size=16, n_parts=2):
+    """The rotate-and-append kernel and its XLA reference: kernel time per call (see the module
+    docstring), each token at a random position of its own row (paged: of a random page)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from profile_decode import traced_kernel_times
+
+    hq, hkv, d = APPEND_HEADS[heads]
+    shape = f"{heads} B={B} {kv}{' paged' if paged else ''}"
+    cshape = (B * ctx // page_size, hkv, page_size, d) if paged else (B, hkv, ctx, d)
+    cdt = {"bf16": DTYPE, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kv]
+    keys = iter(jax.random.split(jax.random.key(B), 4 * APPEND_LAYERS + 2))
+
+    def layer():
+        k, v = (jax.random.normal(next(keys), cshape, DTYPE).astype(cdt) for _ in range(2))
+        if kv == "int8":
+            return k, v, jnp.full(cshape[:3], 0.02, jnp.float32), jnp.full(cshape[:3], 0.03, jnp.float32)
+        if kv == "fp8":
+            return k, v, jnp.ones((hkv,), jnp.float32), jnp.full((hkv,), 2.0, jnp.float32)
+        return k, v, None, None
+
+    layers = [layer() for _ in range(APPEND_LAYERS)]
+    parts = [jax.random.normal(next(keys), (n_parts, B, 1, (hq + 2 * hkv) * d), jnp.float32)
+             for _ in range(APPEND_LAYERS)]
+    pos = jax.random.randint(next(keys), (B, 1), 0, ctx, jnp.int32)
+    inv = 1.0 / 10000.0 ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    if paged:
+        pages = jax.random.permutation(next(keys), B * ctx // page_size).reshape(B, -1).astype(jnp.int32)
+        rows_, at = pages[jnp.arange(B)[:, None], pos // page_size], pos % page_size
+    else:
+        rows_, at = jnp.arange(B, dtype=jnp.int32), None
+    for impl in ("pallas", "reference"):
+        def chain(layers, parts):
+            out = []
+            for (k, v, ks, vs), p in zip(layers, parts):
+                q, k, v, ks, vs = rope_append(p, None, pos, k, v, inv, rows_, n_heads=hq, pairing="pairs",
+                                              dtype=DTYPE, implementation=impl, k_scale=ks, v_scale=vs, at=at)
+                out.append(((k, v, ks, vs), q))
+            return [o[0] for o in out], [o[1] for o in out]
+
+        exe = jax.jit(chain, donate_argnums=0)
+        row = dict(kind="append", shape=shape, impl="kernel" if impl == "pallas" else "xla", note="")
+        try:
+            state = {"layers": exe(layers, parts)[0]}
+
+            def once(p):
+                state["layers"], qs = exe(state["layers"], p)
+                return qs
+
+            total, count = traced_kernel_times(once, (parts,))
+            layers = state["layers"]
+            kernels = sum(count.values()) / APPEND_LAYERS
+            row.update(us=sum(total.values()) / APPEND_LAYERS / 1e3, rate=kernels, unit="kernels")
+        except Exception as e:
+            row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            traceback.print_exc(limit=2, file=sys.stderr)
+        rows.append(row)
+        us = f"{row['us']:9.2f} us {kernels:.0f} kernels" if "us" in row else row["error"][:90]
+        print(f"{'append':8s} {shape:30s} {row['impl']:28s} {us}", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default="attention_bench.json")
     ap.add_argument("--quick", action="store_true", help="one prefill and one decode shape")
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile configurations")
     ap.add_argument("--prefill-sweep", action="store_true", help="also time the Triton prefill tile sweep")
-    ap.add_argument("--only", choices=("prefill", "decode"), default=None)
+    ap.add_argument("--only", choices=("prefill", "decode", "append"), default=None)
     args = ap.parse_args(argv)
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind}, jax {jax.__version__}", flush=True)
@@ -266,16 +338,23 @@ def main(argv=None):
             json.dump(dict(device=dev.device_kind, jax=jax.__version__, copy_GBps=copy_bw, rows=rows), f, indent=1)
         return copy_bw
 
-    if args.only != "decode":
+    if args.only in (None, "prefill"):
         for S, D in prefill_shapes:
             prefill_case(rows, S, D, sweep=PREFILL_SWEEP[D] if args.prefill_sweep and S == 2048 else (),
                          mosaic_sweep=MOSAIC_SWEEP[D] if args.sweep and S == 2048 else ())
             save()
-    if args.only != "prefill":
+    if args.only in (None, "decode"):
         for B, S in decode_shapes:
             sweep = DECODE_SWEEP if args.sweep and (B, S) == (8, 8192) else ()
             decode_case(rows, B, S, sweep=sweep, paged_sweep=PAGED_SWEEP if sweep else ())
             save()
+    if args.only in (None, "append"):
+        for kv in ("bf16", "int8", "fp8"):
+            for paged in (False, True):
+                for heads in APPEND_HEADS:
+                    for B in ((8,) if args.quick else (1, 8, 32)):
+                        append_case(rows, heads, B, kv, paged=paged)
+                        save()
     copy_bw = save()
     print_summary(rows, copy_bw)
 
@@ -298,6 +377,9 @@ def print_summary(rows, copy_bw):
                 extra = f"{100 * r['rate'] / copy_bw:5.1f}% of copy"
             if kind == "prefill" and cudnn:
                 extra = f"{cudnn / r['us']:5.2f}x cuDNN"
+            kernel = next((k.get("us") for k in rs if k["impl"] == "kernel"), None)
+            if kind == "append" and kernel:
+                extra = f"{r['us'] / kernel:5.2f}x the kernel"
             print(f"{kind:8s} {shape:30s} {r['impl']:40s} {r['us']:10.1f} us {r['rate']:8.1f} {r['unit']:8s} {extra}")
 
 
