@@ -111,6 +111,37 @@ def test_several_tokens_per_sequence_interpret(kind):
     np.testing.assert_array_equal(untouched, np.asarray(kc.astype(jnp.float32))[0, :, 6:])
 
 
+@pytest.mark.parametrize("kind", [None, "int8"])
+def test_paged_pool_interpret(kind):
+    """A paged cache: the pool's pages as the rows, one per token, and each token's offset in its
+    page as `at` (-1: not written), two tokens sharing a page: the kernel writes what the
+    reference writes and nothing else."""
+    B, T, hq, hkv, d, P, ps = 2, 3, 4, 2, 32, 5, 4
+    r = np.random.default_rng(11)
+    qkv = jnp.asarray(r.standard_normal((2, B, T, (hq + 2 * hkv) * d)) / 2, jnp.float32)
+    kc = jnp.asarray(r.standard_normal((P, hkv, ps, d)), jnp.float32)
+    vc = jnp.asarray(r.standard_normal((P, hkv, ps, d)), jnp.float32)
+    pos = jnp.asarray([[6, 7, 8], [1, 2, -1]], jnp.int32)
+    pages = jnp.asarray([[3, 3, 0], [4, 4, 2]], jnp.int32)
+    at = jnp.where(pos >= 0, pos % ps, -1)
+    inv = 1.0 / THETA ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    scales = {}
+    if kind == "int8":
+        kc, vc, ks, vs = _quantized(kc, vc, kind)
+        scales = dict(k_scale=ks, v_scale=vs)
+    kw = dict(n_heads=hq, pairing="pairs", dtype=jnp.float32, at=at, **scales)
+    want = rope_append_reference(qkv, None, pos, kc, vc, inv, pages, **kw)
+    got = rope_append(qkv, None, pos, kc, vc, inv, pages, **kw, implementation="interpret")
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6, atol=1e-6)
+    for g, w in zip(got[1:], want[1:]):
+        if w is not None:
+            np.testing.assert_allclose(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)),
+                                       rtol=1e-6, atol=1.0 if kind and g.dtype == jnp.int8 else 1e-6)
+    untouched = [1]  # no token's page
+    np.testing.assert_array_equal(np.asarray(got[1].astype(jnp.float32))[untouched],
+                                  np.asarray(kc.astype(jnp.float32))[untouched])
+
+
 @pytest.mark.parametrize("pairing", ["pairs", "halves"])
 @pytest.mark.parametrize("kind", [None, "int8", "fp8"])
 def test_query_and_key_norms(pairing, kind):
