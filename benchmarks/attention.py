@@ -3,7 +3,7 @@
 Peers: jax.nn.dot_product_attention with implementation "cudnn" and "xla"; JAX's shipped Pallas GPU
 ops (attention.mha and the Mosaic GPU attention_mgpu.attention for prefill, decode_attention.gqa
 and paged_attention.paged_attention for decode); and the HBM bandwidth (the fastest of
-rjax.roofline's probes: a large device-to-device copy, elementwise passes).
+rjax.engine.roofline's probes: a large device-to-device copy, elementwise passes).
 Each implementation gets its inputs in its own native layout (the layout change is not timed).
 
 Timing: jitted call, two warm-ups, then the median over repetitions of the mean over a batch of
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rjax.roofline import measure_bandwidth
+from rjax.engine.roofline import measure_bandwidth
 from pallas_kernels.attention import (
     decode_attention, mgpu_prefill_attention, paged_decode_attention, prefill_attention,
 )
@@ -128,7 +128,7 @@ def run_one(rows, kind, shape, impl, fn, make_set, set_bytes, work, unit, note="
 
 
 def device_copy(rows):
-    """The ceiling: the fastest of rjax.roofline's probes (a device-to-device copy, elementwise
+    """The ceiling: the fastest of rjax.engine.roofline's probes (a device-to-device copy, elementwise
     passes) over 2 GiB, bytes read + written."""
     bw = measure_bandwidth(2 << 30)
     row = dict(kind="copy", shape="2 GiB", impl=f"fastest probe: {bw['probe']}", us=bw["best_s"] * 1e6,

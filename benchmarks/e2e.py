@@ -65,7 +65,7 @@ def _fmt(x, spec=",.0f") -> str:
 def compact_row(shape: str, mix: str, bench: dict | None, status: str) -> dict:
     s = (bench or {}).get("summary") or {}
     if bench and not s:  # a bench killed mid-way: derive what it had measured
-        from rjax.bench_report import summarize
+        from rjax.cli.bench_report import summarize
 
         s = summarize(bench)
     ref = LLAMA_CPP.get((shape, mix), {})
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     say(f"python {sys.version.split()[0]}, budget {a.budget:.0f} s, models: "
         + ", ".join(f"{s} {m}" for s, m, _ in models))
 
-    from rjax.synth import write_synthetic
+    from rjax.loading.synth import write_synthetic
 
     plotting = importlib.util.find_spec("matplotlib") is not None
 

@@ -31,10 +31,10 @@ def run_model(path: str, steps: int, seed: int, dtype_name: str, feed: np.ndarra
     import jax
     import jax.numpy as jnp
 
-    from rjax import engine
-    from rjax.cache import init_cache
-    from rjax.loaders import for_backend
-    from rjax.loaders.gguf import load_gguf
+    from rjax.engine import steps as engine
+    from rjax.loading.loaders import for_backend
+    from rjax.loading.loaders.gguf import load_gguf
+    from rjax.math.cache import init_cache
 
     cfg, params, _ = load_gguf(path, progress=False)
     params = for_backend(params)   # as rjax.load arranges them (a no-op on the CPU)
@@ -80,7 +80,7 @@ def main():
         r = run_model(a.child, a.steps, 0, "float32")
         np.savez(out / f"cpu-{a.shape}-{a.quant}.npz", logits=r["logits"], tokens=r["tokens"])
         return
-    from rjax.synth import write_synthetic
+    from rjax.loading.synth import write_synthetic
 
     out.mkdir(parents=True, exist_ok=True)
     path = f"/tmp/check-{a.shape}-{a.quant}.gguf"

@@ -4,7 +4,7 @@
         [--models llama,gemma] [--no-attention] [--kv-dtypes bf16,int8,fp8] [--page-size 16]
 
 What it measures, in one run on one GPU:
-- `bandwidth`: the device's copy bandwidth (rjax.roofline.measure_bandwidth: the best of a
+- `bandwidth`: the device's copy bandwidth (rjax.engine.roofline.measure_bandwidth: the best of a
   device-to-device copy and elementwise passes), the ceiling every fraction below is held to.
 - `attention`: the decode attention kernel alone (llama-8b's heads: 32 query, 8 KV, head dim
   128; one query token; 8k, 32k and 128k keys; batch 1 and 16) per KV dtype: the kernel's time
@@ -20,7 +20,7 @@ What it measures, in one run on one GPU:
   allocated at the context length and every slot holds context - 128 positions when the timed
   dispatches start: what a step reads does not depend on the values, so the cache is not
   prefilled (a 128k prefill per configuration would take the whole budget). A configuration the
-  memory planner (rjax.memory.plan_memory) says does not fit is reported as such, with its bytes.
+  memory planner (rjax.engine.memory.plan_memory) says does not fit is reported as such, with its bytes.
 - `largest_batch_32k`: per KV dtype, the most llama-8b sequences of 32k positions the planner
   fits beside the weights (contiguous cache), and that batch's decode tokens/s.
 Each decode entry also has its step's bytes (weights + KV) over the step time as a fraction of
@@ -29,7 +29,7 @@ the copy bandwidth.
   serving engine's) instead of the contiguous one: each sequence's pages are a random
   permutation of the pool, as a long-running server leaves them, not consecutive.
 
-Every program is compiled up front, concurrently (rjax.precompile), then timed. The JSON at
+Every program is compiled up front, concurrently (rjax.engine.precompile), then timed. The JSON at
 --out is rewritten after every measurement, so a run cut short keeps what it measured; the last
 thing printed is the table. --budget (seconds, after the programs are compiled) skips what is
 left when it runs out.
@@ -57,13 +57,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pallas_kernels.attention import decode_attention, paged_decode_attention  # noqa: E402
-from rjax import engine  # noqa: E402
-from rjax.cache import KV_DTYPES, init_cache  # noqa: E402
-from rjax.memory import MemoryFitError, plan_memory  # noqa: E402
-from rjax.paged_cache import init_paged_cache, set_block_tables  # noqa: E402
-from rjax.precompile import compile_programs, decode_program  # noqa: E402
-from rjax.roofline import decode_weight_bytes, kv_bytes_per_sequence, measure_bandwidth  # noqa: E402
-from rjax.sampling import SamplingParams  # noqa: E402
+from rjax.engine import steps  # noqa: E402
+from rjax.engine.memory import MemoryFitError, plan_memory  # noqa: E402
+from rjax.engine.precompile import compile_programs, decode_program  # noqa: E402
+from rjax.engine.roofline import decode_weight_bytes, kv_bytes_per_sequence, measure_bandwidth  # noqa: E402
+from rjax.math.cache import KV_DTYPES, init_cache  # noqa: E402
+from rjax.math.paged_cache import init_paged_cache, set_block_tables  # noqa: E402
+from rjax.math.sampling import SamplingParams  # noqa: E402
 
 STEPS = 32          # decode steps per dispatch
 REPEATS = 3         # timed dispatches per configuration
@@ -297,15 +297,15 @@ def decode_run(cfg, params, kv: str, B: int, ctx: int, bw: float, page_size: int
     sp = SamplingParams.make(B)
     stop = jnp.asarray([-1], jnp.int32)
     first = jnp.zeros((B,), jnp.int32)
-    state = engine.initial_state(first, jnp.full((B,), HEADROOM, jnp.int32), stop, jax.random.key(0), cache)
+    state = steps.initial_state(first, jnp.full((B,), HEADROOM, jnp.int32), stop, jax.random.key(0), cache)
     t0 = time.perf_counter()
-    out, state, cache = engine.greedy_decode_loop(cfg, params, cache, state, sp, stop, STEPS)  # warm (compiled ahead)
+    out, state, cache = steps.greedy_decode_loop(cfg, params, cache, state, sp, stop, STEPS)  # warm (compiled ahead)
     np.asarray(out)
     warm_s = time.perf_counter() - t0
     times = []
     for _ in range(REPEATS):
         t0 = time.perf_counter()
-        out, state, cache = engine.greedy_decode_loop(cfg, params, cache, state, sp, stop, STEPS)
+        out, state, cache = steps.greedy_decode_loop(cfg, params, cache, state, sp, stop, STEPS)
         out = np.asarray(out)
         times.append(time.perf_counter() - t0)
         if (out < 0).any():
@@ -324,9 +324,9 @@ def decode_run(cfg, params, kv: str, B: int, ctx: int, bw: float, page_size: int
 def bench_model(spec: dict, kvs, workdir: Path, bw: float, result: dict, write, deadline: float,
                 largest: bool, contexts=None, page_size: int | None = None, batches=None) -> None:
     """page_size: decode over a paged cache; its programs compile at their first dispatch
-    (`rjax.precompile` builds contiguous caches), and the largest batch is not looked for."""
+    (`rjax.engine.precompile` builds contiguous caches), and the largest batch is not looked for."""
     import rjax
-    from rjax.synth import write_synthetic
+    from rjax.loading.synth import write_synthetic
 
     name = spec["shape"]
     path = workdir / f"{name}-{spec['quant']}.gguf"

@@ -10,7 +10,7 @@ loads, waits for the device arrays, and reports VmHWM, the resident-set high-wat
 CPU backend the "device" arrays live in host memory too, so the params themselves count in the
 peak: the figure to watch is (peak - baseline) / params. Modes:
 
-  rjax           rjax.loaders.safetensors.load_hf_dir
+  rjax           rjax.loading.loaders.safetensors.load_hf_dir
   rjax-<type>    the same with quantize=<type>
   load_file      safetensors.numpy.load_file (the whole file into host memory), then device_put
                  every tensor and drop the host dict: what a loader without streaming does
@@ -60,7 +60,7 @@ def child(mode: str, directory: str) -> dict:
             params.update({name: jax.device_put(a) for name, a in host.items()})
             del host
     else:
-        from rjax.loaders.safetensors import load_hf_dir
+        from rjax.loading.loaders.safetensors import load_hf_dir
 
         quantize = mode.split("-", 1)[1] if "-" in mode else None
         _, params = load_hf_dir(directory, progress=False, quantize=quantize)
@@ -84,7 +84,7 @@ def measure(mode: str, directory: Path) -> dict:
 
 
 def catalog_checkpoints() -> dict[str, Path]:
-    from rjax.catalog import resolve_model
+    from rjax.loading.catalog import resolve_model
     from tests.oracle.client import oracle_save_pretrained
 
     return {name: oracle_save_pretrained(resolve_model(name, progress=False)) for name in CATALOG}

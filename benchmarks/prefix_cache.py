@@ -31,11 +31,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from rjax.bench_report import write_json  # noqa: E402
-from rjax.loaders import for_backend  # noqa: E402
-from rjax.loaders.gguf import load_gguf  # noqa: E402
-from rjax.serving import ServingConfig, ServingEngine  # noqa: E402
-from rjax.synth import write_synthetic  # noqa: E402
+from rjax.cli.bench_report import write_json  # noqa: E402
+from rjax.loading.loaders import for_backend  # noqa: E402
+from rjax.loading.loaders.gguf import load_gguf  # noqa: E402
+from rjax.loading.synth import write_synthetic  # noqa: E402
+from rjax.runtime.serving import ServingConfig, ServingEngine  # noqa: E402
 
 
 def say(msg: str) -> None:

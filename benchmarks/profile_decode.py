@@ -131,11 +131,11 @@ def main() -> int:
     import numpy as np
 
     import rjax
-    from rjax import engine
-    from rjax.cache import init_cache
-    from rjax.generation import activation_dtype
-    from rjax.sampling import SamplingParams
-    from rjax.synth import write_synthetic
+    from rjax.engine import steps as engine
+    from rjax.loading.synth import write_synthetic
+    from rjax.math.cache import init_cache
+    from rjax.math.sampling import SamplingParams
+    from rjax.runtime.generation import activation_dtype
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

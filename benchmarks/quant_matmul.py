@@ -18,7 +18,7 @@ launch gaps, no host dispatch): the measure for small shapes, where the host-clo
 times the host's dispatch rather than the GPU.
 
 Ceilings measured in the same run: HBM bandwidth, the fastest of a 2 GiB device-to-device
-copy and elementwise passes (rjax.roofline.measure_bandwidth; bytes read + written), bf16 TFLOP/s by jnp.dot at 8192^3 and by jnp.dot at each row's
+copy and elementwise passes (rjax.engine.roofline.measure_bandwidth; bytes read + written), bf16 TFLOP/s by jnp.dot at 8192^3 and by jnp.dot at each row's
 own shape (the "xla_bf16" column: the same product on an already-dequantized bf16 weight).
 """
 from __future__ import annotations
@@ -48,8 +48,8 @@ from pallas_kernels.quant_matmul.kernel import TileConfig, fused_qmatmul
 from pallas_kernels.quant_matmul.reference import dequantize_then_dot
 from gguf_blocks import formats
 from gguf_blocks.qtensor import QTensor
-from rjax.layout import gpu_weight_layout
-from rjax.roofline import measure_bandwidth
+from rjax.engine.roofline import measure_bandwidth
+from rjax.math.layout import gpu_weight_layout
 from gguf_blocks.reference import dequantize
 
 warnings.simplefilter("ignore", DeprecationWarning)
@@ -72,7 +72,7 @@ def log(*a):
 @functools.partial(jax.jit, static_argnames=("qtype", "n", "k", "model_layout"))
 def device_qtensor(qtype: QType, n: int, k: int, key, model_layout: bool = True) -> QTensor:
     """Random valid blocks generated on the device (random bytes, random-sign f16 scales), in
-    the layout `rjax.load` gives a GPU model (rjax.layout.gpu_weight_layout: Q4_K scales per
+    the layout `rjax.load` gives a GPU model (rjax.math.layout.gpu_weight_layout: Q4_K scales per
     chunk, quant planes as int32 words) unless `model_layout` is off."""
     cls, fields = formats.LAYOUTS[qtype]
     nb = k // GGML_QUANT_SIZES[qtype][0]
@@ -220,7 +220,7 @@ def run_job(job: Job, m_max: int, timing: str = "host"):
 
 
 def measure_ceilings():
-    # HBM: the fastest of rjax.roofline's probes over 2 GiB (a device copy, elementwise passes).
+    # HBM: the fastest of rjax.engine.roofline's probes over 2 GiB (a device copy, elementwise passes).
     hbm = measure_bandwidth(2 << 30)["gb_per_s"]
     s = 8192
     p = jax.random.normal(jax.random.key(2), (s, s), jnp.bfloat16)

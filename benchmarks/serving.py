@@ -9,7 +9,7 @@ No external engine runs here; llama.cpp's batched-decode figure for llama-8b is 
 For each synthetic model (llama-1b and llama-8b shapes, q4_k; written under --workdir unless
 already there) and each batch size B: a paged cache of B slots, each already holding --context
 positions in its own pages, and the program `ServingEngine.step` runs for decoding
-(`rjax.slots.decode_dispatch` over the paged cache: a random stream, sampling parameters and
+(`rjax.engine.slots.decode_dispatch` over the paged cache: a random stream, sampling parameters and
 stop ids per slot, --steps decode steps per dispatch, every slot active; every slot greedy, so
 the engine's program without sampling, or with --temperature T every slot sampling at T, with
 --top-p P < 1 through the filters' search, as the engine's programs for such requests do).
@@ -19,7 +19,7 @@ tokens. tokens/s = B x steps / the median dispatch's time.
 Every program is compiled first, all batch sizes in parallel threads, so the compile time is
 paid once per model; the persistent compilation cache under --workdir makes a second run of
 the script start faster. A batch size whose cache does not fit the free device memory
-(`rjax.memory.plan_memory`) is skipped with the reason. Each model gets a share of --budget;
+(`rjax.engine.memory.plan_memory`) is skipped with the reason. Each model gets a share of --budget;
 batch sizes still unmeasured when its share is spent are listed as skipped. With --serve-requests,
 the first model also runs that many requests end to end through `ServingEngine` (multi-prompt
 prefill, admission into 64 slots, streaming) when time remains.
@@ -43,15 +43,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from rjax import engine  # noqa: E402
-from rjax.bench_report import write_json  # noqa: E402
-from rjax.engine import DecodeState  # noqa: E402
-from rjax.memory import MemoryFitError, kv_bytes_per_position, plan_memory, tree_bytes  # noqa: E402
-from rjax.paged_cache import PagedKVCache  # noqa: E402
-from rjax.precompile import Program, compile_programs  # noqa: E402
-from rjax.sampling import SamplingParams  # noqa: E402
-from rjax.serving import ServingConfig, ServingEngine  # noqa: E402
-from rjax.slots import decode_dispatch, init_slots  # noqa: E402
+from rjax.cli.bench_report import write_json  # noqa: E402
+from rjax.engine import steps as engine  # noqa: E402
+from rjax.engine.memory import MemoryFitError, kv_bytes_per_position, plan_memory, tree_bytes  # noqa: E402
+from rjax.engine.precompile import Program, compile_programs  # noqa: E402
+from rjax.engine.slots import decode_dispatch, init_slots  # noqa: E402
+from rjax.engine.steps import DecodeState  # noqa: E402
+from rjax.math.paged_cache import PagedKVCache  # noqa: E402
+from rjax.math.sampling import SamplingParams  # noqa: E402
+from rjax.runtime.serving import ServingConfig, ServingEngine  # noqa: E402
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # (shape, quantization mix, share of the time budget); batch sizes are measured in this order
@@ -95,7 +95,7 @@ def decode_inputs(cfg, B: int, context: int, max_len: int, page_size: int, dtype
 
 def compile_all(cfg, params, batches, a, max_len, dtype, workers):
     """{B: (compiled decode dispatch, seconds lowering + compiling it) or an error string}: one
-    `rjax.precompile.compile_programs` call, the compilations in parallel threads."""
+    `rjax.engine.precompile.compile_programs` call, the compilations in parallel threads."""
     programs = [Program(f"B={B}", decode_dispatch,
                         (cfg, params, *decode_inputs(cfg, B, a.context, max_len, a.page_size, dtype, abstract=True),
                          a.steps, False, None, a.temperature == 0, a.top_p < 1)) for B in batches]
@@ -171,9 +171,9 @@ def serve_end_to_end(cfg, params, a, dtype, deadline) -> dict:
 
 
 def run_model(shape, quant, batches, a, deadline, result, row, synth_kw) -> None:
-    from rjax.loaders import for_backend
-    from rjax.loaders.gguf import load_gguf
-    from rjax.synth import write_synthetic
+    from rjax.loading.loaders import for_backend
+    from rjax.loading.loaders.gguf import load_gguf
+    from rjax.loading.synth import write_synthetic
 
     tag = f"{shape}-{quant}" + ("-smoke" if a.smoke else "")
     path = Path(a.workdir) / f"{tag}.gguf"

@@ -44,11 +44,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import rjax  # noqa: E402
-from rjax import engine  # noqa: E402
-from rjax.cache import init_cache  # noqa: E402
-from rjax.generation import activation_dtype  # noqa: E402
-from rjax.model import forward  # noqa: E402
-from rjax.speculative import NgramDrafter  # noqa: E402
+from rjax.engine import steps as engine  # noqa: E402
+from rjax.engine.speculative import NgramDrafter  # noqa: E402
+from rjax.math.cache import init_cache  # noqa: E402
+from rjax.math.model import forward  # noqa: E402
+from rjax.runtime.generation import activation_dtype  # noqa: E402
 
 CODE = '''def moving_average(values, window):
     """Return the moving averages of values over a sliding window."""
@@ -227,7 +227,7 @@ def part_ngram(a, out: dict) -> None:
 
 
 def part_draft_model(a, out: dict) -> None:
-    from rjax.synth import write_synthetic
+    from rjax.loading.synth import write_synthetic
 
     t0 = time.perf_counter()
     layers = "" if a.target_layers is None else f"-{a.target_layers}l"
@@ -343,7 +343,7 @@ def main(argv=None) -> int:
                    help="speculative rounds per program call (plain decoding runs 32 steps per call)")
     p.add_argument("--skip-8b", action="store_true", help="only part (a)")
     p.add_argument("--skip-ngram", action="store_true", help="only part (b)")
-    p.add_argument("--target-shape", default="llama-8b", help="part (b)'s synthetic shape (rjax.synth.SHAPES)")
+    p.add_argument("--target-shape", default="llama-8b", help="part (b)'s synthetic shape (rjax.loading.synth.SHAPES)")
     p.add_argument("--target-layers", type=int, default=None, help="part (b)'s layer count (default: the shape's)")
     a = p.parse_args(argv)
     a.ngram_k = [int(k) for k in a.ngram_k.split(",")]

@@ -19,7 +19,7 @@ the GPU layout), tracing, lowering to MLIR, XLA compile (persistent-cache reads 
 reading stored programs, cache hits and misses, programs built, and the rest (the first calls
 themselves, host work).
 Tracing, lowering and compiling are sums over programs; compiles run in threads beside the
-lowering of the next program (rjax.precompile), so their sum can exceed the time they took.
+lowering of the next program (rjax.engine.precompile), so their sum can exceed the time they took.
 """
 from __future__ import annotations
 
@@ -51,10 +51,12 @@ MISS = "/jax/compilation_cache/cache_misses"
 # The model load and the stored programs, broken down by the functions that do them: (column,
 # module, attribute). Each is timed from its call until its result is on the device (the
 # breakdown waits for it there, which a plain run would do at its first call anyway).
-SPANS = (("header_s", "rjax.loaders.gguf", "open_gguf"), ("header_s", "rjax.loaders.gguf", "config_from_reader"),
-         ("weights_s", "rjax.loaders.gguf", "load_params"), ("tokenizer_s", "rjax.tokenizer", "Tokenizer.from_gguf"),
-         ("fuse_s", "rjax.layout", "fuse_projections"), ("layout_s", "rjax.layout", "gpu_weight_layout"),
-         ("program_read_s", "rjax.programs", "_load"))
+SPANS = (("header_s", "rjax.loading.loaders.gguf", "open_gguf"),
+         ("header_s", "rjax.loading.loaders.gguf", "config_from_reader"),
+         ("weights_s", "rjax.loading.loaders.gguf", "load_params"),
+         ("tokenizer_s", "rjax.loading.tokenizer", "Tokenizer.from_gguf"),
+         ("fuse_s", "rjax.math.layout", "fuse_projections"), ("layout_s", "rjax.math.layout", "gpu_weight_layout"),
+         ("program_read_s", "rjax.loading.programs", "_load"))
 
 
 # -- the child: one measured process ----------------------------------------------------------------
@@ -78,7 +80,7 @@ def _child(what: str, model: str, max_new_tokens: int, port: int, record: str, r
     monitoring.register_event_duration_secs_listener(
         lambda event, d, **kw: events.append((event, d, now(), str(kw.get("fun_name", "")))))
     import rjax
-    import rjax.cli  # noqa: F401
+    import rjax.cli.main  # noqa: F401
     marks["import"] = now()
     spans: list = []
     marks["spans"] = spans
@@ -92,11 +94,11 @@ def _child(what: str, model: str, max_new_tokens: int, port: int, record: str, r
 
     rjax.load = timed_load
     if what == "generate":
-        return rjax.cli.main(["generate", "-m", model, "--max-new-tokens", str(max_new_tokens), "Hi"]
+        return rjax.cli.main.main(["generate", "-m", model, "--max-new-tokens", str(max_new_tokens), "Hi"]
                              + ["--raw"] * raw)
     if what == "serve":
-        return rjax.cli.main(["serve", "-m", model, "--port", str(port)])
-    m = rjax.load(model, progress=False)  # which turns the persistent cache on (rjax.xla_cache)
+        return rjax.cli.main.main(["serve", "-m", model, "--port", str(port)])
+    m = rjax.load(model, progress=False)  # which turns the persistent cache on (rjax.loading.xla_cache)
     for chunk in rjax.stream(m, "Hi", max_new_tokens=max_new_tokens, raw=raw):
         marks.setdefault("first_token", now())
         sys.stdout.write(chunk)
@@ -279,7 +281,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.model is None:
         sys.path.insert(0, str(ROOT))
-        from rjax.catalog import DEFAULT_MODEL
+        from rjax.loading.catalog import DEFAULT_MODEL
         a.model = DEFAULT_MODEL
     if a.child:
         return _child(a.child, a.model, a.max_new_tokens, a.port, a.record, a.raw)

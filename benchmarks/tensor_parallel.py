@@ -1,4 +1,4 @@
-"""Decode tokens/s of a model split over several GPUs (rjax.tensor_parallel), beside the HBM
+"""Decode tokens/s of a model split over several GPUs (rjax.math.tensor_parallel), beside the HBM
 roofline of the devices it runs on.
 
     python benchmarks/tensor_parallel.py --gguf /tmp/l8b.gguf --tp 1,2 --batch 1,32 --out "$OUT/tp8b.json"
@@ -27,13 +27,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rjax import engine, tensor_parallel as tpl  # noqa: E402
-from rjax.cache import init_cache  # noqa: E402
-from rjax.config import ModelConfig  # noqa: E402
-from rjax.generation import activation_dtype  # noqa: E402
-from rjax.model import LayerParams, Params  # noqa: E402
-from rjax.roofline import measure_bandwidth  # noqa: E402
-from rjax.sampling import SamplingParams  # noqa: E402
+from rjax.engine import steps as engine  # noqa: E402
+from rjax.engine.roofline import measure_bandwidth  # noqa: E402
+from rjax.math import tensor_parallel as tpl
+from rjax.math.cache import init_cache  # noqa: E402
+from rjax.math.config import ModelConfig  # noqa: E402
+from rjax.math.model import LayerParams, Params  # noqa: E402
+from rjax.math.sampling import SamplingParams  # noqa: E402
+from rjax.runtime.generation import activation_dtype  # noqa: E402
 
 LLAMA_70B = ModelConfig(arch="llama", n_layers=80, d_model=8192, d_ff=28672, n_heads=64, n_kv_heads=8, head_dim=128,
                         vocab_size=128256, context_length=131072, rms_eps=1e-5, rope_theta=500000.0,

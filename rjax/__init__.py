@@ -15,27 +15,27 @@ Compiled programs are kept in $RJAX_HOME/xla-cache from rjax.load on; rjax.compi
 import importlib
 import importlib.util
 
-# Names are imported on first use (PEP 562), so that `import rjax.catalog`, `rjax info` and `rjax pull`
-# do not start jax; `rjax.generate`, `from rjax import load` and `rjax.cache.snapshot` work as before.
+# Names are imported on first use (PEP 562), so that `import rjax.loading.catalog`, `rjax info` and
+# `rjax pull` do not start jax; `rjax.generate` and `from rjax import load` import what they name.
 _EXPORTS = {
-    "rjax.cache": ("KVCache", "init_cache"),
-    "rjax.catalog": ("DEFAULT_MODEL", "pull"),
-    "rjax.config": ("ModelConfig",),
-    "rjax.engine": ("ContextLengthError", "decode_loop", "decode_step", "greedy_decode_loop", "pad_prompts", "prefill",
-                    "prefill_and_sample", "prompt_bucket"),
-    "rjax.generation": ("GenerationResult", "InvalidTextError", "generate", "stream"),
-    "rjax.loaders": ("Model", "load"),
-    "rjax.loaders.errors": ("ModelFileError",),
-    "rjax.model": ("embed",),
-    "rjax.params": ("Params",),
-    "rjax.plan": ("Plan", "plan_for"),
-    "rjax.research": ("ForwardResult", "NotDifferentiableError", "forward", "merge_params", "split_params"),
-    "rjax.paged_cache": ("PagedKVCache", "init_paged_cache"),
-    "rjax.sampling": ("SamplingParams", "sample"),
-    "rjax.scoring": ("perplexity", "score", "token_logprobs"),
-    "rjax.serving": ("ServingConfig", "ServingEngine"),
-    "rjax.xla_cache": ("compile_cache",),
-    "rjax.tokenizer": ("ChatTemplateError",),
+    "rjax.math.cache": ("KVCache", "init_cache"),
+    "rjax.loading.catalog": ("DEFAULT_MODEL", "pull"),
+    "rjax.math.config": ("ModelConfig",),
+    "rjax.engine.steps": ("ContextLengthError", "decode_loop", "decode_step", "greedy_decode_loop", "pad_prompts",
+                          "prefill", "prefill_and_sample", "prompt_bucket"),
+    "rjax.runtime.generation": ("GenerationResult", "InvalidTextError", "generate", "stream"),
+    "rjax.loading.loaders": ("Model", "load"),
+    "rjax.loading.loaders.errors": ("ModelFileError",),
+    "rjax.math.model": ("embed",),
+    "rjax.math.params": ("Params",),
+    "rjax.math.plan": ("Plan", "plan_for"),
+    "rjax.math.research": ("ForwardResult", "NotDifferentiableError", "forward", "merge_params", "split_params"),
+    "rjax.math.paged_cache": ("PagedKVCache", "init_paged_cache"),
+    "rjax.math.sampling": ("SamplingParams", "sample"),
+    "rjax.runtime.scoring": ("perplexity", "score", "token_logprobs"),
+    "rjax.runtime.serving": ("ServingConfig", "ServingEngine"),
+    "rjax.loading.xla_cache": ("compile_cache",),
+    "rjax.loading.tokenizer": ("ChatTemplateError",),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
@@ -47,7 +47,7 @@ def __getattr__(name: str):
         globals()[name] = value  # later lookups skip this function
         return value
     if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        return importlib.import_module(f"{__name__}.{name}")  # a submodule: rjax.cache, rjax.tensor_parallel
+        return importlib.import_module(f"{__name__}.{name}")  # a submodule: rjax.math.cache, rjax.math.tensor_parallel
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

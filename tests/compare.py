@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rjax import engine
-from rjax.cache import init_cache
-from rjax.sampling import SamplingParams
+from rjax.engine import steps
+from rjax.math.cache import init_cache
+from rjax.math.sampling import SamplingParams
 
 RTOL = 1e-3
 
@@ -33,7 +33,7 @@ def _prefill(cfg, params, cache, ids, groups, fn, *extra):
     indices. -> (per-prompt outputs in prompt order, cache)."""
     outs = [None] * len(ids)
     for group in groups:
-        tokens, lengths = engine.pad_prompts([ids[i] for i in group])
+        tokens, lengths = steps.pad_prompts([ids[i] for i in group])
         slots = jnp.asarray(group, jnp.int32)
         out, cache = fn(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths), slots, *extra)
         for j, i in enumerate(group):
@@ -50,13 +50,13 @@ def check_against_oracle(cfg, params, ids, ref, *, max_len: int, decode_steps: i
     groups = groups or [list(range(len(ids)))]
     worst = 0.0
     cache = init_cache(cfg, len(ids), max_len)
-    logits, cache = _prefill(cfg, params, cache, ids, groups, engine.prefill)
+    logits, cache = _prefill(cfg, params, cache, ids, groups, steps.prefill)
     prompted = (jax.tree.map(jnp.copy, cache), jnp.stack(logits)) if greedy else None
     for i, r in enumerate(ref):
         worst = max(worst, assert_close(logits[i], r["last_logits"], f"prompt {i} after prefill", rtol))
     for step in range(decode_steps):
         feed = jnp.asarray([int(r["step_tokens"][step]) for r in ref], jnp.int32)
-        logits, cache = engine.decode_step(cfg, params, cache, feed)
+        logits, cache = steps.decode_step(cfg, params, cache, feed)
         for i, r in enumerate(ref):
             worst = max(worst, assert_close(logits[i], r["step_logits"][step], f"prompt {i} decode step {step}", rtol))
     np.testing.assert_array_equal(np.asarray(cache.lengths), [len(p) + decode_steps for p in ids])
@@ -71,19 +71,19 @@ def check_against_oracle(cfg, params, ids, ref, *, max_len: int, decode_steps: i
 def greedy_from(cfg, params, cache, last_logits, n: int) -> np.ndarray:
     """n greedy tokens for each row of a just-prefilled `cache` whose last prompt logits are
     `last_logits` [B, vocab]: the argmax of those, then the engine's on-device greedy loop (what
-    `rjax.generate` runs at temperature 0; tests/engine/test_engine.py checks it against the sampling
+    `rjax.generate` runs at temperature 0; tests/engine/test_steps.py checks it against the sampling
     loop at temperature 0). -> [B, n]."""
     B = last_logits.shape[0]
     first = jnp.argmax(last_logits, axis=-1).astype(jnp.int32)
     key = jax.random.key(0)
     stop = jnp.asarray([-1], jnp.int32)  # no stop token: every prompt runs n tokens
-    state = engine.initial_state(first, jnp.full((B,), n, jnp.int32), stop, key, cache)
-    out, _, _ = engine.greedy_decode_loop(cfg, params, cache, state, SamplingParams.make(B), stop, n - 1)
+    state = steps.initial_state(first, jnp.full((B,), n, jnp.int32), stop, key, cache)
+    out, _, _ = steps.greedy_decode_loop(cfg, params, cache, state, SamplingParams.make(B), stop, n - 1)
     return np.concatenate([np.asarray(first)[:, None], np.asarray(out)], axis=1)
 
 
 def greedy_continuations(cfg, params, ids, n: int, *, max_len: int, groups=None) -> np.ndarray:
     """n greedy tokens per prompt (`greedy_from` after a prefill of every prompt). -> [P, n]."""
     cache = init_cache(cfg, len(ids), max_len)
-    logits, cache = _prefill(cfg, params, cache, ids, groups or [list(range(len(ids)))], engine.prefill)
+    logits, cache = _prefill(cfg, params, cache, ids, groups or [list(range(len(ids)))], steps.prefill)
     return greedy_from(cfg, params, cache, jnp.stack(logits), n)

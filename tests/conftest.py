@@ -47,7 +47,7 @@ def pytest_configure(config):
     for name, value in _CACHE_SETTINGS.items():
         jax.config.update(name, value)
     # JAX opens the cache directory at its first compile and keeps it for the process: compile
-    # now, so that a test that points the setting elsewhere (`rjax.cli.main` sets
+    # now, so that a test that points the setting elsewhere (`rjax.cli.main.main` sets
     # $RJAX_HOME/xla-cache) cannot move this process's cache.
     jax.jit(lambda x: x + 1)(0)
 
@@ -60,7 +60,7 @@ def pytest_unconfigure(config):
 
 @pytest.fixture(autouse=True)
 def _keep_compilation_cache_settings():
-    """Put back the run's cache settings after a test changed them (`rjax.cli.main` and
+    """Put back the run's cache settings after a test changed them (`rjax.cli.main.main` and
     `rjax bench` set their own when called in-process), and reopen the run's cache directory
     if the test may have moved it."""
     yield
@@ -107,14 +107,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    from rjax.catalog import resolve_model
+    from rjax.loading.catalog import resolve_model
 
     return Path(resolve_model("smollm2-135m-instruct", progress=False))
 
 
 @pytest.fixture(scope="session")
 def gemma3_path() -> Path:
-    from rjax.catalog import resolve_model
+    from rjax.loading.catalog import resolve_model
 
     return Path(resolve_model("gemma3-270m", progress=False))
 
@@ -131,7 +131,7 @@ def smollm2(smollm2_path):
 def tiny_path(tmp_path_factory) -> Path:
     """A small synthetic llama GGUF (2 layers of the default model's shape, vocabulary 512,
     a built-in byte-level tokenizer): fast to load and compile."""
-    from rjax.synth import write_synthetic
+    from rjax.loading.synth import write_synthetic
 
     path = tmp_path_factory.mktemp("synth") / "tiny.gguf"
     return write_synthetic(path, "smollm2-135m", "q8_0", seed=3, n_layers=2, vocab_size=512,
@@ -143,7 +143,7 @@ def tiny_moe_path(request, tmp_path_factory) -> Path:
     """A small synthetic mixture of experts of each architecture, 8 experts of which 2 per token,
     one layer: Mixtral's (GGUF `llama` with experts; Q5_0 and Q8_0 blocks, as the q4_k mix falls
     back on 64-wide rows) and Qwen3-MoE's (q/k norms, head dim 32, Q8_0)."""
-    from rjax.synth import Shape, write_synthetic
+    from rjax.loading.synth import Shape, write_synthetic
 
     shape, quant = {
         "mixtral": (Shape("tiny-mixtral", "llama", 1, 64, 64, 4, 2, 512, 256, 10000.0, 1e-5, tied_embeddings=False,
@@ -158,7 +158,7 @@ def tiny_moe_path(request, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tiny(tiny_path):
     """(config, params) of `tiny_path`."""
-    from rjax.loaders.gguf import load_gguf
+    from rjax.loading.loaders.gguf import load_gguf
 
     cfg, params, _ = load_gguf(tiny_path, progress=False)
     return cfg, params

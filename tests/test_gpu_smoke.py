@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 
 import rjax
-from rjax.cache import init_cache
-from rjax.model import forward
-from rjax.plan import plan_for
-from rjax.synth import write_synthetic
+from rjax.loading.synth import write_synthetic
+from rjax.math.cache import init_cache
+from rjax.math.model import forward
+from rjax.math.plan import plan_for
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu_smoke]
 TOL = 5e-2
@@ -155,7 +155,7 @@ def test_serving_engine_with_mid_run_arrivals(models):
 def test_score_and_perplexity(models):
     """score and perplexity in bfloat16 against float32 on the same GPU: log-probabilities within
     the bound, perplexities within 2%."""
-    from rjax.scoring import perplexity_of_ids, score_ids
+    from rjax.runtime.scoring import perplexity_of_ids, score_ids
 
     model = models["llama-1b"]
     cfg, params = model.config, model.params
@@ -200,7 +200,7 @@ def test_loaded_weights_are_the_files_planes_in_the_gpu_layout(models):
     from gguf_blocks.reference import q4_k_chunks
     from gguf_blocks.words import as_words
     from pallas_kernels.quant_matmul.gemv import reads_words
-    from rjax.loaders.gguf import config_from_reader, load_params, open_gguf
+    from rjax.loading.loaders.gguf import config_from_reader, load_params, open_gguf
 
     model = models["llama-1b"]
     reader = open_gguf(model.source)
@@ -228,7 +228,7 @@ def test_kernel_families_against_their_references():
     from pallas_kernels.quant_matmul import qmatmul
     from pallas_kernels.quant_matmul.testing import random_qtensor
     from pallas_kernels.rms_norm import add_rms_norm
-    from rjax.layout import gpu_weight_layout
+    from rjax.math.layout import gpu_weight_layout
 
     rng = np.random.default_rng(0)
     rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float64) - np.asarray(b, np.float64))  # noqa: E731

@@ -24,9 +24,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import rjax  # noqa: E402
-from rjax import engine, tensor_parallel  # noqa: E402
-from rjax.cache import init_cache  # noqa: E402
-from rjax.generation import stream_ids  # noqa: E402
+from rjax.engine import steps as engine  # noqa: E402
+from rjax.math import tensor_parallel
+from rjax.math.cache import init_cache  # noqa: E402
+from rjax.runtime.generation import stream_ids  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 14, 3, 27, 8], [11, 4, 30], [2, 40, 7, 7, 19, 33, 12, 6, 21, 9, 17]]
 

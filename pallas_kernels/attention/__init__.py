@@ -12,7 +12,7 @@ Which kernel attends is an `AttentionKernel`: the decode kernel for a few positi
 (`takes_decode`), else for a contiguous cache the Mosaic GPU prefill kernel (prefill_mgpu.py)
 where it applies (16-bit inputs, head dim 64/128/192/256, cache length a multiple of its key
 block), else the Triton-lowered one (prefill.py). `attention_kernel` states that rule from the
-shapes; the model's plan (rjax.plan) asks it once and passes its answer as `kernel`, and a call
+shapes; the model's plan (rjax.math.plan) asks it once and passes its answer as `kernel`, and a call
 without one (a test, a benchmark) is answered by the same rule from its arrays.
 
 implementation (what runs the kernel):

@@ -16,7 +16,7 @@ x may be a plain array, a QuantizedX (rounded to int8 by its producer), a GatedX
 kernel applies to its sums) or, for qmatmul_pending_norm, a PendingNorm.
 Which kernel takes a product, and which of those inputs it takes, is answered for a product's
 shape, type, dtype and backend by `kernel_for` and the `takes_*` / `fuses_add_norm` questions,
-from a `Tuning` (gemv.py); a model's plan (rjax.plan) asks them once and its ops follow.
+from a `Tuning` (gemv.py); a model's plan (rjax.math.plan) asks them once and its ops follow.
 
 `implementation`: None picks the kernels on a GPU backend for supported types (the decode
 GEMV for M <= 64 rows, the prefill GEMM above) and the reference elsewhere; "reference",

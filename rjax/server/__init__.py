@@ -8,6 +8,6 @@ Modules: `app` (the FastAPI app), its routes by family (`routes_completions`,
 request in flight: typed engine requests out, events back), `middleware` (host, key, body size,
 draining, counts), `errors` (the OpenAI error body), `edge` (the TCP edge), `loop` (the engine's
 own thread), `text` (detokenization and stop strings), `tools` (tool calls), `schemas` (request
-bodies), `metrics` (Prometheus), `cli` (the subcommand). Nothing here is imported by `rjax`
-itself, so the server's packages are needed only to serve.
+bodies), `metrics` (Prometheus), `cli` (the subcommand). It imports rjax.runtime and below;
+only rjax.cli imports it, so the server's packages are needed only to serve.
 """

@@ -22,10 +22,10 @@ def make_setup(model: str, *, model_id: str, slots: int, max_len: int | None, st
         import jax.numpy as jnp
 
         import rjax
-        from rjax.generation import activation_dtype, load_drafter
-        from rjax.serving import ServingConfig, ServingEngine
+        from rjax.runtime.generation import activation_dtype, load_drafter
+        from rjax.runtime.serving import ServingConfig, ServingEngine
 
-        from rjax.tensor_parallel import make_tp
+        from rjax.math.tensor_parallel import make_tp
 
         m = rjax.load(model, mesh=make_tp(tp).mesh if tp > 1 else None)
         tok = m.tokenizer
@@ -58,8 +58,8 @@ def make_setup(model: str, *, model_id: str, slots: int, max_len: int | None, st
 def fitting_max_len(model, config_for, draft_cfg=None) -> int:
     """The model's context where the memory plan fits a cache of it for every slot, else the
     longest half of it that fits (logged); MemoryFitError where not even MIN_MAX_LEN does."""
-    from rjax.memory import MemoryFitError
-    from rjax.serving import check_memory
+    from rjax.engine.memory import MemoryFitError
+    from rjax.runtime.serving import check_memory
 
     ctx = length = model.config.context_length
     while True:
@@ -100,7 +100,7 @@ def cmd_serve(a) -> int:
     hosts = allowed_hosts(a.host, a.allowed_hosts)
     template = None
     if a.chat_template:  # a template that does not compile stops the server before it starts
-        from rjax.tokenizer.chat_template import check_chat_template
+        from rjax.loading.tokenizer.chat_template import check_chat_template
 
         try:
             template = (Path(a.chat_template).read_text(encoding="utf-8"), a.chat_template)
@@ -141,7 +141,7 @@ def _draining_server_class():
 
 
 def register_cli(subparsers) -> None:
-    from rjax.catalog import DEFAULT_MODEL
+    from rjax.loading.catalog import DEFAULT_MODEL
 
     p: argparse.ArgumentParser = subparsers.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (pip install 'rjax[serve]')",

@@ -7,8 +7,8 @@ import time
 
 from starlette.concurrency import run_in_threadpool
 
-from rjax.grammar import GrammarError, Grammars
-from rjax.request import Limits
+from rjax.runtime.grammar import GrammarError, Grammars
+from rjax.runtime.request import Limits
 from rjax.server.errors import APIError
 from rjax.server.loop import EngineLoop
 from rjax.server.metrics import Metrics

@@ -1,5 +1,5 @@
 """One HTTP request in flight: its choices go to the engine loop as typed requests
-(`rjax.request.Request`, checked once here against the engine's `Limits`), and their events
+(`rjax.runtime.request.Request`, checked once here against the engine's `Limits`), and their events
 come back into the request's own asyncio queue, where they are detokenized, cut at stop strings
 and sent on (server-sent events with `stream: true`, one JSON body without). A client that goes
 away cancels its sequences at once, which frees their slots and pages."""
@@ -16,14 +16,14 @@ from typing import Any, AsyncIterator, Sequence
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
-from rjax.request import Limits, Request
+from rjax.loading.tokenizer import ChatTemplateError
+from rjax.runtime.request import Limits, Request
+from rjax.runtime.serving_events import TokenLogprob
 from rjax.server.errors import APIError
 from rjax.server.loop import EngineFailure, EngineLoop, QueueFullError
 from rjax.server.schemas import ChatCompletionRequest, SamplingRequest
 from rjax.server.text import ChoiceText, Piece
 from rjax.server.tools import render_messages
-from rjax.serving_events import TokenLogprob
-from rjax.tokenizer import ChatTemplateError
 
 log = logging.getLogger("rjax.server")
 
@@ -165,7 +165,7 @@ def check_text_length(tok, text: str, max_len: int, param: str) -> None:
 def start(loop: EngineLoop, limits: Limits, tok, body: SamplingRequest, prompts: list[list[int]], *, default_max,
           logprobs: bool, prompt_param: str, constraint=None) -> Generation:
     """Check the request's sequences against the engine's `limits` and queue them; `constraint`:
-    None, or a maker of a fresh `rjax.grammar.Constraint` for each."""
+    None, or a maker of a fresh `rjax.runtime.grammar.Constraint` for each."""
     max_len = limits.max_len
     sampling = dict(temperature=1.0 if body.temperature is None else body.temperature,
                     top_k=max(body.top_k or 0, 0), top_p=1.0 if body.top_p is None else body.top_p, **body.adjust)

@@ -4,7 +4,7 @@ only through a thread-safe inbox (submit, cancel) and per-request sinks (events 
 The loop never waits on a client: a sink only hands the event to the handler's own event loop
 (an unbounded queue there), and a sink that fails (its event loop is gone) cancels its request.
 A request that fails inside the engine (its own fault, or a device program of its step that
-failed: `rjax.serving`) gets an EngineFailure naming what failed, and the rest go on. Any other
+failed: `rjax.runtime.serving`) gets an EngineFailure naming what failed, and the rest go on. Any other
 failure of a step fails every request in flight, and the loop goes on with a fresh engine (the
 failed step may have consumed the donated cache). Both count as failed steps (`failed_steps`,
 `last_failure`, the rjax_failed_steps counter).
@@ -21,9 +21,9 @@ import time
 import traceback
 from typing import Callable, Hashable
 
-from rjax.request import Limits, Request
-from rjax.scoring import embed_ids
-from rjax.serving import ServingEngine, StreamEvent
+from rjax.runtime.request import Limits, Request
+from rjax.runtime.scoring import embed_ids
+from rjax.runtime.serving import ServingEngine, StreamEvent
 
 log = logging.getLogger("rjax.server")
 
@@ -130,7 +130,7 @@ class EngineLoop:
         return None if engine is None else engine.limits
 
     def embed(self, prompts: list[list[int]]):
-        """Each prompt's embedding by the engine's model (`rjax.scoring.embed_ids`), on the
+        """Each prompt's embedding by the engine's model (`rjax.runtime.scoring.embed_ids`), on the
         caller's thread: it reads the parameters only."""
         engine = self.engine
         if engine is None:

@@ -8,13 +8,13 @@ import uuid
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
+from rjax.runtime.serving_events import TokenLogprob
 from rjax.server.context import Context
 from rjax.server.errors import APIError
 from rjax.server.flight import (chat_logprob, chat_prompt, check_model, completion_prompts, sse, start, token_text,
                                 top_dict)
 from rjax.server.schemas import ChatCompletionRequest, CompletionRequest
 from rjax.server.tools import ToolStream, call_grammar, parse_tool_calls, tool_format
-from rjax.serving_events import TokenLogprob
 
 
 def routes(ctx: Context) -> APIRouter:

@@ -1,4 +1,4 @@
-"""/v1/embeddings: each input's embedding (`rjax.scoring.embed_ids`), as floats or base64."""
+"""/v1/embeddings: each input's embedding (`rjax.runtime.scoring.embed_ids`), as floats or base64."""
 from __future__ import annotations
 
 import base64

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from rjax.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
+from rjax.math.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 
 MAX_STOP_STRINGS = 4   # OpenAI's limit
 MAX_N = 16             # choices per request: each takes a slot of its own
@@ -66,7 +66,7 @@ class SamplingRequest(_Body):
     user: Name | None = None
     # As vLLM's and llama.cpp's servers take it: generate through end-of-sequence tokens.
     ignore_eos: bool = False
-    # Logit adjustments (`rjax.sampling.adjust_logits`); repetition_penalty and min_p as vLLM's.
+    # Logit adjustments (`rjax.math.sampling.adjust_logits`); repetition_penalty and min_p as vLLM's.
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
@@ -103,7 +103,7 @@ class SamplingRequest(_Body):
 
     @property
     def constraint(self) -> tuple[str, str, Any] | None:
-        """(param, kind, spec) of the request's constraint (`rjax.grammar`), or None."""
+        """(param, kind, spec) of the request's constraint (`rjax.runtime.grammar`), or None."""
         given = [(name, kind, getattr(self, name)) for name, kind in (
             ("guided_json", "json_schema"), ("json_schema", "json_schema"), ("guided_regex", "regex"),
             ("guided_grammar", "grammar"), ("grammar", "grammar")) if getattr(self, name) is not None]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from rjax.serving import TokenLogprob
+from rjax.runtime.serving import TokenLogprob
 
 
 @dataclasses.dataclass(frozen=True)

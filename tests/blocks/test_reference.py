@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as QType
 
 from gguf_blocks import formats, reference
 from gguf_blocks.qtensor import QTensor
-from rjax.ops import matmul, take_rows
+from rjax.math.ops import matmul, take_rows
 
 QUANT_TYPES = sorted(formats.LAYOUTS)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGUFReader, quants
 
-from rjax.catalog import CATALOG, CatalogError, resolve_model
+from rjax.loading.catalog import CATALOG, CatalogError, resolve_model
 from gguf_blocks import formats, reference
 from gguf_blocks.qtensor import QTensor
 

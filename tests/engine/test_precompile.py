@@ -1,4 +1,4 @@
-"""rjax.precompile: programs compiled ahead, concurrently, are the ones the engine's calls then
+"""rjax.engine.precompile: programs compiled ahead, concurrently, are the ones the engine's calls then
 run (no XLA compile at call time), with the same results as compiling at the call."""
 import contextlib
 
@@ -7,15 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rjax import engine
-from rjax.bench import load_for_bench
-from rjax.cache import init_cache
-from rjax.precompile import BackgroundCompile, Program, compile_programs, decode_program, prefill_program
-from rjax.sampling import SamplingParams
-from rjax.serving import ServingConfig, ServingEngine
-from rjax.synth import write_synthetic
-from rjax.programs import device_program
-from rjax.xla_cache import compile_cache
+from rjax.cli.bench import load_for_bench
+from rjax.engine import steps as engine
+from rjax.engine.precompile import BackgroundCompile, Program, compile_programs, decode_program, prefill_program
+from rjax.loading.programs import device_program
+from rjax.loading.synth import write_synthetic
+from rjax.loading.xla_cache import compile_cache
+from rjax.math.cache import init_cache
+from rjax.math.sampling import SamplingParams
+from rjax.runtime.serving import ServingConfig, ServingEngine
 
 B, BUCKET, CACHE, STEPS = 2, 16, 64, 3
 
@@ -48,7 +48,7 @@ def count_compiles():
 
 
 def _run(cfg, params):
-    """A prefill and one decode dispatch with real arrays, as rjax.generation makes them."""
+    """A prefill and one decode dispatch with real arrays, as rjax.runtime.generation makes them."""
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, BUCKET)), jnp.int32)
     lengths = jnp.asarray([BUCKET, 9], jnp.int32)
@@ -112,7 +112,7 @@ def test_bad_program_names_itself(model):
 
 def test_generation_compiles_each_program_once_ahead(model, tmp_path):
     import rjax
-    from rjax.generation import stream_ids
+    from rjax.runtime.generation import stream_ids
 
     path = write_synthetic(tmp_path / "tiny.gguf", "smollm2-135m", "q4_1", n_layers=2, vocab_size=512,
                            tokenizer_from="builtin")
@@ -203,7 +203,7 @@ def test_serving_engine_serves_its_first_programs_while_the_rest_compile(model, 
     assert sorted(report.compile_s) == ["decode B=1 N=4 greedy", "decode B=1 N=4 unfiltered", "prefill P=1 T=64"]
     every = {p.name for p in eng.runner.programs.programs().values()}
     assert sorted(eng.compiling) == sorted(every - set(report.compile_s)) and "prefill P=2 T=32" in every
-    with caplog.at_level("INFO", logger="rjax.serving"):
+    with caplog.at_level("INFO", logger="rjax.runtime.serving"):
         got = [serve(eng, p) for p in prompts] + [serve(eng, prompts[0], temperature=0.8, top_k=5, seed=7)]
     assert got == want
     # 5 tokens: the T=64 program, padded further; 40 tokens: its own

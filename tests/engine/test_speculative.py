@@ -13,19 +13,19 @@ import pytest
 
 from gguf_blocks.requantize import requantize_tree
 import rjax
-from rjax.catalog import CatalogError
-from rjax import engine
-from rjax.generation import default_draft_tokens
-from rjax.cache import init_cache
-from rjax.sampling import SamplingParams
-from rjax.config import ModelConfig
-from rjax.model import forward
-from rjax.params import LayerParams, Params
-from rjax.plan import decode_positions
-from rjax.sampling import LogitAdjust
-from rjax.slots import init_slots, prefill_into_slots
-from rjax.speculative import (ModelDrafter, NgramDrafter, SpeculativeStats, accept, draft_prefill, speculative_dispatch,
-                              speculative_ids)
+from rjax.engine import steps
+from rjax.engine.slots import init_slots, prefill_into_slots
+from rjax.engine.speculative import (ModelDrafter, NgramDrafter, SpeculativeStats, accept, draft_prefill,
+                                     speculative_dispatch, speculative_ids)
+from rjax.loading.catalog import CatalogError
+from rjax.math.cache import init_cache
+from rjax.math.config import ModelConfig
+from rjax.math.model import forward
+from rjax.math.params import LayerParams, Params
+from rjax.math.plan import decode_positions
+from rjax.math.sampling import SamplingParams
+from rjax.math.sampling import LogitAdjust
+from rjax.runtime.generation import default_draft_tokens
 
 REPEATING = [5, 6, 7, 8, 9, 10] * 3 + [5, 6]
 PLAIN = [3, 141, 59, 26, 5, 35, 89, 79, 32, 38]
@@ -42,11 +42,11 @@ def test_ngram_drafter_finds_the_latest_longest_match():
 
 def _greedy(cfg, params, prompt, n, max_len):
     cache = init_cache(cfg, 1, max_len)
-    t, l = engine.pad_prompts([prompt])
-    logits, cache = engine.prefill(cfg, params, cache, jnp.asarray(t), jnp.asarray(l))
+    t, l = steps.pad_prompts([prompt])
+    logits, cache = steps.prefill(cfg, params, cache, jnp.asarray(t), jnp.asarray(l))
     out = [int(jnp.argmax(logits[0]))]
     while len(out) < n and len(prompt) + len(out) <= max_len:
-        logits, cache = engine.decode_step(cfg, params, cache, jnp.asarray([out[-1]], jnp.int32))
+        logits, cache = steps.decode_step(cfg, params, cache, jnp.asarray([out[-1]], jnp.int32))
         out.append(int(jnp.argmax(logits[0])))
     return out
 
@@ -68,8 +68,8 @@ def _speculative(cfg, params, prompt, n, max_len, k, stats=None, draft=None, sto
 def drafts(tiny, tmp_path_factory):
     """Draft models for `tiny`: itself requantized to Q4_0 (mostly agrees) and an unrelated
     one-layer model of the same vocabulary (mostly disagrees: many rejections)."""
-    from rjax.loaders.gguf import load_gguf
-    from rjax.synth import write_synthetic
+    from rjax.loading.loaders.gguf import load_gguf
+    from rjax.loading.synth import write_synthetic
 
     cfg, params = tiny
     path = write_synthetic(tmp_path_factory.mktemp("synth") / "other.gguf", "smollm2-135m", "q8_0", seed=4,
@@ -124,7 +124,7 @@ def _slot_batch(cfg, params, prompts, S, sp, budget, drafter=NgramDrafter(), dpa
     starts requests (`prefill_into_slots`, row i of seed i), with each row's drafter state.
     -> (cache, slots, draft, first tokens [P])."""
     P = len(prompts)
-    t, l = engine.pad_prompts(prompts)
+    t, l = steps.pad_prompts(prompts)
     args = (jnp.asarray(t), jnp.asarray(l), jnp.arange(P, dtype=jnp.int32))
     seeds = jnp.stack([jnp.arange(P), jnp.zeros(P, jnp.int32)], 1).astype(jnp.uint32)
     first, _, batch, cache = prefill_into_slots(
@@ -254,7 +254,7 @@ def test_acceptance_leaves_the_sampling_distribution_unchanged(temperature, top_
     V, K, n = 8, 3, 40_000
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(K + 1, V)) * 1.5, jnp.float32)
     sp = SamplingParams.make(1, temperature, top_k, top_p)
-    want = np.asarray(jax.nn.softmax(rjax.sampling.filtered_logits(logits[:1], sp))[0], np.float64)
+    want = np.asarray(jax.nn.softmax(rjax.math.sampling.filtered_logits(logits[:1], sp))[0], np.float64)
     for drafted in (int(np.argmax(want)), int(np.argsort(want)[-3])):
         drafts = jnp.asarray([drafted, 1, 2], jnp.int32)
         m, nxt = jax.vmap(lambda key: accept(logits, drafts, jnp.int32(K), key, sp))(
@@ -327,7 +327,7 @@ def _exact_joint(cfg, params, prompt, n, sp):
     pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     logits, _ = forward(cfg, params, init_cache(cfg, len(seqs), 16), tokens, pos)
     rows = logits[:, len(prompt) - 1:].reshape(-1, V)
-    probs = np.asarray(jax.nn.softmax(rjax.sampling.filtered_logits(
+    probs = np.asarray(jax.nn.softmax(rjax.math.sampling.filtered_logits(
         rows, jax.tree.map(lambda a: jnp.broadcast_to(a[:1], (rows.shape[0],)), sp))), np.float64)
     probs = probs.reshape(len(seqs), n, V)
     joint = np.ones([V] * n)
@@ -380,7 +380,7 @@ def test_sampled_sequences_are_distributed_as_plain_sampling(drafter_kind, tempe
 
 
 def test_draft_model_of_another_vocabulary_is_refused(tiny_path, tmp_path):
-    from rjax.synth import write_synthetic
+    from rjax.loading.synth import write_synthetic
 
     model = rjax.load(tiny_path, progress=False)
     other = write_synthetic(tmp_path / "v1024.gguf", "smollm2-135m", "q8_0", seed=1, n_layers=1, vocab_size=1024,
@@ -394,7 +394,7 @@ def test_speculative_serving_equals_plain_serving(tiny):
     round) gives each request the tokens and finish reason a plain engine gives it: more requests
     than slots, budgets ending inside drafts, a stop id reached inside a round; each completion
     reports its own drafts and acceptances."""
-    from rjax.serving import ServingConfig, ServingEngine
+    from rjax.runtime.serving import ServingConfig, ServingEngine
 
     cfg, params = tiny
     want_plain = _greedy(cfg, params, REPEATING, 30, 128)
@@ -422,7 +422,7 @@ def test_speculative_serving_equals_plain_serving(tiny):
 
 
 def test_choose_k_follows_the_acceptance_rate():
-    from rjax.speculative import choose_k, expected_tokens
+    from rjax.engine.speculative import choose_k, expected_tokens
 
     assert expected_tokens(0.0, 4) == 1 and expected_tokens(1.0, 4) == 5 and expected_tokens(0.5, 1) == 1.5
     assert choose_k(0.05, (1, 2, 4, 7), 0.5) == 1      # drafts rarely kept: the least drafting

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from rjax.tokenizer import byte_alphabet
+from rjax.loading.tokenizer import byte_alphabet
 
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"

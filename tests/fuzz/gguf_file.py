@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 
 from gguf_blocks import formats
-from rjax.synth import TensorSpec, random_tensor
+from rjax.loading.synth import TensorSpec, random_tensor
 from tests.fuzz.common import BAD_UTF8, CHATML, GEMMA_TEMPLATE, byte_level_vocab, hostile_template, pick_int
 
 

@@ -1,7 +1,7 @@
 """Fuzzed HTTP request bodies for the server's /v1/completions and /v1/chat/completions: a valid
 request with fields set to values of the wrong type, range or encoding, unknown fields, broken
 messages, or the raw bytes damaged. Every one must get a 200 (a stream without an error event)
-or a 4xx with an OpenAI error body; run by tests/interface/test_server.py against a server on a
+or a 4xx with an OpenAI error body; run by tests/server/test_app.py against a server on a
 tiny model."""
 from __future__ import annotations
 

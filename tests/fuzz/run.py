@@ -38,8 +38,8 @@ from pathlib import Path
 import numpy as np
 
 import rjax
-from rjax.loaders import ModelFileError
-from rjax.tokenizer import ChatTemplateError, chat_template
+from rjax.loading.loaders import ModelFileError
+from rjax.loading.tokenizer import ChatTemplateError, chat_template
 from tests.fuzz import gguf_file, hf_directory
 from tests.fuzz.common import PROBE_MESSAGES, PROBE_TEXT
 from tests.fuzz.gguf_file import GGUFLayout, GGUFSpec, gemma_gguf_spec, gguf_layout, llama_gguf_spec, write_gguf

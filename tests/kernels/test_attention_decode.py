@@ -285,13 +285,13 @@ def test_model_decode_step_takes_it_when_planned(tmp_path, monkeypatch, kernels,
     order, as the serving engine's)."""
     import pallas_kernels.attention as attention
     from pallas_kernels.quant_matmul import TUNING
-    from rjax import engine
-    from rjax.bench import load_for_bench
-    from rjax.cache import init_cache
-    from rjax.layout import fuse_projections
-    from rjax.model import forward
-    from rjax.plan import plan_for
-    from rjax.synth import write_synthetic
+    from rjax.cli.bench import load_for_bench
+    from rjax.engine import steps
+    from rjax.loading.synth import write_synthetic
+    from rjax.math.cache import init_cache
+    from rjax.math.layout import fuse_projections
+    from rjax.math.model import forward
+    from rjax.math.plan import plan_for
 
     path = write_synthetic(tmp_path / "m.gguf", "smollm2-135m", "q4_1", n_layers=2, vocab_size=512,
                            tokenizer_from="builtin")
@@ -300,9 +300,9 @@ def test_model_decode_step_takes_it_when_planned(tmp_path, monkeypatch, kernels,
     calls = []
     name = "paged_rope_attention" if paged else "rope_attention"
     fused = getattr(attention, name)
-    monkeypatch.setattr(f"rjax.{'paged_cache' if paged else 'cache'}.{name}",
+    monkeypatch.setattr(f"rjax.math.{'paged_cache' if paged else 'cache'}.{name}",
                         lambda *a, **k: calls.append(1) or fused(*a, **k))
-    tokens, lengths = engine.pad_prompts([[5, 6, 7, 8, 9], [11, 12]])
+    tokens, lengths = steps.pad_prompts([[5, 6, 7, 8, 9], [11, 12]])
     step = jnp.asarray([[3], [4]], jnp.int32)
 
     def run(max_rows):
@@ -312,14 +312,14 @@ def test_model_decode_step_takes_it_when_planned(tmp_path, monkeypatch, kernels,
                         paged=paged)
         assert {lp.attention for lp in plan.layers} == {"rope_attention" if max_rows else "rope_append"}
         if paged:
-            from rjax.paged_cache import init_paged_cache, set_block_tables
+            from rjax.math.paged_cache import init_paged_cache, set_block_tables
 
             cache = init_paged_cache(cfg, 2, 10, 16, 64)
             tables = np.random.default_rng(0).permutation(10)[:8].reshape(2, 4)
             cache = set_block_tables(cache, jnp.arange(2), jnp.asarray(tables, jnp.int32))
         else:
             cache = init_cache(cfg, 2, 64)
-        _, cache = engine.prefill(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
+        _, cache = steps.prefill(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
         return forward(cfg, params, cache, step, jnp.asarray(lengths)[:, None], plan=plan)
 
     want = run(0)

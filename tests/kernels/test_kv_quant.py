@@ -33,9 +33,9 @@ from pallas_kernels.attention import (
     paged_decode_attention, paged_prefill_attention, prefill_attention,
 )
 from pallas_kernels.kv_quant import FP8_MAX, dequantize, quantize_fp8, quantize_int8
-from rjax import engine
-from rjax.cache import check_kv_dtype, init_cache, restore, snapshot
-from rjax.paged_cache import init_paged_cache, set_block_tables
+from rjax.engine import steps
+from rjax.math.cache import check_kv_dtype, init_cache, restore, snapshot
+from rjax.math.paged_cache import init_paged_cache, set_block_tables
 
 QUANT_TOL = {"int8": 2e-2, "fp8": 8e-2}
 KERNEL_TOL = 1e-5
@@ -353,15 +353,15 @@ def _run(cfg, params, cache, prompts, n_steps, feed=None):
     """Prefill `prompts` into slots 0.., then n_steps decode steps fed the greedy tokens (or those
     of `feed`, another run's logits, so that two runs see the same tokens); -> (logits per step,
     cache)."""
-    tokens, lengths = engine.pad_prompts(prompts)
-    logits, cache = engine.prefill(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
+    tokens, lengths = steps.pad_prompts(prompts)
+    logits, cache = steps.prefill(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
                                    jnp.arange(len(prompts), dtype=jnp.int32))
     out = [logits]
     active = jnp.arange(cache.n_slots) < len(prompts)
     for i in range(n_steps):
         prev = (feed or out)[i]
         ids = jnp.zeros(cache.n_slots, jnp.int32).at[: len(prompts)].set(jnp.argmax(prev, -1)[: len(prompts)])
-        logits, cache = engine.decode_step(cfg, params, cache, ids, active)
+        logits, cache = steps.decode_step(cfg, params, cache, ids, active)
         out.append(logits[: len(prompts)])
     return out, cache
 
@@ -411,7 +411,7 @@ def test_cache_stores_quantized_attends_close_to_float_and_snapshots_exactly(tin
 def _greedy(cfg, params, cache, slot, n):
     out, tok = [], 65
     for _ in range(n):
-        logits, cache = engine.decode_step(cfg, params, cache, jnp.zeros(cache.n_slots, jnp.int32).at[slot].set(tok),
+        logits, cache = steps.decode_step(cfg, params, cache, jnp.zeros(cache.n_slots, jnp.int32).at[slot].set(tok),
                                            jnp.zeros(cache.n_slots, bool).at[slot].set(True))
         tok = int(jnp.argmax(logits[slot]))
         out.append(tok)
@@ -433,11 +433,11 @@ def test_quantized_decode_step_through_the_kernels(tmp_path, monkeypatch, kv_dty
     import pallas_kernels.kv_append as kv_append
     from pallas_kernels.attention import AttentionKernel
     from pallas_kernels.quant_matmul import TUNING
-    from rjax.bench import load_for_bench
-    from rjax.layout import fuse_projections
-    from rjax.model import forward
-    from rjax.plan import Attention, Norm, plan_for
-    from rjax.synth import write_synthetic
+    from rjax.cli.bench import load_for_bench
+    from rjax.loading.synth import write_synthetic
+    from rjax.math.layout import fuse_projections
+    from rjax.math.model import forward
+    from rjax.math.plan import Attention, Norm, plan_for
 
     path = write_synthetic(tmp_path / "m.gguf", "smollm2-135m", "q4_1", n_layers=2, vocab_size=512,
                            tokenizer_from="builtin")
@@ -450,16 +450,16 @@ def test_quantized_decode_step_through_the_kernels(tmp_path, monkeypatch, kv_dty
     calls = []
     if fused:
         kernel = attention.rope_attention
-        monkeypatch.setattr("rjax.cache.rope_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+        monkeypatch.setattr("rjax.math.cache.rope_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     else:
         kernel = kv_append.rope_append_kernel
         monkeypatch.setattr(kv_append, "rope_append_kernel", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     in_xla = dataclasses.replace(plan, layers=tuple(
         dataclasses.replace(lp, attention=Attention.XLA, out_norm=Norm.NORM, attend=AttentionKernel.DECODE)
         for lp in plan.layers))
-    tokens, lengths = engine.pad_prompts([[5, 6, 7, 8, 9], [11, 12]])
+    tokens, lengths = steps.pad_prompts([[5, 6, 7, 8, 9], [11, 12]])
     cache = init_cache(cfg, 2, 64, kv_dtype=kv_dtype)
-    _, cache = engine.prefill(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
+    _, cache = steps.prefill(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
     step, pos = jnp.asarray([[3], [4]], jnp.int32), jnp.asarray(lengths)[:, None]
     got_logits, got = forward(cfg, params, cache, step, pos, plan=plan)
     assert len(calls) == cfg.n_layers, "the kernel did not run"
@@ -490,13 +490,13 @@ NEAR_TIE = 0.5
 def _greedy_float(cfg, params, prompts):
     """GREEN_TOKENS greedy tokens per prompt from the float32 cache (prefill, then decode steps),
     and the logits [B, GREEN_TOKENS, V] that chose them."""
-    tokens, lengths = engine.pad_prompts(prompts)
+    tokens, lengths = steps.pad_prompts(prompts)
     cache = init_cache(cfg, len(prompts), 256, jnp.float32)
-    logits, cache = engine.prefill(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
+    logits, cache = steps.prefill(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
     out, ids = [logits], []
     for _ in range(GREEN_TOKENS - 1):
         ids.append(jnp.argmax(logits, -1).astype(jnp.int32))
-        logits, cache = engine.decode_step(cfg, params, cache, ids[-1])
+        logits, cache = steps.decode_step(cfg, params, cache, ids[-1])
         out.append(logits)
     ids.append(jnp.argmax(logits, -1).astype(jnp.int32))
     return np.asarray(jnp.stack(ids, 1)), jnp.stack(out, 1)
@@ -507,10 +507,10 @@ def _forced_logits(cfg, params, prompts, generated, kv_dtype):
     prompt + generated tokens (teacher forcing): each position attends to the cache's keys and
     values of the positions up to it, written (and, for int8, quantized) before it reads them,
     exactly what a decode step at that position sees."""
-    from rjax.model import hidden_states, logits_from_hidden
+    from rjax.math.model import hidden_states, logits_from_hidden
 
     seqs = [list(p) + [int(t) for t in g] for p, g in zip(prompts, generated)]
-    tokens, lengths = engine.pad_prompts(seqs)
+    tokens, lengths = steps.pad_prompts(seqs)
     T = tokens.shape[1]
     pos = np.where(np.arange(T)[None, :] < np.asarray(lengths)[:, None], np.arange(T)[None, :], -1)
     # Position len(p) - 1 + t predicts generated token t: only those rows go through the LM head.
@@ -595,7 +595,7 @@ def test_int8_perplexity_within_half_a_percent_of_the_float_cache(smollm2):
 def test_serving_engine_on_an_int8_cache_equals_each_prompt_alone(tiny):
     """The paged engine (prefix cache on: the second prompt shares the first's full pages, whose
     int8 scales travel with them) decodes each prompt as a contiguous int8 cache does alone."""
-    from rjax.serving import ServingConfig, ServingEngine
+    from rjax.runtime.serving import ServingConfig, ServingEngine
 
     cfg, params = tiny
     shared = [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 122, 133, 144, 155, 166, 177]
@@ -619,8 +619,8 @@ def test_serving_engine_on_an_int8_cache_equals_each_prompt_alone(tiny):
 
 
 def test_memory_planner_counts_the_smaller_cache(tiny):
-    from rjax.memory import kv_bytes_per_position, plan_memory, workspace_bytes
-    from rjax.serving import ServingConfig
+    from rjax.engine.memory import kv_bytes_per_position, plan_memory, workspace_bytes
+    from rjax.runtime.serving import ServingConfig
 
     cfg, _ = tiny
     L, H, D = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
@@ -636,7 +636,7 @@ def test_memory_planner_counts_the_smaller_cache(tiny):
     assert pages["int8"] > 1.7 * pages["bfloat16"] and pages["fp8"] >= pages["int8"], pages
     # What the engine allocates is what the planner counted (scales included).
     config = ServingConfig(n_slots=2, max_len=64, page_size=8, kv_dtype="int8")
-    from rjax.paged_cache import init_paged_cache
+    from rjax.math.paged_cache import init_paged_cache
 
     cache = init_paged_cache(cfg, 2, config.pool_pages, 8, 64, jnp.float32, kv_dtype="int8")
     leaves = (cache.k, cache.v, cache.k_scale, cache.v_scale)
@@ -651,7 +651,7 @@ def test_cli_kv_dtype_generates_as_the_python_api(tiny_path, capsys):
     import json
 
     import rjax
-    from rjax.cli import main
+    from rjax.cli.main import main
 
     assert main(["generate", "-m", str(tiny_path), "--raw", "--json", "--max-new-tokens", "6", "--kv-dtype", "int8",
                  "hello"]) == 0
@@ -810,26 +810,26 @@ def test_engine_decodes_over_a_quantized_cache(tmp_path, kv_dtype):
     and 16 decode steps fed the bf16 cache's greedy tokens: the quantized cache's logits within
     5% (int8) / 15% (fp8) of max |logit| of the bf16 cache's (on the CPU, 2 layers: 1.2% and 6%,
     test_kv_quant.py), and the same argmax wherever the bf16 cache's top-2 margin exceeds 0.5."""
-    from rjax import engine
-    from rjax.cache import init_cache
-    from rjax.loaders import for_backend
-    from rjax.loaders.gguf import load_gguf
-    from rjax.synth import write_synthetic
+    from rjax.engine import steps
+    from rjax.loading.loaders import for_backend
+    from rjax.loading.loaders.gguf import load_gguf
+    from rjax.loading.synth import write_synthetic
+    from rjax.math.cache import init_cache
 
     path = write_synthetic(tmp_path / "tiny.gguf", "smollm2-135m", "q8_0", seed=3, n_layers=4, vocab_size=512,
                            tokenizer_from="builtin")
     cfg, params, _ = load_gguf(path, progress=False)
     params = for_backend(params)
     prompts = [[7, 3, 99, 41, 5, 18, 250, 6, 77, 12, 9], [300, 2, 2, 8, 501, 44]]
-    tokens, lengths = engine.pad_prompts(prompts)
+    tokens, lengths = steps.pad_prompts(prompts)
 
     def run(kv, feed=None):
         cache = init_cache(cfg, 2, 128, jnp.bfloat16, kv)
-        logits, cache = engine.prefill(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
+        logits, cache = steps.prefill(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
         out = [np.asarray(logits, np.float32)]
         for i in range(16):
             ids = jnp.argmax(logits, -1).astype(jnp.int32) if feed is None else jnp.asarray(feed[:, i])
-            logits, cache = engine.decode_step(cfg, params, cache, ids)
+            logits, cache = steps.decode_step(cfg, params, cache, ids)
             out.append(np.asarray(logits, np.float32))
         return np.stack(out, 1)
 

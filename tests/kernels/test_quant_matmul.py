@@ -254,7 +254,7 @@ def test_word_planes_lower_to_triton_for_h100(qtype):
     Triton module for sm_90 without a GPU."""
     from jax._src.pallas.triton import gpu_info
 
-    from rjax.layout import gpu_weight_layout
+    from rjax.math.layout import gpu_weight_layout
 
     h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
     w = gpu_weight_layout(jax.tree.map(jnp.asarray, random_qtensor(qtype, 64, 512, seed=1)))
@@ -281,7 +281,7 @@ def _dev(w):
 
 
 def _layouts(w):
-    """w as the file has it, and as a GPU model holds it (rjax.layout.gpu_weight_layout: Q4_K
+    """w as the file has it, and as a GPU model holds it (rjax.math.layout.gpu_weight_layout: Q4_K
     scales per quant chunk, quant planes as int32 words)."""
     from gguf_blocks.reference import q4_k_chunks
     from gguf_blocks.words import as_words
@@ -354,7 +354,7 @@ def test_bf16x2_dequantization_gpu(qtype, cfg, m, n, nb):
     """Q4_K (GPU layout), Q4_0 and Q4_1 dequantized by the packed bf16x2 PTX, at edge tiles
     (rows, blocks and x rows past the tiles, split K): against the reference, and against the
     same arithmetic in the interpreter (which rounds q * s + b twice where the PTX rounds once)."""
-    from rjax.layout import gpu_weight_layout
+    from rjax.math.layout import gpu_weight_layout
 
     k = nb * gguf.GGML_QUANT_SIZES[qtype][0]
     w = gpu_weight_layout(_dev(random_qtensor(qtype, n, k, seed=n)))
@@ -380,7 +380,7 @@ def test_wgmma_gpu(m, n, nb, bps, qtype):
     from pallas_kernels.quant_matmul import gemv
     from pallas_kernels.quant_matmul import wgmma_skinny as wg
     from pallas_kernels.quant_matmul.testing import dequantized_product
-    from rjax.layout import gpu_weight_layout
+    from rjax.math.layout import gpu_weight_layout
 
     k = nb * 256
     raw = random_qtensor(qtype, n, k, seed=n + nb)

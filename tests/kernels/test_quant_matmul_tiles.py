@@ -18,7 +18,7 @@ from pallas_kernels.quant_matmul import gemv, qmatmul
 from pallas_kernels.quant_matmul.kernel import TileConfig, fused_qmatmul
 from pallas_kernels.quant_matmul.testing import random_qtensor, raw_bytes
 from pallas_kernels.quant_matmul.tiles import nibbles_bf16
-from rjax.layout import gpu_weight_layout
+from rjax.math.layout import gpu_weight_layout
 from gguf_blocks.reference import q4_k_chunks
 from gguf_blocks.words import as_words
 

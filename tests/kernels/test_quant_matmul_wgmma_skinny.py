@@ -16,7 +16,7 @@ from pallas_kernels.int8_activations import GatedX
 from pallas_kernels.quant_matmul import gemv
 from pallas_kernels.quant_matmul import wgmma_skinny as wg
 from pallas_kernels.quant_matmul.testing import dequantized_product, random_qtensor, rel_error
-from rjax.layout import gpu_weight_layout
+from rjax.math.layout import gpu_weight_layout
 
 BF16_TOL = 1e-2
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from rjax import catalog, pypi
-from rjax.catalog import CatalogEntry, CatalogError, WheelPart
+from rjax.loading import catalog, pypi
+from rjax.loading.catalog import CatalogEntry, CatalogError, WheelPart
 
 
 # ---------------------------------------------------------------------------------------------

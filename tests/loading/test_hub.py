@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from rjax import catalog, hub
-from rjax.catalog import CatalogError
-from rjax.hub import HubRef, UrlRef
+from rjax.loading import catalog, hub
+from rjax.loading.catalog import CatalogError
+from rjax.loading.hub import HubRef, UrlRef
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -26,7 +26,7 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 @pytest.fixture(scope="module")
 def gguf_bytes(tmp_path_factory) -> bytes:
-    from rjax.synth import write_synthetic
+    from rjax.loading.synth import write_synthetic
 
     path = tmp_path_factory.mktemp("hub") / "one.gguf"
     return write_synthetic(path, "smollm2-135m", "q8_0", seed=5, n_layers=1, vocab_size=320,

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import rjax
-import rjax.tokenizer
-from rjax.loaders import ModelFileError
+import rjax.loading.tokenizer
+from rjax.loading.loaders import ModelFileError
 from tests.fuzz import gguf_file, hf_directory, run
 
 SAMPLE = 4000  # cases of seed 0 run here: about 20 s on one core
@@ -158,7 +158,7 @@ def test_string_arrays_read_as_ggufs_own_reader_reads_them(fixtures):
     of them, seconds for a 50k vocabulary): the same parts, the same values."""
     from gguf import GGUFReader, GGUFValueType
 
-    from rjax.loaders.gguf import open_gguf
+    from rjax.loading.loaders.gguf import open_gguf
 
     for fixture in fixtures.values():
         if not fixture.name.endswith(".gguf"):
@@ -351,8 +351,8 @@ def test_chat_template_that_does_not_compile_is_refused_at_load(fixtures, tmp_pa
     path = _gguf(fixtures["llama.gguf"], tmp_path, edit)
     with pytest.raises(ModelFileError, match=rf"{path} \(tokenizer\.chat_template\): the chat template does not "
                                              r"compile: line 1: unexpected '}'"):
-        rjax.tokenizer.Tokenizer.from_gguf(path)
+        rjax.loading.tokenizer.Tokenizer.from_gguf(path)
     hf = _hf(fixtures["qwen2-hf"], tmp_path)
     (hf / "chat_template.jinja").write_text("{% if %}")
     with pytest.raises(ModelFileError, match=rf"{hf / 'chat_template.jinja'}: the chat template does not compile"):
-        rjax.tokenizer.Tokenizer.from_hf_dir(hf)
+        rjax.loading.tokenizer.Tokenizer.from_hf_dir(hf)

@@ -8,14 +8,14 @@ import pytest
 from gguf import GGMLQuantizationType as QType
 
 from gguf_blocks.qtensor import QTensor
-from rjax.loaders.gguf import load_gguf, load_params
-from rjax.loaders.gguf_header import config_from_reader, open_gguf
+from rjax.loading.loaders.gguf import load_gguf, load_params
+from rjax.loading.loaders.gguf_header import config_from_reader, open_gguf
 
 
 @pytest.fixture(scope="module")
 def q4_k_path(tmp_path_factory):
     """Two llama-1b layers in the Q4_K_M mix: Q4_K, Q6_K and F32 tensors of a real shape."""
-    from rjax.synth import write_synthetic
+    from rjax.loading.synth import write_synthetic
 
     path = tmp_path_factory.mktemp("synth") / "q4_k_m.gguf"
     return write_synthetic(path, "llama-1b", "q4_k_m", seed=5, n_layers=2, vocab_size=512, tokenizer_from="builtin")
@@ -51,7 +51,7 @@ def test_gpu_layout_programs_give_the_eager_layout(q4_k_path):
     from gguf_blocks.reference import q4_k_chunks
     from gguf_blocks.words import as_words
     from pallas_kernels.quant_matmul.gemv import reads_words
-    from rjax.loaders import for_backend
+    from rjax.loading.loaders import for_backend
 
     _, params, _ = load_gguf(q4_k_path, progress=False)
     fused = for_backend(params, fuse=True, gpu_layout=False)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rjax.loaders.errors import ModelFileError
-from rjax.loaders.gguf_header import config_from_reader, open_gguf, quant_name
+from rjax.loading.loaders.errors import ModelFileError
+from rjax.loading.loaders.gguf_header import config_from_reader, open_gguf, quant_name
 
 
 def test_header_reader_matches_the_full_reader(tiny_path):

@@ -16,11 +16,11 @@ from gguf import GGMLQuantizationType as QType
 from gguf import quants
 from safetensors.numpy import load_file, save_file
 
-from rjax import engine
-from rjax.cache import init_cache
-from rjax.info import format_info, model_info, natural_key
-from rjax.loaders.gguf import ModelFileError, load_gguf
-from rjax.loaders.safetensors import describe_hf_dir, load_hf_dir
+from rjax.cli.info import format_info, model_info, natural_key
+from rjax.engine import steps
+from rjax.loading.loaders.gguf import ModelFileError, load_gguf
+from rjax.loading.loaders.safetensors import describe_hf_dir, load_hf_dir
+from rjax.math.cache import init_cache
 from gguf_blocks.qtensor import QTensor
 from gguf_blocks.reference import dequantize
 from tests.compare import assert_close, check_against_oracle, greedy_continuations, relative_error
@@ -40,8 +40,8 @@ MAX_LEN = 128
 
 def _prefill_logits(cfg, params, ids):
     cache = init_cache(cfg, len(ids), MAX_LEN)
-    tokens, lengths = engine.pad_prompts(ids)
-    logits, _ = engine.prefill(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
+    tokens, lengths = steps.pad_prompts(ids)
+    logits, _ = steps.prefill(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
     return np.asarray(logits)
 
 
@@ -184,7 +184,7 @@ def test_chunked_reads_load_the_same_params(qwen2_dir, monkeypatch, quantize):
     """Tensors read in row chunks into donated device buffers, with the file re-mapped every few
     KiB, give exactly what whole-tensor reads give (the real checkpoints take this path for their
     big tensors)."""
-    import rjax.loaders.safetensors as st
+    import rjax.loading.loaders.safetensors as st
 
     _, want = load_hf_dir(qwen2_dir, progress=False, quantize=quantize)
     monkeypatch.setattr(st, "_CHUNK_BYTES", 8000)   # 31 rows of the 64-wide f32 weights

@@ -1,4 +1,4 @@
-"""rjax.programs: a device program's executable is kept in memory and stored beside the
+"""rjax.loading.programs: a device program's executable is kept in memory and stored beside the
 persistent compilation cache; a later process (here: after jax.clear_caches) runs the stored
 one without tracing or compiling, and a stored file that is not what its name promises is
 built again with a log line, never run."""
@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rjax.programs import device_program
-from rjax.xla_cache import compile_cache, current_compile_cache
+from rjax.loading.programs import device_program
+from rjax.loading.xla_cache import compile_cache, current_compile_cache
 
 TRACE = "/jax/core/compile/jaxpr_trace_duration"
 COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -107,18 +107,18 @@ def test_a_damaged_stored_program_is_built_again_with_a_log_line(store, damage, 
         path.write_bytes(other.read_bytes())
     jax.clear_caches()
     events = []
-    with caplog.at_level(logging.WARNING, logger="rjax.programs"):
+    with caplog.at_level(logging.WARNING, logger="rjax.loading.programs"):
         _call(n=3, events=events)  # checks the result: the right program ran
     assert COMPILE in events and str(path) in caplog.text and "building it again" in caplog.text
     why = {"truncated": "truncated or corrupt", "flipped": "truncated or corrupt", "header": "header differs",
            "other key": "stored for another key"}[damage]
     assert why in caplog.text
     # The damaged file is gone. The rebuilt program came from JAX's persistent cache here, which
-    # is not stored again (rjax.programs.compile_lowered): the next process builds it the same way.
+    # is not stored again (rjax.loading.programs.compile_lowered): the next process builds it the same way.
     assert not path.exists()
     jax.clear_caches()
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="rjax.programs"):
+    with caplog.at_level(logging.WARNING, logger="rjax.loading.programs"):
         _call(n=3)
     assert caplog.text == ""
 

@@ -11,12 +11,12 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGUFReader
 from gguf import GGMLQuantizationType as QType
 
-from rjax import engine
-from rjax.cache import init_cache
-from rjax.loaders.gguf import load_gguf
+from rjax.engine import steps as engine
+from rjax.loading.loaders.gguf import load_gguf
+from rjax.math.cache import init_cache
 from gguf_blocks import formats
-from rjax.synth import (MATRIX, MIXES, SHAPES, SynthError, TensorSpec, more_bits_layer, random_tensor, tensor_specs,
-                        write_synthetic)
+from rjax.loading.synth import (MATRIX, MIXES, SHAPES, SynthError, TensorSpec, more_bits_layer, random_tensor,
+                                tensor_specs, write_synthetic)
 
 SMALL_VOCAB = 1024  # >= the built-in tokenizer's 258 tokens; keeps the LM head small on CPU
 
@@ -207,7 +207,7 @@ def test_qwen3_8b_has_its_parameter_count():
 @pytest.mark.parametrize("shape, total, active", [("qwen3-30b-a3b", 30_532_122_624, 3_353_032_704),
                                                    ("mixtral-8x7b", 46_702_792_704, 12_879_925_248)])
 def test_mixture_of_experts_shapes_have_their_parameter_counts(shape, total, active):
-    from rjax.info import active_parameters
+    from rjax.cli.info import active_parameters
 
     s = SHAPES[shape]
     specs = tensor_specs(s, MIXES["q4_k"])
@@ -284,7 +284,7 @@ def test_errors_name_what_is_wrong(tmp_path):
 
 
 def test_cli(tmp_path, capsys):
-    from rjax.cli import main
+    from rjax.cli.main import main
 
     out = tmp_path / "cli.gguf"
     rc = main(["synth", "llama-1b", "--quant", "q4_k", "-o", str(out), "--layers", "1", "--vocab", str(SMALL_VOCAB),

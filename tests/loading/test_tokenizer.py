@@ -1,4 +1,4 @@
-"""rjax.tokenizer against transformers' tokenizer built from the same files (the oracle).
+"""rjax.loading.tokenizer against transformers' tokenizer built from the same files (the oracle).
 
 Token ids, decode round trips and chat templates must equal what transformers produces for the
 same GGUF file (and for the Hugging Face directory transformers saves from it). The oracle's
@@ -15,7 +15,7 @@ import jinja2
 import numpy as np
 import pytest
 
-from rjax.tokenizer import Tokenizer
+from rjax.loading.tokenizer import Tokenizer
 from tests.oracle.client import oracle_random_qwen2, oracle_save_tokenizer, oracle_tokenize
 
 pytestmark = pytest.mark.oracle
@@ -269,7 +269,7 @@ def test_tiny_gguf_byte_level_tokenizer(tmp_path):
 
 def test_chat_template_environment_matches_hugging_face_conventions():
     """The helpers and whitespace rules Hugging Face templates rely on."""
-    from rjax.tokenizer import compile_chat_template
+    from rjax.loading.tokenizer import compile_chat_template
 
     source = (
         "{% for m in messages %}\n"

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from rjax.tokenizer import ChatTemplateError, chat_template
-from rjax.tokenizer.chat_template import check_chat_template, render_chat_template
+from rjax.loading.tokenizer import ChatTemplateError, chat_template
+from rjax.loading.tokenizer.chat_template import check_chat_template, render_chat_template
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
             {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}]

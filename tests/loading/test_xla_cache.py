@@ -41,7 +41,7 @@ first_s = time.perf_counter() - start
 count = lambda name: events.get("/jax/compilation_cache/" + name, 0)
 print(json.dumps(dict(first_s=first_s, hits=count("cache_hits"), written=count("cache_misses"),
                       traced=traced,
-                      dir=str(rjax.xla_cache.current_compile_cache()), tokens=tokens)))
+                      dir=str(rjax.loading.xla_cache.current_compile_cache()), tokens=tokens)))
 """
 
 
@@ -67,7 +67,7 @@ def test_a_second_process_loads_every_program_from_the_cache(tiny_path, tmp_path
     stored = _entries(cache / "programs")
     # Every program is kept, the fast-compiling small ones included; the engine's (the slot batch's
     # start, the prefill and the decode dispatch) and the loader's (a quantized tensor's bytes into
-    # its planes) are also stored whole (rjax.programs), and run from there without tracing.
+    # its planes) are also stored whole (rjax.loading.programs), and run from there without tracing.
     assert cold["hits"] == 0 and cold["written"] >= 3 and len(written - {"programs"}) >= cold["written"]
     assert {name.split("-")[0] for name in stored} == {"init_slots", "prefill_into_slots", "decode_dispatch",
                                                             "planes_from_bytes"}
@@ -94,7 +94,7 @@ def test_the_users_choice_is_respected(tiny_path, tmp_path):
 
 def test_the_test_runs_cache_stays(tmp_path):
     # conftest.py set this run's cache directory through JAX's own setting: rjax.load keeps it.
-    assert rjax.xla_cache.use_default_compile_cache(tmp_path) == Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    assert rjax.loading.xla_cache.use_default_compile_cache(tmp_path) == Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
     assert not (tmp_path / "xla-cache").exists()
 
 

@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rjax import engine
-from rjax.cache import PrefixSnapshot, init_cache, restore, snapshot
-from rjax.paged_cache import init_paged_cache, set_block_tables
-from rjax.sampling import SamplingParams
+from rjax.engine import steps
+from rjax.math.cache import PrefixSnapshot, init_cache, restore, snapshot
+from rjax.math.paged_cache import init_paged_cache, set_block_tables
+from rjax.math.sampling import SamplingParams
 
 PREFIX = [7, 3, 99, 41, 5, 18, 250, 6, 77, 12, 9]
 N = 8
@@ -25,8 +25,8 @@ def _cache(cfg, kind, n_slots=3, max_len=32):
 
 
 def _prefill(cfg, params, cache, slot, ids):
-    tokens, lengths = engine.pad_prompts([ids])
-    logits, cache = engine.prefill(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
+    tokens, lengths = steps.pad_prompts([ids])
+    logits, cache = steps.prefill(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths),
                                    jnp.asarray([slot], jnp.int32))
     return logits[0], cache
 
@@ -38,7 +38,7 @@ def _greedy(cfg, params, cache, slot, first, n):
     for _ in range(n):
         tokens = jnp.zeros(cache.n_slots, jnp.int32).at[slot].set(tok)
         active = jnp.zeros(cache.n_slots, bool).at[slot].set(True)
-        logits, cache = engine.decode_step(cfg, params, cache, tokens, active)
+        logits, cache = steps.decode_step(cfg, params, cache, tokens, active)
         tok = int(jnp.argmax(logits[slot]))
         out.append(tok)
     return out, cache
@@ -93,9 +93,9 @@ def test_vmap_forks_over_sampling_keys(tiny):
     sp = SamplingParams.make(4, temperature=1.0)
     keys = jax.random.split(jax.random.key(1), 4)
     first = jax.vmap(lambda k: jax.random.categorical(k, logits))(keys).astype(jnp.int32)
-    state = engine.initial_state(first, jnp.full((4,), N, jnp.int32), jnp.asarray([-1], jnp.int32),
+    state = steps.initial_state(first, jnp.full((4,), N, jnp.int32), jnp.asarray([-1], jnp.int32),
                                  jax.random.key(2), forks)
-    out, _, _ = engine.decode_loop(cfg, params, forks, state, sp, jnp.asarray([-1], jnp.int32), N)
+    out, _, _ = steps.decode_loop(cfg, params, forks, state, sp, jnp.asarray([-1], jnp.int32), N)
     out = np.asarray(out)
     # The budget of N counts the first token: N - 1 more.
     assert out.shape == (4, N) and (out[:, :N - 1] >= 0).all() and (out[:, N - 1] == -1).all()

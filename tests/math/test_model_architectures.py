@@ -16,9 +16,9 @@ import math
 import numpy as np
 import pytest
 
-from rjax.loaders.gguf import ModelFileError, config_from_metadata, load_gguf
-from rjax.loaders.hf_config import config_from_hf
-from rjax.loaders.safetensors import load_hf_dir
+from rjax.loading.loaders.gguf import ModelFileError, config_from_metadata, load_gguf
+from rjax.loading.loaders.hf_config import config_from_hf
+from rjax.loading.loaders.safetensors import load_hf_dir
 from tests.compare import check_against_oracle
 from tests.oracle.client import oracle_logits, oracle_random_model, oracle_random_qwen2, oracle_to_gguf, oracle_tokenize
 

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rjax import model
-from rjax.cache import init_cache
-from rjax.paged_cache import init_paged_cache, set_block_tables
+from rjax.math import model
+from rjax.math.cache import init_cache
+from rjax.math.paged_cache import init_paged_cache, set_block_tables
 
 
 def _caches(cfg, kv_dtype):

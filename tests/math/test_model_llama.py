@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rjax import engine
-from rjax.cache import init_cache
-from rjax.loaders.gguf import load_gguf
-from rjax.sampling import SamplingParams
+from rjax.engine import steps
+from rjax.loading.loaders.gguf import load_gguf
+from rjax.math.cache import init_cache
+from rjax.math.sampling import SamplingParams
 from tests.oracle.client import oracle_logits, oracle_tokenize
 
 LONG = " ".join(f"Item {i}: the {w} fox jumps over {i * 7} lazy dogs." for i, w in
@@ -47,13 +47,13 @@ def case(smollm2_path):
 def test_prefill_and_teacher_forced_decode_match_transformers(case):
     ids, ref, cfg, params = case
     cache = init_cache(cfg, len(ids), 512)
-    tokens, lengths = engine.pad_prompts(ids)
-    logits, cache = engine.prefill(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
+    tokens, lengths = steps.pad_prompts(ids)
+    logits, cache = steps.prefill(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
     for i, r in enumerate(ref):
         _close(logits[i], r["last_logits"], f"prompt {i} after prefill")
     for step in range(DECODE_STEPS):
         feed = jnp.asarray([int(r["step_tokens"][step]) for r in ref], jnp.int32)
-        logits, cache = engine.decode_step(cfg, params, cache, feed)
+        logits, cache = steps.decode_step(cfg, params, cache, feed)
         for i, r in enumerate(ref):
             _close(logits[i], r["step_logits"][step], f"prompt {i} decode step {step}")
     np.testing.assert_array_equal(np.asarray(cache.lengths), lengths + DECODE_STEPS)
@@ -63,15 +63,15 @@ def test_greedy_continuations_identical(case):
     ids, ref, cfg, params = case
     B = len(ids)
     cache = init_cache(cfg, B, 1024)
-    tokens, lengths = engine.pad_prompts(ids)
+    tokens, lengths = steps.pad_prompts(ids)
     sp = SamplingParams.make(B)
     import jax
 
     key = jax.random.key(0)
-    first, cache = engine.prefill_and_sample(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths), None, key, sp)
+    first, cache = steps.prefill_and_sample(cfg, params, cache, jnp.asarray(tokens), jnp.asarray(lengths), None, key, sp)
     stop = jnp.asarray([-1], jnp.int32)  # no stop token: compare all 32 tokens
-    state = engine.initial_state(first, jnp.full((B,), GREEDY, jnp.int32), stop, key, cache)
-    out, state, cache = engine.decode_loop(cfg, params, cache, state, sp, stop, GREEDY - 1)
+    state = steps.initial_state(first, jnp.full((B,), GREEDY, jnp.int32), stop, key, cache)
+    out, state, cache = steps.decode_loop(cfg, params, cache, state, sp, stop, GREEDY - 1)
     got = np.concatenate([np.asarray(first)[:, None], np.asarray(out)], axis=1)
     for i, r in enumerate(ref):
         np.testing.assert_array_equal(got[i], r["greedy"][:GREEDY], err_msg=f"prompt {i}")

@@ -1,4 +1,4 @@
-"""The routed mixture of experts (rjax.ops.experts) against its definition (ops.experts_reference:
+"""The routed mixture of experts (rjax.math.ops.experts) against its definition (ops.experts_reference:
 every expert on every row, the unchosen ones weighted 0), float32: dense experts as a Hugging Face
 checkpoint holds them and packed ones (Q8_0, Q4_K) as a GGUF does, in both forms the plan picks
 (each row's experts gathered; rows grouped by expert), renormalized top k (Mixtral, Qwen3-MoE with
@@ -17,13 +17,13 @@ from gguf import GGMLQuantizationType as QType
 
 from gguf_blocks.qtensor import QTensor
 from pallas_kernels.quant_matmul.testing import random_qtensor
-from rjax import ops
-from rjax.cache import init_cache
-from rjax.info import model_info
-from rjax.loaders.gguf import load_gguf, stack_experts
-from rjax.memory import tree_bytes
-from rjax.model import forward, plan_of
-from rjax.plan import experts_form
+from rjax.cli.info import model_info
+from rjax.engine.memory import tree_bytes
+from rjax.loading.loaders.gguf import load_gguf, stack_experts
+from rjax.math import ops
+from rjax.math.cache import init_cache
+from rjax.math.model import forward, plan_of
+from rjax.math.plan import experts_form
 
 E, K, D, F = 8, 2, 256, 256
 

@@ -8,13 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rjax import engine
-from rjax.cache import init_cache
-from rjax.config import ModelConfig
-from rjax.loaders.gguf import load_gguf
-from rjax.paged_cache import NO_PAGE, init_paged_cache, set_block_tables
-from rjax.pages import PageAllocator, PagesExhaustedError
-from rjax.synth import write_synthetic
+from rjax.engine import steps
+from rjax.loading.loaders.gguf import load_gguf
+from rjax.loading.synth import write_synthetic
+from rjax.math.cache import init_cache
+from rjax.math.config import ModelConfig
+from rjax.math.paged_cache import NO_PAGE, init_paged_cache, set_block_tables
+from rjax.runtime.pages import PageAllocator, PagesExhaustedError
 
 PS = 8  # page size
 # One geometry for every paged cache in this file (4 slots, 16 pages, 32 positions per slot), so
@@ -51,17 +51,17 @@ def test_paged_and_contiguous_caches_give_the_same_logits(tiny):
     slots = jnp.asarray([3, 0, 2], jnp.int32)
     contiguous = init_cache(cfg, SLOTS, MAX_LEN)
     paged = _paged_with_pages(cfg, {3: [7, 1, 12, 4], 0: [0, 9, 15, 2], 2: [11, 5, 3, 13]})
-    t, l = map(jnp.asarray, engine.pad_prompts(prompts))
-    lc, contiguous = engine.prefill(cfg, params, contiguous, t, l, slots)
-    lp, paged = engine.prefill(cfg, params, paged, t, l, slots)
+    t, l = map(jnp.asarray, steps.pad_prompts(prompts))
+    lc, contiguous = steps.prefill(cfg, params, contiguous, t, l, slots)
+    lp, paged = steps.prefill(cfg, params, paged, t, l, slots)
     scale = float(jnp.abs(lc).max())
     np.testing.assert_allclose(np.asarray(lp), np.asarray(lc), rtol=0, atol=1e-5 * scale)
     np.testing.assert_array_equal(np.asarray(paged.lengths), np.asarray(contiguous.lengths))
     active = jnp.asarray([True, False, True, True])
     for _ in range(6):  # crosses a page boundary in every slot
         tok = jnp.argmax(lc, -1) if lc.shape[0] == 4 else jnp.zeros(4, jnp.int32).at[slots].set(jnp.argmax(lc, -1))
-        lc, contiguous = engine.decode_step(cfg, params, contiguous, tok.astype(jnp.int32), active)
-        lp, paged = engine.decode_step(cfg, params, paged, tok.astype(jnp.int32), active)
+        lc, contiguous = steps.decode_step(cfg, params, contiguous, tok.astype(jnp.int32), active)
+        lp, paged = steps.decode_step(cfg, params, paged, tok.astype(jnp.int32), active)
         np.testing.assert_allclose(np.asarray(lp)[np.asarray(active)], np.asarray(lc)[np.asarray(active)],
                                    rtol=0, atol=1e-5 * scale)
     np.testing.assert_array_equal(np.asarray(paged.lengths), [19, 0, 15, 11])
@@ -71,12 +71,12 @@ def test_multi_prompt_prefill_into_pages_equals_each_prompt_alone(tiny):
     cfg, params = tiny
     prompts = _prompts(1, [3, 16, 9], cfg.vocab_size)
     cache = _paged_with_pages(cfg, {0: [5, 6], 1: [0, 1], 3: [4, 7]})
-    t, l = map(jnp.asarray, engine.pad_prompts(prompts))
-    batched, cache = engine.prefill(cfg, params, cache, t, l, jnp.asarray([1, 0, 3], jnp.int32))
+    t, l = map(jnp.asarray, steps.pad_prompts(prompts))
+    batched, cache = steps.prefill(cfg, params, cache, t, l, jnp.asarray([1, 0, 3], jnp.int32))
     np.testing.assert_array_equal(np.asarray(cache.lengths), [16, 3, 0, 9])
     for i, p in enumerate(prompts):
         alone_cache = _paged_with_pages(cfg, {2: [2, 9]})
-        alone, _ = engine.prefill(cfg, params, alone_cache, *map(jnp.asarray, engine.pad_prompts([p])),
+        alone, _ = steps.prefill(cfg, params, alone_cache, *map(jnp.asarray, steps.pad_prompts([p])),
                                   jnp.asarray([2], jnp.int32))
         np.testing.assert_allclose(np.asarray(batched[i]), np.asarray(alone[0]),
                                    atol=1e-5 * float(jnp.abs(alone).max()))
@@ -87,8 +87,8 @@ def test_writes_touch_only_the_slots_own_pages(tiny):
     cache = _paged_with_pages(cfg, {0: [0, 1], 1: [6, 3, 8], 2: [2]})
     # Sentinels everywhere: any write shows.
     cache = dataclasses.replace(cache, k=jnp.full_like(cache.k, 7.0), v=jnp.full_like(cache.v, -3.0))
-    t, l = map(jnp.asarray, engine.pad_prompts(_prompts(2, [11], cfg.vocab_size)))
-    _, cache = engine.prefill(cfg, params, cache, t, l, jnp.asarray([1], jnp.int32))
+    t, l = map(jnp.asarray, steps.pad_prompts(_prompts(2, [11], cfg.vocab_size)))
+    _, cache = steps.prefill(cfg, params, cache, t, l, jnp.asarray([1], jnp.int32))
     k, v = np.asarray(cache.k), np.asarray(cache.v)
     changed = lambda a, s: (a != s).any(axis=(0, 2, 4))  # [n_pages, page_size]
     ck, cv = changed(k, 7.0), changed(v, -3.0)
@@ -101,7 +101,7 @@ def test_writes_touch_only_the_slots_own_pages(tiny):
     np.testing.assert_array_equal(np.asarray(cache.lengths), [0, 11, 0, 0])
 
     # Decode: slot 2 writes position 0 of page 2; slots 0 and 3 are inactive; slot 1 writes page 3 offset 3.
-    _, cache = engine.decode_step(cfg, params, cache, jnp.asarray([1, 2, 3, 4], jnp.int32),
+    _, cache = steps.decode_step(cfg, params, cache, jnp.asarray([1, 2, 3, 4], jnp.int32),
                                   jnp.asarray([False, True, True, False]))
     ck = changed(np.asarray(cache.k), 7.0)
     expect[3, 3] = True
@@ -115,8 +115,8 @@ def test_a_position_without_a_page_is_dropped_not_redirected(tiny):
     cache = _paged_with_pages(cfg, {0: [4], 1: [0, 1, 2, 3]})
     cache = dataclasses.replace(cache, k=jnp.full_like(cache.k, 7.0))
     # A 12-token prompt into slot 0, which owns one page: positions 8..11 have nowhere to go.
-    t, l = map(jnp.asarray, engine.pad_prompts(_prompts(3, [12], cfg.vocab_size)))
-    _, cache = engine.prefill(cfg, params, cache, t, l, jnp.asarray([0], jnp.int32))
+    t, l = map(jnp.asarray, steps.pad_prompts(_prompts(3, [12], cfg.vocab_size)))
+    _, cache = steps.prefill(cfg, params, cache, t, l, jnp.asarray([0], jnp.int32))
     ck = (np.asarray(cache.k) != 7.0).any(axis=(0, 2, 4))
     expect = np.zeros_like(ck)
     expect[4, :] = True
@@ -193,7 +193,7 @@ def test_attend_through_the_pallas_kernels_reads_the_right_layer(monkeypatch):
     import jax
 
     from pallas_kernels.attention import paged_attention
-    from rjax import paged_cache
+    from rjax.math import paged_cache
 
     L, P, H, ps, D = 3, 8, 2, 16, 32
     k = jax.random.normal(jax.random.key(0), (L, P, H, ps, D))
@@ -222,7 +222,7 @@ def test_rope_write_puts_each_token_on_its_page(monkeypatch, kv_dtype):
     import jax
 
     from pallas_kernels.kv_append import rope_append
-    from rjax import paged_cache
+    from rjax.math import paged_cache
 
     L, P, Hq, H, ps, D = 3, 8, 4, 2, 4, 32
     cfg = ModelConfig(arch="llama", n_layers=L, d_model=Hq * D, d_ff=64, n_heads=Hq, n_kv_heads=H, head_dim=D,

@@ -1,4 +1,4 @@
-"""The fusion plan (rjax.plan) and the model following it, on the CPU.
+"""The fusion plan (rjax.math.plan) and the model following it, on the CPU.
 
 A GPU plan is built here from shapes alone (`gpu=True`), so every choice the GPU would make is
 checked without one: the exact GPU program is traced (`jax.eval_shape`, Pallas kernels
@@ -19,11 +19,11 @@ import pytest
 
 import rjax
 from pallas_kernels.quant_matmul import TUNING
-from rjax.cache import init_cache
-from rjax.model import forward
-from rjax.paged_cache import init_paged_cache
-from rjax.plan import plan_for
-from rjax.synth import write_synthetic
+from rjax.loading.synth import write_synthetic
+from rjax.math.cache import init_cache
+from rjax.math.model import forward
+from rjax.math.paged_cache import init_paged_cache
+from rjax.math.plan import plan_for
 
 SHAPES = ("smollm2-135m", "llama-1b", "qwen2.5-1.5b", "gemma3-1b")
 MIXES = ("q4_k", "q4_k_m", "q8_0", "q4_0", "q4_1", "f16")
@@ -183,8 +183,8 @@ def test_plan_names_the_kernels_the_entry_points_picked(gpu_models, monkeypatch,
     hand the plan's choices to the entry points (traced, each kernel's reference standing in)."""
     import pallas_kernels.attention as attention
     import pallas_kernels.kv_append as kv_append
-    import rjax.cache
-    import rjax.paged_cache
+    import rjax.math.cache
+    import rjax.math.paged_cache
 
     seen = []  # (entry, what the plan passed, what the old rule picked)
 
@@ -202,13 +202,13 @@ def test_plan_names_the_kernels_the_entry_points_picked(gpu_models, monkeypatch,
             return fn(*args, **{**kw, "implementation": "reference"})
         return run
 
-    monkeypatch.setattr(rjax.cache, "attention", spy("attend", attention.attention))
-    monkeypatch.setattr(rjax.paged_cache, "paged_attention", spy("attend", attention.paged_attention, paged=True))
-    monkeypatch.setattr(rjax.cache, "rope_attention", spy("rope_attention", attention.rope_attention))
-    monkeypatch.setattr(rjax.paged_cache, "paged_rope_attention",
+    monkeypatch.setattr(rjax.math.cache, "attention", spy("attend", attention.attention))
+    monkeypatch.setattr(rjax.math.paged_cache, "paged_attention", spy("attend", attention.paged_attention, paged=True))
+    monkeypatch.setattr(rjax.math.cache, "rope_attention", spy("rope_attention", attention.rope_attention))
+    monkeypatch.setattr(rjax.math.paged_cache, "paged_rope_attention",
                         spy("rope_attention", attention.paged_rope_attention))
-    monkeypatch.setattr(rjax.cache, "rope_append", spy("append", kv_append.rope_append))
-    monkeypatch.setattr(rjax.paged_cache, "rope_append", spy("append", kv_append.rope_append))
+    monkeypatch.setattr(rjax.math.cache, "rope_append", spy("append", kv_append.rope_append))
+    monkeypatch.setattr(rjax.math.paged_cache, "rope_append", spy("append", kv_append.rope_append))
     model = gpu_models(shape, "q8_0")
     cfg = model.config
     params = dataclasses.replace(model.params, layers=model.params.layers[:1])  # every layer plans alike
@@ -224,7 +224,7 @@ def test_plan_names_the_kernels_the_entry_points_picked(gpu_models, monkeypatch,
                 tables = jnp.arange(batch * max_len // 16, dtype=jnp.int32).reshape(batch, max_len // 16)
                 cache = init_paged_cache(cfg, batch, batch * max_len // 16, 16, max_len, jnp.bfloat16,
                                          kv_dtype=kv_dtype)
-                cache = rjax.paged_cache.set_block_tables(cache, jnp.arange(batch), tables)
+                cache = rjax.math.paged_cache.set_block_tables(cache, jnp.arange(batch), tables)
             else:
                 cache = init_cache(cfg, batch, max_len, jnp.bfloat16, kv_dtype=kv_dtype)
             plan = plan_for(cfg, params, batch, tokens, jnp.bfloat16, paged=paged, slots=slots is not None, gpu=True,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import rjax
-from rjax.ops import rms_norm
+from rjax.math.ops import rms_norm
 
 TOKENS = np.array([[1, 5, 9, 200, 7, 3], [4, 4, 8, 2, 0, 0]], np.int32)
 LENGTHS = np.array([6, 4], np.int32)
@@ -104,8 +104,8 @@ def test_split_params_keeps_quantized_weights_frozen(tiny, tmp_path):
     assert "layers.0." not in message and "norm" not in message
 
     # A float model's matrices are trainable.
-    from rjax.loaders.gguf import load_gguf
-    from rjax.synth import write_synthetic
+    from rjax.loading.loaders.gguf import load_gguf
+    from rjax.loading.synth import write_synthetic
 
     path = write_synthetic(tmp_path / "f16.gguf", "smollm2-135m", "f16", seed=1, n_layers=1, vocab_size=512,
                            tokenizer_from="builtin")

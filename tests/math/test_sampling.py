@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rjax.sampling import SamplingParams, filtered_logits, sample
+from rjax.math.sampling import SamplingParams, filtered_logits, sample
 
 LOGITS = np.log(np.array([0.05, 0.4, 0.1, 0.3, 0.15], np.float64)).astype(np.float32)
 
@@ -144,7 +144,7 @@ def test_filters_keep_what_a_sort_keeps(kind, V):
 
 def test_the_search_finds_the_same_threshold_rolled_and_unrolled():
     """The CPU runs the filters' search passes as a loop, a GPU unrolled: the same thresholds."""
-    from rjax.sampling import _search
+    from rjax.math.sampling import _search
 
     target = jnp.asarray(np.random.default_rng(1).integers(0, 2 ** 32, size=7, dtype=np.uint64), jnp.uint32)
     target = target.at[0].set(0).at[1].set(2 ** 32 - 1)

@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rjax.cache import init_cache
-from rjax.model import forward
-from rjax.sampling import MAX_LOGIT_BIAS, PROMPT_BIT, LogitAdjust, adjust_logits, check_adjust
-from rjax.scheduler import sampling_variant
-from rjax.serving import ServingConfig, ServingEngine
+from rjax.math.cache import init_cache
+from rjax.math.model import forward
+from rjax.math.sampling import MAX_LOGIT_BIAS, PROMPT_BIT, LogitAdjust, adjust_logits, check_adjust
+from rjax.runtime.scheduler import sampling_variant
+from rjax.runtime.serving import ServingConfig, ServingEngine
 
 CONFIG = ServingConfig(n_slots=4, max_len=48, page_size=8, steps_per_dispatch=4, prefill_buckets=(4,))
 
@@ -119,7 +119,7 @@ def test_only_the_adjusted_dispatch_adjusts_and_counts(tiny):
     other programs hold neither the adjustment nor the history's update, and leave the
     history as it was (donated through, not copied per row)."""
     cfg, params = tiny
-    from rjax import slots
+    from rjax.engine import slots
 
     eng = ServingEngine(cfg, params, CONFIG)
     eng.submit([1, 2, 3], max_new_tokens=40, stop_ids=())

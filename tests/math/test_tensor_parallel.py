@@ -1,4 +1,4 @@
-"""Tensor parallel (rjax.tensor_parallel): a model split over 2, 4 and 8 devices gives the logits
+"""Tensor parallel (rjax.math.tensor_parallel): a model split over 2, 4 and 8 devices gives the logits
 (within 1e-4 of the largest, float32) and greedy tokens of the same model on one device.
 
 The runs need 8 devices, which the CPU platform only makes when told before JAX starts, so each
@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rjax.memory import MemoryFitError, plan_memory
-from rjax.synth import write_synthetic
-from rjax.config import ModelConfig
-from rjax.tensor_parallel import head_layout, local_config, split_config
+from rjax.engine.memory import MemoryFitError, plan_memory
+from rjax.loading.synth import write_synthetic
+from rjax.math.config import ModelConfig
+from rjax.math.tensor_parallel import head_layout, local_config, split_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TPS = (2, 4, 8)

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import rjax
-from rjax.grammar import GrammarError, Grammars, allowed
-from rjax.sampling import mask_logits
-from rjax.serving import ServingConfig, ServingEngine
+from rjax.math.sampling import mask_logits
+from rjax.runtime.grammar import GrammarError, Grammars, allowed
+from rjax.runtime.serving import ServingConfig, ServingEngine
 
 CONFIG = ServingConfig(n_slots=4, max_len=64, page_size=8, steps_per_dispatch=4, prefill_buckets=(4,))
 
@@ -94,7 +94,7 @@ def test_unbounded_numbers_are_bounded_and_stated_bounds_kept(grammars, model):
     """A number that never ends ("0.000122222...") cannot be written: unbounded numbers get
     JSON's exact integer range and at most 9 decimals; bounds the schema states are its own,
     and data keywords (const, enum) are not touched."""
-    from rjax.grammar import bound_numbers
+    from rjax.runtime.grammar import bound_numbers
 
     number = {"type": "number"}
     assert _allows(grammars, model, number, "0.000122") and _allows(grammars, model, number, "-3")

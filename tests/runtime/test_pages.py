@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rjax.pages import NO_PAGE, PageAllocator, PagesExhaustedError, page_hashes
+from rjax.runtime.pages import NO_PAGE, PageAllocator, PagesExhaustedError, page_hashes
 
 PS = 4
 

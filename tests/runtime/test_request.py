@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 
 import rjax
-from rjax import engine, scoring
-from rjax.cache import init_cache
-from rjax.chat import ChatSession
-from rjax.engine import ContextLengthError, PromptTooLongError
-from rjax.generation import InvalidTextError, check_text, stream_ids
-from rjax.sampling import SamplingParams, check_sampling
-from rjax.serving import ServingConfig, ServingEngine
+from rjax.engine import steps
+from rjax.engine.steps import ContextLengthError, PromptTooLongError
+from rjax.math.cache import init_cache
+from rjax.math.sampling import SamplingParams, check_sampling
+from rjax.runtime import scoring
+from rjax.runtime.chat import ChatSession
+from rjax.runtime.generation import InvalidTextError, check_text, stream_ids
+from rjax.runtime.serving import ServingConfig, ServingEngine
 
 BAD_SAMPLING = [
     (dict(temperature=float("nan")), r"temperature must be >= 0 and finite .*got nan"),
@@ -63,7 +64,7 @@ def _greedy(cfg, params, cache, logits, n):
     for _ in range(n):
         tok = jnp.argmax(logits, -1).astype(jnp.int32)
         out.append(np.asarray(tok))
-        logits, cache = engine.decode_step(cfg, params, cache, tok)
+        logits, cache = steps.decode_step(cfg, params, cache, tok)
     return np.stack(out, 1)
 
 
@@ -104,15 +105,15 @@ def test_functional_core_refuses_before_dispatch_and_the_cache_still_generates(t
     V = cfg.vocab_size
     prompts = [[5, 17, 300, 2, 9], [44, 1, 8]]
     cache = init_cache(cfg, 2, 32)
-    t, l = engine.pad_prompts(prompts)
-    logits, cache = engine.prefill(cfg, params, cache, jnp.asarray(t), jnp.asarray(l))
+    t, l = steps.pad_prompts(prompts)
+    logits, cache = steps.prefill(cfg, params, cache, jnp.asarray(t), jnp.asarray(l))
     snap = _snapshot(cache)
     want = _greedy(cfg, params, _copy(cache), logits, 4)
     sp = SamplingParams.make(2)
     key = jax.random.key(0)
     full = init_cache(cfg, 2, 16)  # slot 0 filled to its last position below
-    ft, fl = engine.pad_prompts([list(range(1, 17)), [3]])
-    _, full = engine.prefill(cfg, params, full, jnp.asarray(ft), jnp.asarray(fl))
+    ft, fl = steps.pad_prompts([list(range(1, 17)), [3]])
+    _, full = steps.prefill(cfg, params, full, jnp.asarray(ft), jnp.asarray(fl))
     full_snap = _snapshot(full)
 
     def pad(rows, width=16):
@@ -127,51 +128,51 @@ def test_functional_core_refuses_before_dispatch_and_the_cache_still_generates(t
     neg_t, neg_l = pad([[1, 2], [-1]])
     one_t, one_l = pad([[1, 2], [3]])
     nan_sp = dataclasses.replace(sp, temperature=jnp.asarray([0.0, jnp.nan]))
-    state = engine.initial_state(jnp.asarray([1, 2], jnp.int32), jnp.asarray([4, 4]), jnp.asarray([-1]), key, cache)
+    state = steps.initial_state(jnp.asarray([1, 2], jnp.int32), jnp.asarray([4, 4]), jnp.asarray([-1]), key, cache)
     stop = jnp.asarray([-1], jnp.int32)
     cases = [
         # more prompts than slots, and slots that would collide or fall outside the cache
-        (lambda c: engine.prefill(cfg, params, c, three, three_l), ValueError,
+        (lambda c: steps.prefill(cfg, params, c, three, three_l), ValueError,
          r"3 prompts for a cache of 2 slots.*n_slots=2"),
-        (lambda c: engine.prefill(cfg, params, c, one_t, one_l, jnp.asarray([1, 1])), ValueError,
+        (lambda c: steps.prefill(cfg, params, c, one_t, one_l, jnp.asarray([1, 1])), ValueError,
          r"slots \[1, 1\] name a cache row twice"),
-        (lambda c: engine.prefill(cfg, params, c, one_t, one_l, jnp.asarray([0, 2])), ValueError,
+        (lambda c: steps.prefill(cfg, params, c, one_t, one_l, jnp.asarray([0, 2])), ValueError,
          r"slots \[0, 2\] must be cache rows in \[0, 2\)"),
         # a prompt that does not fit after what its slot holds
-        (lambda c: engine.prefill(cfg, params, c, long_t, long_l), PromptTooLongError,
+        (lambda c: steps.prefill(cfg, params, c, long_t, long_l), PromptTooLongError,
          r"prompt 0 of 28 tokens after the 5 positions slot 0 holds needs 33 positions; the cache has max_len 32"),
-        (lambda c: engine.prefill_and_sample(cfg, params, c, long_t, long_l, None, key, sp), PromptTooLongError,
+        (lambda c: steps.prefill_and_sample(cfg, params, c, long_t, long_l, None, key, sp), PromptTooLongError,
          "needs 33 positions"),
         # empty prompts and lengths past the padding
-        (lambda c: engine.prefill(cfg, params, c, one_t, jnp.asarray([2, 0])), ValueError,
+        (lambda c: steps.prefill(cfg, params, c, one_t, jnp.asarray([2, 0])), ValueError,
          r"prompt 1 \(lengths\[1\] = 0\) is empty"),
-        (lambda c: engine.prefill(cfg, params, c, one_t, jnp.asarray([17, 1])), ValueError,
+        (lambda c: steps.prefill(cfg, params, c, one_t, jnp.asarray([17, 1])), ValueError,
          r"lengths\[0\] = 17\) is longer than the padded width 16"),
         # token ids outside the vocabulary (where the embedding lookup would clamp them)
-        (lambda c: engine.prefill(cfg, params, c, bad_id_t, bad_id_l), ValueError,
+        (lambda c: steps.prefill(cfg, params, c, bad_id_t, bad_id_l), ValueError,
          rf"tokens\[0, 1\] = {V} is outside the vocabulary \[0, {V}\)"),
-        (lambda c: engine.prefill(cfg, params, c, neg_t, neg_l), ValueError, r"tokens\[1, 0\] = -1 is outside"),
-        (lambda c: engine.decode_step(cfg, params, c, jnp.asarray([3, V + 7], jnp.int32)), ValueError,
+        (lambda c: steps.prefill(cfg, params, c, neg_t, neg_l), ValueError, r"tokens\[1, 0\] = -1 is outside"),
+        (lambda c: steps.decode_step(cfg, params, c, jnp.asarray([3, V + 7], jnp.int32)), ValueError,
          rf"tokens\[1\] = {V + 7} is outside the vocabulary"),
         # shapes and types
-        (lambda c: engine.prefill(cfg, params, c, one_t[0], one_l), ValueError, r"tokens must be integer token ids"),
-        (lambda c: engine.prefill(cfg, params, c, one_t.astype(jnp.float32), one_l), ValueError,
+        (lambda c: steps.prefill(cfg, params, c, one_t[0], one_l), ValueError, r"tokens must be integer token ids"),
+        (lambda c: steps.prefill(cfg, params, c, one_t.astype(jnp.float32), one_l), ValueError,
          "tokens must be integer token ids"),
-        (lambda c: engine.decode_step(cfg, params, c, jnp.asarray([1, 2, 3], jnp.int32)), ValueError,
+        (lambda c: steps.decode_step(cfg, params, c, jnp.asarray([1, 2, 3], jnp.int32)), ValueError,
          r"tokens must be one token id per cache slot: \(2,\), got shape \(3,\)"),
-        (lambda c: engine.decode_step(cfg, params, c, jnp.asarray([1, 2], jnp.int32), jnp.asarray([True])), ValueError,
+        (lambda c: steps.decode_step(cfg, params, c, jnp.asarray([1, 2], jnp.int32), jnp.asarray([True])), ValueError,
          r"active must be one flag per cache slot"),
         # sampling settings out of range that were not made by SamplingParams.make
-        (lambda c: engine.prefill_and_sample(cfg, params, c, one_t, one_l, None, key, nan_sp), ValueError,
+        (lambda c: steps.prefill_and_sample(cfg, params, c, one_t, one_l, None, key, nan_sp), ValueError,
          r"temperature\[1\] must be >= 0 and finite"),
-        (lambda c: engine.prefill_and_sample(cfg, params, c, one_t, one_l, None, key, SamplingParams.make(3)),
+        (lambda c: steps.prefill_and_sample(cfg, params, c, one_t, one_l, None, key, SamplingParams.make(3)),
          ValueError, r"SamplingParams.temperature must be one value per prompt: \(2,\)"),
         # decode_loop: its shapes and step count
-        (lambda c: engine.decode_loop(cfg, params, c, state, sp, stop, 0), ValueError,
+        (lambda c: steps.decode_loop(cfg, params, c, state, sp, stop, 0), ValueError,
          "n_steps must be an integer >= 1, got 0"),
-        (lambda c: engine.decode_loop(cfg, params, c, state, SamplingParams.make(1), stop, 4), ValueError,
+        (lambda c: steps.decode_loop(cfg, params, c, state, SamplingParams.make(1), stop, 4), ValueError,
          r"SamplingParams.temperature must be one value per cache slot: \(2,\)"),
-        (lambda c: engine.decode_loop(cfg, params, c, state, sp, jnp.zeros((3, 2), jnp.int32), 4), ValueError,
+        (lambda c: steps.decode_loop(cfg, params, c, state, sp, jnp.zeros((3, 2), jnp.int32), 4), ValueError,
          r"stop_ids must be integer ids \[K\] shared by all slots or \[2, K\]"),
     ]
     for call, error, msg in cases:
@@ -181,10 +182,10 @@ def test_functional_core_refuses_before_dispatch_and_the_cache_still_generates(t
         np.testing.assert_array_equal(_greedy(cfg, params, _copy(cache), logits, 4), want)
     # Decoding past the end of a cache row (max_new_tokens beyond it) is refused for that slot...
     with pytest.raises(ContextLengthError, match=r"slot 0 holds 16 positions, all of the cache's max_len 16"):
-        engine.decode_step(cfg, params, full, jnp.asarray([1, 2], jnp.int32))
+        steps.decode_step(cfg, params, full, jnp.asarray([1, 2], jnp.int32))
     _assert_unchanged(full, full_snap)
     # ...and runs for the other slots when the full one is left out.
-    _, full = engine.decode_step(cfg, params, full, jnp.asarray([1, 2], jnp.int32), jnp.asarray([False, True]))
+    _, full = steps.decode_step(cfg, params, full, jnp.asarray([1, 2], jnp.int32), jnp.asarray([False, True]))
     np.testing.assert_array_equal(np.asarray(full.lengths), [16, 2])
     # The refused calls compiled nothing and the cache generates as it did.
     np.testing.assert_array_equal(_greedy(cfg, params, cache, logits, 4), want)
@@ -196,11 +197,11 @@ def test_checks_under_the_callers_jit_are_shape_only_and_compile_the_same_progra
     cfg, params = tiny
     cache = init_cache(cfg, 2, 32)
     tokens = jnp.asarray([3, 4], jnp.int32)
-    checked = jax.jit(lambda c, t: engine.decode_step(cfg, params, c, t)).lower(cache, tokens).as_text()
-    bare = jax.jit(lambda c, t: engine.decode_step.jitted(cfg, params, c, t)).lower(cache, tokens).as_text()
+    checked = jax.jit(lambda c, t: steps.decode_step(cfg, params, c, t)).lower(cache, tokens).as_text()
+    bare = jax.jit(lambda c, t: steps.decode_step.jitted(cfg, params, c, t)).lower(cache, tokens).as_text()
     assert checked == bare
     with pytest.raises(ValueError, match=r"tokens must be one token id per cache slot"):
-        jax.jit(lambda c, t: engine.decode_step(cfg, params, c, t)).lower(cache, jnp.zeros(3, jnp.int32))
+        jax.jit(lambda c, t: steps.decode_step(cfg, params, c, t)).lower(cache, jnp.zeros(3, jnp.int32))
 
 
 def test_pad_prompts_refuses_empty_input():

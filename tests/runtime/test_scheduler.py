@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import rjax
-from rjax.request import Limits
-from rjax.scheduler import Scheduler, all_greedy, sampling_variant
-from rjax.serving_limits import ServingConfig
+from rjax.runtime.request import Limits
+from rjax.runtime.scheduler import Scheduler, all_greedy, sampling_variant
+from rjax.runtime.serving_limits import ServingConfig
 
 STOP = 99
 LIMITS = Limits(vocab_size=100, max_len=64, max_stop_ids=8, default_stop_ids=(STOP,), embedding_size=8)
@@ -151,7 +151,7 @@ def test_finished_requests_end_by_stop_id_or_length_with_their_tokens():
 def test_the_scheduler_touches_no_device():
     """The scheduler, the page allocator and the request import no jax themselves (their plans and
     outcomes are host data: tuples and NumPy arrays)."""
-    root = Path(rjax.__file__).parent
+    root = Path(rjax.__file__).parent / "runtime"
     for name in ("scheduler.py", "pages.py", "request.py"):
         tree = ast.parse((root / name).read_text(encoding="utf-8"))
         imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import rjax
-from rjax import scoring
+from rjax.runtime import scoring
 from tests.oracle.client import oracle_logits
 
 pytestmark = pytest.mark.oracle
@@ -140,7 +140,7 @@ def test_perplexity_strided_matches_transformers(case, smollm2):
 
 
 def test_cli_perplexity_prints_the_api_number(case, smollm2, smollm2_path):
-    from rjax.cli import build_parser
+    from rjax.cli.main import build_parser
 
     # The subcommand as `rjax` parses and runs it (cli.main would also switch this process to the
     # persistent compilation cache, which other tests in the worker should not inherit).

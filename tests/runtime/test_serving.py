@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 
 import rjax
-from rjax import engine, slots
-from rjax.cache import init_cache
-from rjax.engine import ContextLengthError
-from rjax.memory import MemoryFitError, kv_bytes_per_position, plan_memory
-from rjax.scheduler import all_greedy, sampling_variant
-from rjax.serving import ServingConfig, ServingEngine
-from rjax.serving_limits import fit_config
-from rjax.slots import free_slots
+from rjax.engine import steps, slots
+from rjax.engine.memory import MemoryFitError, kv_bytes_per_position, plan_memory
+from rjax.engine.slots import free_slots
+from rjax.engine.steps import ContextLengthError
+from rjax.math.cache import init_cache
+from rjax.runtime.scheduler import all_greedy, sampling_variant
+from rjax.runtime.serving import ServingConfig, ServingEngine
+from rjax.runtime.serving_limits import fit_config
 
 # One engine geometry for most tests, so they share compiled programs: 8 slots of 64 positions
 # over a pool of 24 pages of 8 (fewer than 8 full slots need: long requests wait for pages).
@@ -38,11 +38,11 @@ def alone(tiny):
     @functools.lru_cache(maxsize=None)
     def run(prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
         cache = init_cache(cfg, 1, CONFIG.max_len)
-        t, l = engine.pad_prompts([list(prompt)])
-        logits, cache = engine.prefill(cfg, params, cache, jnp.asarray(t), jnp.asarray(l))
+        t, l = steps.pad_prompts([list(prompt)])
+        logits, cache = steps.prefill(cfg, params, cache, jnp.asarray(t), jnp.asarray(l))
         out = [int(jnp.argmax(logits[0]))]
         while len(out) < n and len(prompt) + len(out) <= CONFIG.max_len:
-            logits, cache = engine.decode_step(cfg, params, cache, jnp.asarray([out[-1]], jnp.int32))
+            logits, cache = steps.decode_step(cfg, params, cache, jnp.asarray([out[-1]], jnp.int32))
             out.append(int(jnp.argmax(logits[0])))
         return tuple(out)
 
@@ -309,7 +309,7 @@ def test_memory_plan_counts_pages_and_refuses_what_does_not_fit(tiny):
 def test_free_memory_counts_only_the_pools_largest_free_block():
     """A GPU allocator pool that once held a load's temporaries keeps them as free pieces; only
     its largest free piece, and the memory beyond the pool, can take a cache's large arrays."""
-    from rjax.memory import available_bytes
+    from rjax.engine.memory import available_bytes
 
     class Device:
         def __init__(self, stats):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rjax.serving import ServingConfig, ServingEngine
+from rjax.runtime.serving import ServingConfig, ServingEngine
 
 MAX_NEW = 6
 

@@ -8,7 +8,7 @@ temperatures, a seed each, some with a stop id). Checked along the way:
 - no XLA program is compiled after warm-up (every backend compile is counted through
   jax.monitoring's "/jax/core/compile/backend_compile_duration" event, which XLA compilations
   and persistent-cache loads both report; the counter is checked on a fresh program first);
-- every greedy completion equals its prompt run alone through `rjax.engine` functions (a
+- every greedy completion equals its prompt run alone through `rjax.engine.steps` functions (a
   one-slot contiguous cache, `engine.prefill_and_sample` then `engine.decode_loop`; the server
   runs its own paged dispatch of `engine.decode_step` and its own sampling over 8 slots).
 
@@ -33,10 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rjax import engine
-from rjax.cache import init_cache
-from rjax.sampling import SamplingParams
-from rjax.serving import ServingConfig, ServingEngine
+from rjax.engine import steps as engine
+from rjax.math.cache import init_cache
+from rjax.math.sampling import SamplingParams
+from rjax.runtime.serving import ServingConfig, ServingEngine
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _probe_sizes = itertools.count(1)  # a new shape for every probe: never a cached program
@@ -311,7 +311,7 @@ def test_soak_gpu_2000(tmp_path):
     Greedy agreement with a batch-1 run is reported, not asserted: batch 1 takes other kernels
     (int8 activations) than the 32-slot dispatch, so near-ties may break the other way."""
     import rjax
-    from rjax.synth import write_synthetic
+    from rjax.loading.synth import write_synthetic
 
     path = write_synthetic(tmp_path / "smoke.gguf", "smollm2-135m", "q8_0", seed=3, tokenizer_from="builtin")
     model = rjax.load(path, progress=False)
@@ -335,7 +335,7 @@ if __name__ == "__main__":
     import tempfile
 
     import rjax
-    from rjax.synth import write_synthetic
+    from rjax.loading.synth import write_synthetic
 
     with tempfile.TemporaryDirectory() as d:
         kw = {} if a.smoke_model else dict(n_layers=2, vocab_size=512)

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rjax import engine
-from rjax.cache import init_cache
-from rjax.scheduler import all_greedy
-from rjax.serving import ServingConfig, ServingEngine
+from rjax.engine import steps
+from rjax.math.cache import init_cache
+from rjax.runtime.scheduler import all_greedy
+from rjax.runtime.serving import ServingConfig, ServingEngine
 
 REPEATING = [5, 6, 7, 8, 9, 10] * 3 + [5, 6]
 PLAIN = [3, 141, 59, 26, 5, 35, 89, 79, 32, 38]
@@ -25,11 +25,11 @@ LONG = [int(t) for t in np.random.default_rng(5).integers(1, 500, 40)]   # two f
 
 def _greedy(cfg, params, prompt, n, max_len):
     cache = init_cache(cfg, 1, max_len)
-    t, l = engine.pad_prompts([prompt])
-    logits, cache = engine.prefill(cfg, params, cache, jnp.asarray(t), jnp.asarray(l))
+    t, l = steps.pad_prompts([prompt])
+    logits, cache = steps.prefill(cfg, params, cache, jnp.asarray(t), jnp.asarray(l))
     out = [int(jnp.argmax(logits[0]))]
     while len(out) < n and len(prompt) + len(out) <= max_len:
-        logits, cache = engine.decode_step(cfg, params, cache, jnp.asarray([out[-1]], jnp.int32))
+        logits, cache = steps.decode_step(cfg, params, cache, jnp.asarray([out[-1]], jnp.int32))
         out.append(int(jnp.argmax(logits[0])))
     return out
 
@@ -37,8 +37,8 @@ def _greedy(cfg, params, prompt, n, max_len):
 @pytest.fixture(scope="module")
 def other(tmp_path_factory):
     """An unrelated one-layer model of the tiny model's vocabulary: its drafts are mostly rejected."""
-    from rjax.loaders.gguf import load_gguf
-    from rjax.synth import write_synthetic
+    from rjax.loading.loaders.gguf import load_gguf
+    from rjax.loading.synth import write_synthetic
 
     path = write_synthetic(tmp_path_factory.mktemp("synth") / "other.gguf", "smollm2-135m", "q8_0", seed=4,
                            n_layers=1, vocab_size=512, tokenizer_from="builtin")
@@ -101,8 +101,8 @@ def test_other_draft_contiguous_equals_plain_greedy(tiny, other):
 
 
 def test_draft_model_configuration_errors(tiny, tmp_path):
-    from rjax.loaders.gguf import load_gguf
-    from rjax.synth import write_synthetic
+    from rjax.loading.loaders.gguf import load_gguf
+    from rjax.loading.synth import write_synthetic
 
     cfg, params = tiny
     config = ServingConfig(n_slots=2, max_len=64, speculative="model")
@@ -153,9 +153,9 @@ def test_precompile_covers_the_draft_programs(tiny):
 def test_serve_cli_loads_a_draft_model(tiny_path):
     """`rjax serve --speculative`: 'ngram' as before; 'self:q8_0' (or a model) loaded as
     generation.load_drafter loads it, for an engine of speculative='model'; a bad name refused."""
-    from rjax.cli import build_parser
+    from rjax.cli.main import build_parser
+    from rjax.engine.speculative import ModelDrafter, NgramDrafter
     from rjax.server.cli import make_setup
-    from rjax.speculative import ModelDrafter, NgramDrafter
 
     assert build_parser().parse_args(["serve", "--speculative", "self:q4_0"]).speculative == "self:q4_0"
     kw = dict(model_id="tiny", slots=2, max_len=64, steps_per_dispatch=4, chat_template=None, precompile=False)
@@ -175,11 +175,11 @@ def test_sampled_slots_are_distributed_as_plain_sampling():
     from scipy import stats as scipy_stats
     from tests.engine.test_speculative import _exact_joint, _small_model
 
-    from rjax.engine import DecodeState
-    from rjax.model import forward
-    from rjax.sampling import SamplingParams, sample
-    from rjax.slots import init_slots
-    from rjax.speculative import ModelDrafter, speculative_dispatch
+    from rjax.engine.slots import init_slots
+    from rjax.engine.speculative import ModelDrafter, speculative_dispatch
+    from rjax.engine.steps import DecodeState
+    from rjax.math.model import forward
+    from rjax.math.sampling import SamplingParams, sample
 
     cfg, params = _small_model(0)
     dcfg, dparams = _small_model(1, base=params, noise=0.5)
@@ -219,7 +219,7 @@ def test_generate_a_list_with_a_draft_model(tiny_path):
     through serve_ids); every result is token for token the one-prompt plain result, reports
     its own drafted and accepted counts (a self draft keeps nearly all) and names the drafter."""
     import rjax
-    from rjax.generation import serve_ids
+    from rjax.runtime.generation import serve_ids
 
     model = rjax.load(tiny_path, progress=False)
     texts = ["abcabcabcabc", "the cat sat on the mat", "xyzxyzxy"]
@@ -244,7 +244,7 @@ def test_greedy_and_sampled_requests_share_a_dispatch(tiny, drafter):
     """A sampled request beside greedy ones makes the engine run the general speculative program,
     whose greedy slots still decode exactly as plain greedy; with greedy requests alone it runs
     the program that holds no sampling (no filters over the vocabulary)."""
-    from rjax.speculative import speculative_dispatch
+    from rjax.engine.speculative import speculative_dispatch
 
     cfg, params = tiny
     S = 64
