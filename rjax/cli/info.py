@@ -78,7 +78,9 @@ def _gguf_info(path: Path):
     config = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in per_layer}
     config["layer_windows"] = sorted({w for w in cfg.layer_windows if w}) or None
     name = meta.get("general.name")
-    return dict(path=str(path), file_bytes=path.stat().st_size, architecture=cfg.arch,
+    # The file's own architecture name (qwen3moe), not the family the model runs as (qwen3).
+    arch = meta.get("general.architecture")
+    return dict(path=str(path), file_bytes=path.stat().st_size, architecture=arch if isinstance(arch, str) else cfg.arch,
                 name=name if isinstance(name, str) else None, quant=quant_name(reader), config=config,
                 chat_template=isinstance(meta.get("tokenizer.chat_template"), str),
                 parameters=sum(math.prod(t["shape"]) for t in tensors),

@@ -108,7 +108,9 @@ def test_packed_mixture_from_gguf_equals_the_reference(tiny_moe_path):
     file_bytes = {t.name: int(t.n_bytes) for t in reader.tensors}
     assert p.w_down_exps.nbytes == file_bytes["blk.0.ffn_down_exps.weight"]  # packed, not dequantized
     # what `rjax info` and the memory plan count for the weights is what the load holds
-    assert model_info(str(tiny_moe_path))["memory"]["params_bytes"] == tree_bytes(params)
+    info = model_info(str(tiny_moe_path))
+    assert info["memory"]["params_bytes"] == tree_bytes(params)
+    assert info["architecture"] == reader.fields["general.architecture"].contents()  # qwen3moe, not qwen3
     rng = np.random.default_rng(0)
     prompts = jnp.asarray(rng.integers(0, cfg.vocab_size, (3, 9)), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(9), (3, 9)).at[1, 6:].set(-1)
