@@ -59,6 +59,11 @@ class _Executables:
     def __init__(self):
         self.by_key: dict = {}
         self.lock = threading.Lock()
+        # One build at a time per key: threads that ask for the same program (the loader's, for
+        # weights of one type and shape) wait for the first one's executable. A second,
+        # concurrent compile of it would be served by JAX from the first one's work without
+        # this thread seeing a persistent-cache hit, and be stored though it may not be.
+        self.building: dict = {}
         try:
             from jax._src.util import register_cache
             register_cache(self, "rjax.loading.programs")
@@ -67,6 +72,11 @@ class _Executables:
 
     def cache_clear(self) -> None:
         self.by_key.clear()
+        self.building.clear()
+
+    def build_lock(self, key) -> threading.Lock:
+        with self.lock:
+            return self.building.setdefault(key, threading.Lock())
 
     def cache_info(self) -> str:
         return f"{len(self.by_key)} executables"
@@ -225,9 +235,10 @@ class DeviceProgram:
             return self.jitted(**call.statics, **call.dynamic)
         executable = _EXECUTABLES.by_key.get(call.key)
         if executable is None:
-            executable = self.load(call)
-            if executable is None:
-                executable = self.build(call)
+            with _EXECUTABLES.build_lock(call.key):
+                executable = self.load(call)  # from memory, if another thread built it meanwhile
+                if executable is None:
+                    executable = self.build(call)
         return executable(**call.dynamic)
 
     def trace(self, *args, **kwargs):

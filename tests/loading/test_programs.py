@@ -4,6 +4,7 @@ one without tracing or compiling, and a stored file that is not what its name pr
 built again with a log line, never run."""
 import contextlib
 import logging
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +90,37 @@ def test_each_static_value_and_shape_is_a_program_of_its_own(store):
     _call(n=4)
     _call(n=3, size=16)
     assert len(list(store.glob("*.bin"))) == 3 and _steps.compiled_count() == 3
+
+
+def test_threads_asking_for_one_program_build_it_once(store):
+    """The loader's threads ask for the program of one weight type and shape at once: one of
+    them builds it, the others wait and run its executable. Here the build is a read from JAX's
+    persistent cache (another process compiled it; its stored file is gone), which on the CPU
+    is not stored: re-serialized, such an executable failed in the next process ("Function ...
+    not found"). Built by several threads at once, the others got it from JAX's memory without
+    seeing the cache hit, and stored it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _call(n=5)
+    for f in store.glob("*.bin"):
+        f.unlink()
+    jax.clear_caches()  # a new process: JAX's persistent cache still holds the compile
+    x = jnp.arange(8, dtype=jnp.float32)
+    accs = jax.block_until_ready([jnp.ones(8, jnp.float32) for _ in range(8)])  # each call donates its own
+    together = threading.Barrier(8)
+
+    def call(acc):
+        together.wait()
+        return _steps(x, acc, 5)
+
+    with _events() as seen, ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(call, accs))
+    for out, total in outs:
+        np.testing.assert_allclose(np.asarray(out), _expected(np.arange(8), np.ones(8), 5), atol=1e-6)
+    assert seen.count(TRACE) == 1, seen
+    assert _steps.compiled_count() == 1
+    if jax.default_backend() == "cpu":
+        assert list(store.glob("*.bin")) == []
 
 
 @pytest.mark.parametrize("damage", ["truncated", "flipped", "header", "other key"])
