@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from rjax.engine import steps, slots
-from rjax.loading.programs import DeviceProgram, compile_lowered
+from rjax.loading.programs import DeviceProgram
 from rjax.math.cache import init_cache
 from rjax.math.config import ModelConfig
 from rjax.math.params import Params
@@ -161,7 +161,7 @@ def compile_programs(programs: Sequence[Program], workers: int | None = None, pr
     def compile_one(p: Program, call, lo):
         t = time.perf_counter()
         try:  # kept (and stored) in this thread too: serializing a large program takes a while
-            return p.name, p.fn.keep(call, *compile_lowered(lo)), time.perf_counter() - t, None
+            return p.name, p.fn.build(call, lo), time.perf_counter() - t, None
         except Exception as e:  # raised in this thread, reported in the caller's
             return p.name, None, time.perf_counter() - t, e
 

@@ -235,10 +235,7 @@ class DeviceProgram:
             return self.jitted(**call.statics, **call.dynamic)
         executable = _EXECUTABLES.by_key.get(call.key)
         if executable is None:
-            with _EXECUTABLES.build_lock(call.key):
-                executable = self.load(call)  # from memory, if another thread built it meanwhile
-                if executable is None:
-                    executable = self.build(call)
+            executable = self.build(call)
         return executable(**call.dynamic)
 
     def trace(self, *args, **kwargs):
@@ -261,9 +258,17 @@ class DeviceProgram:
     def lowered(self, call: Call):
         return self.jitted.trace(**call.statics, **call.dynamic).lower()
 
-    def build(self, call: Call):
-        """Trace, lower and compile `call`, then keep the executable."""
-        return self.keep(call, *compile_lowered(self.lowered(call)))
+    def build(self, call: Call, lowered=None):
+        """The executable for `call`: one this process holds or stored, else traced, lowered
+        (unless `lowered` is given), compiled and kept. One thread at a time per program: the
+        others wait and take its executable (see `_Executables.building`)."""
+        if call.traced:
+            return self.keep(call, *compile_lowered(self.lowered(call) if lowered is None else lowered))
+        with _EXECUTABLES.build_lock(call.key):
+            executable = self.load(call)
+            if executable is None:
+                executable = self.keep(call, *compile_lowered(self.lowered(call) if lowered is None else lowered))
+        return executable
 
     def keep(self, call: Call, executable, storable: bool = True):
         """Hold `executable` for calls like `call`, and store it where programs are stored
