@@ -25,7 +25,8 @@ from rjax.loading.programs import DeviceProgram
 from rjax.math import tensor_parallel
 from rjax.math.cache import KVCache
 from rjax.math.config import ModelConfig
-from rjax.math.model import hidden_states, logits_from_hidden, plan_of
+from rjax.engine.memory import host_available_bytes
+from rjax.math.model import dense_layers, dense_layers_bytes, hidden_states, logits_from_hidden, plan_of
 from rjax.math.params import Params
 from rjax.math.plan import TUNING, Tuning
 from rjax.math.sampling import (MAX_TOP_LOGPROBS, SamplingParams, TopLogprobs, _is_concrete, adjust_logits,
@@ -395,6 +396,21 @@ def greedy_decode_loop(cfg: ModelConfig, params: Params, cache: KVCache, state: 
     out, _, state, cache, _ = decode_steps(cfg, params, cache, state, sp, stop_ids, n_steps, greedy=True,
                                            tuning=tuning)
     return out, state, cache
+
+
+def program_params(params: Params, dtype) -> Params:
+    """The params to call a run of programs with. On the XLA path (no GPU, one device) each program
+    dequantizes every layer's weights on entry, once per call: a dispatch of one decode step (a
+    constrained request's), or a prefill, spends about as long on that as on the step. So a
+    caller that will run many programs converts them here once, when the copy fits in half the
+    host's free memory (a decode loop holds that copy anyway, XLA hoisting the conversion out of
+    the loop); the programs compute the same values. Elsewhere: params as they are."""
+    if jax.default_backend() == "gpu" or params.tp is not None:
+        return params
+    n = dense_layers_bytes(params, dtype)
+    if n == 0 or n > host_available_bytes() // 2:
+        return params
+    return dense_layers(params, dtype)
 
 
 def pad_prompts(prompts: list[list[int]], bucket: int | None = None) -> tuple[np.ndarray, np.ndarray]:

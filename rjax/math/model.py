@@ -102,6 +102,25 @@ def _dense(p: LayerParams, dtype) -> LayerParams:
                         else w, p, is_leaf=lambda w: isinstance(w, QTensor))
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _dense_layer(p: LayerParams, dtype) -> LayerParams:
+    return _dense(p, dtype)
+
+
+def dense_layers(params: Params, dtype) -> Params:
+    """params with every layer's weights dequantized to `dtype`, as the layer calls dequantize
+    them in each program: the same values, converted once for programs that run many times."""
+    dtype = jnp.dtype(dtype)
+    return dataclasses.replace(params, layers=tuple(_dense_layer(p, dtype) for p in params.layers))
+
+
+def dense_layers_bytes(params: Params, dtype) -> int:
+    """The bytes `dense_layers` adds: each layer's quantized 2-D weights in `dtype`."""
+    return sum(w.shape[0] * w.shape[1] * jnp.dtype(dtype).itemsize for p in params.layers
+               for w in jax.tree.leaves(p, is_leaf=lambda w: isinstance(w, QTensor))
+               if isinstance(w, QTensor) and len(w.shape) == 2)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1), inline=jax.Inline.XLA_LATE)
 def _attention_in(cfg: ModelConfig, plan: Plan, p: LayerParams, x, h, pos):
     """A layer's queries, keys and values [B, T, heads, D], normed (Gemma) and rotated."""

@@ -34,7 +34,7 @@ from typing import Iterator
 import jax.numpy as jnp
 
 from rjax.engine.speculative import ModelDrafter, SpeculativeStats, draft_cache_for, speculative_ids
-from rjax.engine.steps import alive
+from rjax.engine.steps import alive, program_params
 from rjax.loading.loaders import Model
 from rjax.math.cache import KVCache, check_kv_dtype, grow, init_cache
 from rjax.math.sampling import SamplingParams
@@ -181,10 +181,12 @@ class ChatSession:
         """The reply's tokens by speculative decoding; leaves the caches and counts in `stats`."""
         drafter, draft = self.drafter
         spec = SpeculativeStats()
-        for new in speculative_ids(self.model.config, self.model.params, cache, ids, max_new_tokens=self.max_new_tokens,
+        params = program_params(self.model.params, activation_dtype())
+        draft_params = None if draft is None else program_params(draft.params, activation_dtype())
+        for new in speculative_ids(self.model.config, params, cache, ids, max_new_tokens=self.max_new_tokens,
                                    stop_ids=self.model.tokenizer.eos_ids,
                                    sp=SamplingParams.make(1, self.temperature, self.top_k, self.top_p), seed=seed,
-                                   drafter=drafter, draft_params=None if draft is None else draft.params,
+                                   drafter=drafter, draft_params=draft_params,
                                    draft_cache=draft_cache, held=keep, stats=spec,
                                    rounds_per_dispatch=STEPS_PER_DISPATCH,
                                    draft_tokens=AUTO_DRAFT_TOKENS if self.draft_tokens == "auto"

@@ -218,9 +218,10 @@ def _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed,
     batch = slots.init_slots(B, len(stop_ids), cfg.vocab_size)
     greedy = temperature == 0
     filters = bool(top_k > 0 or top_p < 1)
+    params = engine.program_params(model.params, activation_dtype())
     # Both programs at once, before the first call (a no-op where they are compiled already).
-    compiled = compile_programs([prefill_into_slots_program(cfg, model.params, cache, batch, B, pieces[0][0].shape[1]),
-                                 decode_dispatch_program(cfg, model.params, cache, batch, steps_per_dispatch,
+    compiled = compile_programs([prefill_into_slots_program(cfg, params, cache, batch, B, pieces[0][0].shape[1]),
+                                 decode_dispatch_program(cfg, params, cache, batch, steps_per_dispatch,
                                                          greedy=greedy, filters=filters)], progress=progress)
 
     t0 = time.perf_counter()
@@ -228,7 +229,7 @@ def _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed,
     try:
         for i, (tokens, n) in enumerate(pieces):  # a piece before the last starts nothing
             valid = np.full(B, i == len(pieces) - 1)
-            first, _, batch, cache = slots.prefill_into_slots(cfg, model.params, cache, batch, *jax.device_put(
+            first, _, batch, cache = slots.prefill_into_slots(cfg, params, cache, batch, *jax.device_put(
                 (tokens, n)), rows, jax.device_put(valid), seeds, index, sp, *rest)
         first_host = np.asarray(first)
         ttft = time.perf_counter() - t0
@@ -246,7 +247,7 @@ def _stream_ids(model, prompts, max_new_tokens, temperature, top_k, top_p, seed,
         steps_left = int(budget.max()) - 1  # decode steps any slot can still take
 
         def launch(cache, batch):  # called as the server calls it: the same compiled program
-            return slots.decode_dispatch(cfg, model.params, cache, batch, steps_per_dispatch, False, None, greedy,
+            return slots.decode_dispatch(cfg, params, cache, batch, steps_per_dispatch, False, None, greedy,
                                          filters, False)
 
         # Every row done, by the tokens on the host (the slot state is donated to the call ahead).
@@ -352,9 +353,12 @@ def _speculative_generate(model: Model, ids: list[int], drafter, draft: Model | 
     draft_cache = draft_cache_for(drafter, S, activation_dtype()) if draft is not None else None
     stats = SpeculativeStats()
     t0 = time.perf_counter()
-    steps = speculative_ids(cfg, model.params, cache, ids, max_new_tokens=max_new_tokens, stop_ids=tok.eos_ids,
+    steps = speculative_ids(cfg, engine.program_params(model.params, activation_dtype()), cache, ids,
+                            max_new_tokens=max_new_tokens, stop_ids=tok.eos_ids,
                             sp=SamplingParams.make(1, temperature, top_k, top_p), seed=seed, drafter=drafter,
-                            draft_params=None if draft is None else draft.params, draft_cache=draft_cache,
+                            draft_params=None if draft is None else engine.program_params(draft.params,
+                                                                                          activation_dtype()),
+                            draft_cache=draft_cache,
                             draft_tokens=draft_tokens, rounds_per_dispatch=steps_per_dispatch, stats=stats)
     generated = list(next(steps))
     ttft = time.perf_counter() - t0

@@ -61,10 +61,11 @@ class Runner:
 
     def __init__(self, cfg: ModelConfig, params: Params, config: ServingConfig,
                  draft: tuple[ModelConfig, Params] | None = None):
-        self.cfg, self.params, self.config = cfg, params, config
+        self.cfg, self.config = cfg, config
+        self.params = steps.program_params(params, config.dtype)
         self.drafter = {None: None, "ngram": NgramDrafter(), "model": ModelDrafter(draft[0]) if draft else None}[
             config.speculative]
-        self.draft_params = draft[1] if draft is not None else None
+        self.draft_params = steps.program_params(draft[1], config.dtype) if draft is not None else None
         self.cache = self.draft_cache = self.pending = None
         self.allocate()
         self.programs = ServingPrograms(self)

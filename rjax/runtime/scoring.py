@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from rjax.engine.steps import prompt_bucket
+from rjax.engine.steps import program_params, prompt_bucket
 from rjax.loading.catalog import add_model_argument
 from rjax.loading.loaders import load
 from rjax.loading.programs import device_program
@@ -338,6 +338,8 @@ def window_nll(cfg: ModelConfig, params: Params, windows: Sequence[Window], *, b
     T = max(len(w.tokens) for w in windows)
     _check_fits(cfg, T, "a perplexity window")
     dtype = dtype or activation_dtype()
+    if len(windows) > batch:  # several calls: convert the weights once (see program_params)
+        params = program_params(params, dtype)
     parts: list[np.ndarray] = []
     total, count = 0.0, 0
     bar = tqdm(total=len(windows), desc=desc, unit="window", disable=not progress, leave=False)

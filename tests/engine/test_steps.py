@@ -284,6 +284,32 @@ def test_cache_longer_than_the_context(tiny):
         init_cache(cfg, 1, cfg.context_length + 1)
 
 
+def test_program_params_dequantize_the_layers_once_and_change_no_logit(tiny, monkeypatch):
+    """On the CPU the layers' weights are dequantized once for a run of programs, to what each
+    program would dequantize on entry: prefill and decode logits bit-equal; the embedding and
+    head stay as loaded. Without room for the copy (half the host's free memory), params as they are."""
+    from rjax.engine import memory
+
+    cfg, params = tiny
+    dense = engine.program_params(params, jnp.float32)
+    assert not any(isinstance(w, QTensor) for p in dense.layers
+                   for w in jax.tree.leaves(p, is_leaf=lambda w: isinstance(w, QTensor)))
+    assert any(isinstance(w, QTensor) for w in jax.tree.leaves(params.layers, is_leaf=lambda w: isinstance(w, QTensor)))
+    assert dense.embed is params.embed and dense.lm_head is params.lm_head
+    assert engine.program_params(dense, jnp.float32) is dense  # nothing left to convert
+    t, l = engine.pad_prompts(_prompts(5, [7, 12], cfg.vocab_size))
+    runs = []
+    for p in (params, dense):
+        cache = init_cache(cfg, 2, 64)
+        logits, cache = engine.prefill(cfg, p, cache, jnp.asarray(t), jnp.asarray(l))
+        step, _ = engine.decode_step(cfg, p, cache, jnp.argmax(logits, -1).astype(jnp.int32))
+        runs.append((np.asarray(logits), np.asarray(step)))
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+    monkeypatch.setattr(engine, "host_available_bytes", lambda: 2 * memory.tree_bytes(params))
+    assert engine.program_params(params, jnp.float32) is params
+
+
 def test_gpu_weight_layout_consumes_what_it_replaces():
     """consume=True (a loader's own params): the same weights as without, each replaced plane
     freed once its new one exists, planes it keeps (scales) untouched, a weight met twice (tied)
