@@ -5,9 +5,11 @@ on the same GGUF file, driven by the same load generator over loopback.
     python benchmarks/server_load.py -m MODEL.gguf --llama-server build/bin/llama-server --out ...  # both
     python benchmarks/server_load.py -m smollm2-135m-instruct --soak 1000 --out /tmp/soak.json      # CPU soak
 
-For each concurrency level (1, 8, 32, 64): --requests streaming completions (each a random prompt
-of --prompt tokens, given as token ids so both servers see the same input, and --gen new tokens
-with ignore_eos) issued by that many client tasks, within a --time-limit per level. Reported:
+After a warm-up of two requests and the server's background compiles (rjax serve is healthy
+once a first request's programs are built), for each concurrency level (1, 8, 32, 64):
+--requests streaming completions (each a random prompt of --prompt tokens, given as token ids so
+both servers see the same input, and --gen new tokens with ignore_eos) issued by that many
+client tasks, within a --time-limit per level. Reported:
 output tokens/s over the level's wall time, and p50 / p99 time to first token. With
 --llama-server, the same levels run against llama-server and the table gives rjax's ratio
 (target: output tokens/s >= 1.5x at concurrency 32; p50 TTFT no worse at concurrency 1).
@@ -148,12 +150,27 @@ async def level(url: str, model: str, prompts: list[list[int]], gen: int, concur
                 ttft_p50_s=float(np.percentile(ttft, 50)), ttft_p99_s=float(np.percentile(ttft, 99)))
 
 
+def wait_for_compiles(url: str, timeout: float) -> None:
+    """Until the server's /health lists no program still compiling in the background (rjax serve
+    builds what a first request needs before it is healthy, the rest while serving): the levels
+    measure the steady state, not the start-up."""
+    t0 = time.perf_counter()
+    while httpx.get(f"{url}/health", timeout=10).json().get("compiling"):
+        if time.perf_counter() - t0 > timeout:
+            say(f"programs still compiling after {timeout:.0f} s; measuring anyway")
+            return
+        time.sleep(1.0)
+    if time.perf_counter() - t0 > 1.0:
+        say(f"background compiles done {time.perf_counter() - t0:.0f} s after the warm-up")
+
+
 def run_server(name: str, cmd: list[str], url: str, a, prompts) -> dict:
     say(f"starting {name}")
     proc = start(cmd, url, a.start_timeout)
     try:
         out = {}
         asyncio.run(level(url, "m", prompts[0][:2], 4, 2, a.time_limit))
+        wait_for_compiles(url, a.start_timeout)
         for c, level_prompts in zip(a.concurrency, prompts[1:]):
             out[str(c)] = r = asyncio.run(level(url, "m", level_prompts, a.gen, c, a.time_limit))
             say(f"{name} c={c}: {r['output_tokens_per_s']:.0f} tok/s, TTFT p50 {r['ttft_p50_s'] * 1e3:.0f} ms "

@@ -27,7 +27,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server_load import _free_port, rss_bytes, start, stop  # noqa: E402
+from server_load import _free_port, rss_bytes, start, stop, wait_for_compiles  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
@@ -79,17 +79,6 @@ async def send(client: httpx.AsyncClient, url: str, route: str, body: dict, leav
             if leave and line.startswith("data: "):
                 return "left"
     return "ok"
-
-
-def wait_for_compiles(url: str, timeout: float) -> None:
-    """Until the server's /health lists no program compiling (or `timeout` seconds)."""
-    t0 = time.perf_counter()
-    while compiling := httpx.get(f"{url}/health", timeout=10).json().get("compiling", []):
-        if time.perf_counter() - t0 > timeout:
-            say(f"still {len(compiling)} programs compiling after {timeout:.0f} s; sampling anyway")
-            return
-        time.sleep(2.0)
-    say(f"background compiles done {time.perf_counter() - t0:.0f} s after the warm-up requests")
 
 
 async def round_(url: str, requests: list, concurrency: int) -> list[str]:

@@ -10,6 +10,8 @@ fails raises DispatchError naming the program and the sequences in it.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,6 +36,17 @@ def run_program(fn, *args):
     (XLA's RESOURCE_EXHAUSTED, say), raised by the call or while the program runs, surfaces here
     and not later where some result is read."""
     return jax.block_until_ready(fn(*args))
+
+
+@dataclasses.dataclass(frozen=True)
+class InFlight:
+    """A decode dispatch called and not yet read: its plan, its program's name, and its results on
+    the device (tokens, done flags, TopLogprobs or None)."""
+    plan: DecodePlan
+    program: str
+    out: jax.Array
+    done: jax.Array
+    lp: object
 
 
 class DispatchError(RuntimeError):
@@ -99,8 +112,12 @@ class Runner:
 
     def run(self, program: str, seqs, fn, *args):
         """`run_program`, its failure a DispatchError naming the program and its sequences."""
+        return self.launch(program, seqs, run_program, fn, *args)
+
+    def launch(self, program: str, seqs, fn, *args):
+        """fn(*args), its failure a DispatchError naming the program and its sequences."""
         try:
-            return run_program(fn, *args)
+            return fn(*args)
         except Exception as e:
             raise DispatchError(program, seqs, e) from e
 
@@ -230,6 +247,11 @@ class Runner:
     def decode(self, plan: DecodePlan) -> tuple:
         """One decode dispatch of `plan`. -> (tokens [n_slots, steps], done [n_slots], host
         TopLogprobs or None), as NumPy."""
+        return self.read(self.launch_decode(plan))
+
+    def launch_decode(self, plan: DecodePlan, wait: bool = True) -> InFlight:
+        """Call the decode dispatch of `plan`; with `wait`, wait for it to finish (as `run`),
+        else return as soon as it is queued on the device, its results still to be `read`."""
         c = self.config
         B, n, lp_call, greedy, filters, adjust = self.programs.decode_program(
             plan.batch, plan.steps, plan.logprobs, plan.greedy, plan.filters, plan.adjust)
@@ -240,10 +262,24 @@ class Runner:
             for i, mask in enumerate(plan.masks.values()):
                 host[i] = mask
             self.slots = set_masks(self.slots, *put(self._slot_rows(list(plan.masks)), host))
-        out, lp, self.slots, self.cache = self.run(
-            f"decode B={B} N={n}{' logprobs' if lp_call else ''}", list(plan.seqs), decode_dispatch,
+        name = f"decode B={B} N={n}{' logprobs' if lp_call else ''}"
+        out, lp, self.slots, self.cache = (self.run if wait else self.launch)(
+            name, list(plan.seqs), decode_dispatch,
             self.cfg, self.params, self.cache, self.slots, n, lp_call, rows, greedy, filters, adjust)
-        return np.asarray(out), np.asarray(self.slots.state.done), _host(lp) if plan.logprobs else None
+        return InFlight(plan, name, out, self.slots.state.done, lp if plan.logprobs else None)
+
+    def keep(self, flight: InFlight) -> InFlight:
+        """`flight` with its done flags copied out of the slot state (a device-to-device copy,
+        no program), which the next dispatch takes over: launched before this one is read."""
+        return dataclasses.replace(flight, done=jax.device_put(flight.done, may_alias=False))
+
+    def read(self, flight: InFlight) -> tuple:
+        """A launched decode dispatch's (tokens, done, host TopLogprobs or None), as NumPy; its
+        failure while it ran a DispatchError."""
+        try:
+            return np.asarray(flight.out), np.asarray(flight.done), None if flight.lp is None else _host(flight.lp)
+        except Exception as e:
+            raise DispatchError(flight.program, flight.plan.seqs, e) from e
 
     def speculative(self, plan: SpeculativePlan) -> tuple:
         """One speculative dispatch of `plan`. -> (tokens, drafted, accepted, done, and with a

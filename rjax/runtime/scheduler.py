@@ -341,20 +341,38 @@ class Scheduler:
         return tuple(s for s, r in self.running.items()
                      if self.pages.grow(s, min(r.length + positions, r.length_limit)))
 
-    def decode_plan(self, masks: dict) -> DecodePlan:
+    def decode_plan(self, masks: dict, ahead: int = 0) -> DecodePlan:
+        """The next decode dispatch over the running slots. `ahead`: positions a dispatch still in
+        flight may add before this one runs (each slot's pages grow past them too)."""
         c = self.config
-        grown = self._grow(c.steps_per_dispatch)
+        grown = self._grow(c.steps_per_dispatch + ahead)
         greedy, filters, adjust = sampling_variant(self.running.values())
         return DecodePlan(tuple(self.running.values()), tuple(sorted(self.running)) if c.paged else None,
                           c.decode_bucket(len(self.running)), 1 if masks else c.steps_per_dispatch,
                           any(r.request.logprobs for r in self.running.values()), greedy, filters, adjust, masks, grown)
 
+    def runs_ahead(self, plan: DecodePlan) -> bool:
+        """Whether the dispatch after `plan`'s may be launched before `plan`'s results are read,
+        so that the device runs it while the host reads and streams those: in a steady state only
+        (nobody waiting for a slot, prefilling or cancelled; no running request that needs the
+        host between dispatches for its mask or adjustments), and while some request can still
+        decode past `plan`'s steps."""
+        if (self.queue or self.prefilling or self.cancels or plan.masks or plan.adjust
+                or plan.steps != self.config.steps_per_dispatch or self.speculates()):
+            return False
+        return any(r.length + plan.steps < r.length_limit for r in self.running.values())
+
     def decoded(self, plan: DecodePlan, out: np.ndarray, done: np.ndarray, lp) -> tuple:
         """Take a decode dispatch's tokens `out` [n_slots, steps] (-1: none), `done` [n_slots],
-        `lp` (host TopLogprobs or None). -> (events, finished, faults)."""
+        `lp` (host TopLogprobs or None). -> (events, finished, faults). A request of the plan that
+        ended while the dispatch ran (finished by the one before, cancelled, failed) is skipped:
+        its slot was done on the device, or its tokens are no longer asked for."""
         now = time.perf_counter()
         events, finished, faults = [], [], []
-        for s, r in list(self.running.items()):
+        for r in plan.seqs:
+            s = r.slot
+            if self.running.get(s) is not r:
+                continue
             steps = [i for i, t in enumerate(out[s]) if t >= 0]
             new = [int(out[s, i]) for i in steps]
             r.length += len(new)

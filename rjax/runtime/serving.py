@@ -51,7 +51,7 @@ from rjax.math.config import ModelConfig
 from rjax.math.model import Params
 from rjax.runtime.pages import PrefixCacheStats
 from rjax.runtime.request import Limits, Request, check_stop_ids
-from rjax.runtime.runner import DispatchError, Runner, run_program  # noqa: F401 (part of this module's API)
+from rjax.runtime.runner import DispatchError, InFlight, Runner, run_program  # noqa: F401 (part of this module's API)
 from rjax.runtime.scheduler import Scheduler, SeqState, constraint_masks
 from rjax.runtime.serving_events import Completion, StreamEvent, TokenLogprob  # noqa: F401 (part of this module's API)
 from rjax.runtime.serving_limits import ServingConfig
@@ -117,6 +117,7 @@ class ServingEngine:
         check_memory(cfg, params, config, dcfg, available_bytes=available_bytes, budget_bytes=budget_bytes,
                      reserve_bytes=reserve_bytes)
         self.runner = Runner(cfg, params, config, draft if dcfg is not None else None)
+        self._ahead: InFlight | None = None       # a decode dispatch launched ahead, not yet read
         self.scheduler = Scheduler(config, seed=seed, draft_cache=dcfg is not None)
         self._outbox: list[StreamEvent] = []      # events of requests that failed mid-step, for step to return
         self.failed_steps = 0                     # device programs of steps that failed
@@ -214,7 +215,10 @@ class ServingEngine:
     n_running = property(lambda self: len(self.scheduler.running) + len(self.scheduler.prefilling),
                          doc="Requests holding a slot: decoding, or with their prompt still being prefilled.")
     n_free_slots = property(lambda self: len(self.scheduler.free))
-    has_work = property(lambda self: self.scheduler.has_work)
+    has_work = property(lambda self: self.scheduler.has_work or self._ahead is not None)
+    # Whether a decode dispatch launched ahead is still to be read: the device cache and slot
+    # state are then up to one dispatch ahead of the scheduler's lengths.
+    runs_ahead = property(lambda self: self._ahead is not None)
 
     @property
     def pages_in_use(self) -> int | None:
@@ -249,7 +253,7 @@ class ServingEngine:
             events += self._prefill()
         except DispatchError as e:
             events += self._dispatch_failed(e)
-        if self.scheduler.running:
+        if self.scheduler.running or self._ahead is not None:
             try:
                 events += self._decode()
             except DispatchError as e:
@@ -293,17 +297,33 @@ class ServingEngine:
         return events
 
     def _decode(self) -> list[StreamEvent]:
+        """One decode dispatch's tokens: of the dispatch the last step launched ahead, or of one
+        launched now. In a steady state (`Scheduler.runs_ahead`) the next dispatch is launched
+        before these tokens are read back, so that the device decodes on while the host reads,
+        streams and plans (a request that ends meanwhile is done on the device: the dispatch
+        ahead writes nothing for it)."""
         s, r = self.scheduler, self.runner
-        if s.speculates():
-            return self._decode_speculative()
-        masks, faults = constraint_masks(s.running)
-        self._fail(faults)
-        if not s.running:
-            return []
-        plan = s.decode_plan(masks)
-        if plan.grown:
-            r.sync_tables(plan.grown, s.pages.tables)
-        events, finished, faults = s.decoded(plan, *r.decode(plan))
+        flight, self._ahead = self._ahead, None
+        if flight is None:
+            if s.speculates():
+                return self._decode_speculative()
+            masks, faults = constraint_masks(s.running)
+            self._fail(faults)
+            if not s.running:
+                return []
+            plan = s.decode_plan(masks)
+            if plan.grown:
+                r.sync_tables(plan.grown, s.pages.tables)
+            flight = r.launch_decode(plan, wait=False)
+            if s.runs_ahead(flight.plan):
+                flight = r.keep(flight)
+        if s.runs_ahead(flight.plan):
+            plan = s.decode_plan({}, ahead=flight.plan.steps)
+            if plan.grown:
+                r.sync_tables(plan.grown, s.pages.tables)
+            # Its done flags kept apart: the next step's prefill or stop takes the slot state.
+            self._ahead = r.keep(r.launch_decode(plan, wait=False))
+        events, finished, faults = s.decoded(flight.plan, *r.read(flight))
         self._release(finished)
         self._fail(faults)
         return events
@@ -372,6 +392,7 @@ class ServingEngine:
             for q in failed:
                 s.live_ids.discard(q.request_id)
             s.drop_held()
+            self._ahead = None  # a dispatch launched ahead ran on the lost state
             self.runner.allocate()
         else:
             self._stop(failed)

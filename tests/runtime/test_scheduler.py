@@ -148,6 +148,41 @@ def test_finished_requests_end_by_stop_id_or_length_with_their_tokens():
     assert not s.has_work and s.free == [0, 1] and s.pages.n_held == 0
 
 
+def test_a_dispatch_runs_ahead_only_in_a_steady_state_and_its_plan_reaches_two_dispatches():
+    """The next dispatch is launched before this one is read only while nothing waits and no
+    running request needs the host between dispatches, and while some request has tokens left
+    past this dispatch; its pages cover both dispatches. A request that ends while it runs (by
+    the dispatch before) gets nothing from it."""
+    s = Scheduler(_config(page_size=4))
+    a = s.submit(LIMITS.request([1, 2], max_new_tokens=3))
+    b = s.submit(LIMITS.request([3, 4], max_new_tokens=20))
+    late = s.submit(LIMITS.request([5], max_new_tokens=4))
+    _prefill(s, [10, 20])
+    plan = s.decode_plan({})
+    assert not s.runs_ahead(plan)  # `late` waits for a slot
+    s.cancels.append(late)
+    assert s.take_cancelled()[0][0].request_id == late
+    assert s.runs_ahead(plan)
+    ahead = s.decode_plan({}, ahead=plan.steps)
+    assert s.pages.tables[1, :3].min() >= 0  # b: 2 positions + 2 dispatches of 4 steps = 3 pages of 4
+    # a finishes in the first dispatch; the dispatch ahead wrote nothing for it
+    out = np.full((2, 4), -1, np.int32)
+    out[0, :2], out[1] = [11, 12], [21, 22, 23, 24]
+    events, finished, _ = s.decoded(plan, out, np.array([True, False]), None)
+    assert [e.request_id for e in events] == [a, b] and finished[0].request_id == a
+    s.release(finished)
+    out2 = np.full((2, 4), -1, np.int32)
+    out2[1] = [25, 26, 27, 28]
+    events, finished, _ = s.decoded(ahead, out2, np.array([True, False]), None)
+    assert [e.request_id for e in events] == [b] and events[0].tokens == [25, 26, 27, 28] and not finished
+    # b has 20 - 9 = 11 tokens left: more dispatches ahead; a constrained or penalized request stops that
+    assert s.runs_ahead(s.decode_plan({}))
+    b_state = s.running[1]
+    assert not s.runs_ahead(s.decode_plan({1: np.zeros(4, np.int32)}))
+    b_state.length = b_state.length_limit - 4  # its last dispatch: nothing left to run ahead for
+    assert not s.runs_ahead(s.decode_plan({}))
+
+
 def test_the_scheduler_touches_no_device():
     """The scheduler, the page allocator and the request import no jax themselves (their plans and
     outcomes are host data: tuples and NumPy arrays)."""

@@ -98,10 +98,12 @@ def test_32_prompts_through_8_slots_equal_each_prompt_alone(tiny, alone):
                 completions[e.request_id] = e.completion
         running.append(eng.n_running)
         slots_used |= set(eng.scheduler.running)
-        # The host's view of each running sequence matches the device cache, page for page.
+        # The host's view of each running sequence matches the device cache, page for page (with a
+        # dispatch launched ahead, the device is up to its steps further).
         lengths, tables = np.asarray(eng.cache.lengths), np.asarray(eng.cache.block_tables)
+        ahead = CONFIG.steps_per_dispatch if eng.runs_ahead else 0
         for s, r in eng.scheduler.running.items():
-            assert lengths[s] == r.length and (tables[s] == eng.pages.tables[s]).all()
+            assert r.length <= lengths[s] <= r.length + ahead and (tables[s] == eng.pages.tables[s]).all()
     assert max(running) <= CONFIG.n_slots and slots_used <= set(range(CONFIG.n_slots))
     for rid, p, b in zip(ids, prompts, budgets):
         c = completions[rid]
@@ -158,15 +160,21 @@ def test_settings_slots_and_lengths_are_data_not_recompilations(tiny):
     """New prompts, slots, sampling settings and stop ids compile nothing new once the engine's
     geometry has run once (a warm-up here, so the test does not depend on test order)."""
     cfg, params = tiny
+
+    def run(seed, settings):
+        eng = ServingEngine(cfg, params, CONFIG)
+        for i, p in enumerate(_prompts(seed, 6, cfg.vocab_size)):
+            eng.submit(p, max_new_tokens=5, stop_ids=[i, i + 1], **settings(i))
+        _drain(eng)
+        return eng
+
     warm = ServingEngine(cfg, params, CONFIG)
     for i, p in enumerate(_prompts(1, 8, cfg.vocab_size)):  # running counts 8 down to 1: every decode bucket
         warm.submit(p, max_new_tokens=2 + 2 * i)
     _drain(warm)
+    run(3, lambda i: dict(temperature=0.5, top_k=1 + i, top_p=0.9))  # the sampling program, with filters
     before = (slots.prefill_into_slots.compiled_count(), slots.decode_dispatch.compiled_count())
-    eng = ServingEngine(cfg, params, CONFIG)
-    for i, p in enumerate(_prompts(2, 6, cfg.vocab_size)):
-        eng.submit(p, max_new_tokens=5, temperature=0.3 * i, top_k=i, top_p=1.0 - 0.1 * i, stop_ids=[i, i + 1])
-    _drain(eng)
+    eng = run(2, lambda i: dict(temperature=0.3 * i, top_k=i, top_p=1.0 - 0.1 * i))
     assert (slots.prefill_into_slots.compiled_count(), slots.decode_dispatch.compiled_count()) == before
     _check_idle(eng)
 
@@ -420,10 +428,11 @@ def test_greedy_dispatch_is_the_general_one_without_sampling(tiny):
     def started(temperatures):
         eng = ServingEngine(cfg, params, CONFIG)
         for i, (p, t) in enumerate(zip(_prompts(7, 3, cfg.vocab_size), temperatures)):
-            eng.submit(p, max_new_tokens=9, temperature=t, seed=i)
+            eng.submit(p, max_new_tokens=17, temperature=t, seed=i)
         eng.step()
+        # The device may be a dispatch ahead of the host's lengths (`runs_ahead`): pages for both.
         for s in eng.scheduler.running:
-            eng.pages.grow(s, eng.scheduler.running[s].length + CONFIG.steps_per_dispatch)
+            eng.pages.grow(s, eng.scheduler.running[s].length + 2 * CONFIG.steps_per_dispatch)
         eng.runner.sync_tables(list(eng.scheduler.running), eng.pages.tables)
         return eng
 
@@ -458,10 +467,11 @@ def test_unfiltered_dispatch_samples_the_same_tokens_without_the_filters(tiny):
     def started(settings):
         eng = ServingEngine(cfg, params, CONFIG)
         for i, (p, (t, k, tp)) in enumerate(zip(_prompts(11, 4, cfg.vocab_size), settings)):
-            eng.submit(p, max_new_tokens=9, temperature=t, top_k=k, top_p=tp, seed=i)
+            eng.submit(p, max_new_tokens=17, temperature=t, top_k=k, top_p=tp, seed=i)
         eng.step()
+        # The device may be a dispatch ahead of the host's lengths (`runs_ahead`): pages for both.
         for s in eng.scheduler.running:
-            eng.pages.grow(s, eng.scheduler.running[s].length + CONFIG.steps_per_dispatch)
+            eng.pages.grow(s, eng.scheduler.running[s].length + 2 * CONFIG.steps_per_dispatch)
         eng.runner.sync_tables(list(eng.scheduler.running), eng.pages.tables)
         return eng
 
